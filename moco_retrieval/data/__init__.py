@@ -1,0 +1,36 @@
+"""Data: ids, formats (JSONL pairs, BEIR), the Debian builder and the Lightning data module.
+
+The data module (which imports Lightning) is not imported here; use
+``from moco_retrieval.data.datamodule import RetrievalDataModule``.
+"""
+from .formats import (
+    DataError,
+    EvalSet,
+    Negative,
+    Pair,
+    beir_train_pairs,
+    read_beir,
+    read_beir_splits,
+    read_pairs_jsonl,
+    write_beir,
+    write_pairs_jsonl,
+)
+from .ids import NO_GROUP, doc_id_for_text, group_id, normalize_text, stable_id
+
+__all__ = [
+    "DataError",
+    "EvalSet",
+    "Negative",
+    "Pair",
+    "beir_train_pairs",
+    "read_beir",
+    "read_beir_splits",
+    "read_pairs_jsonl",
+    "write_beir",
+    "write_pairs_jsonl",
+    "NO_GROUP",
+    "doc_id_for_text",
+    "group_id",
+    "normalize_text",
+    "stable_id",
+]

@@ -1,0 +1,233 @@
+"""Encode an evaluation pool and score it: one code path for the commands and for validation.
+
+``evaluate_encoder`` encodes the corpus and the queries of an ``EvalSet`` (anything with
+``corpus: dict[id, text]``, ``queries: dict[id, text]``, ``qrels: dict[qid, dict[docid, grade]]``)
+and hands the embeddings to ``evaluate_embeddings``, which the training validation loop calls
+directly with the embeddings it accumulated. Scores are inner products of the embeddings as the
+encoder returns them (cosine when it normalizes, raw dot product when it does not).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from .geometry import compute_geometry
+from .index import build_index_from_config, results_to_run, search
+from .metrics import evaluate_run, recall_curve
+
+
+@dataclass
+class EvalResult:
+    metrics: dict[str, float]  # "recall@1", "recall@5", "recall@10", "recall@100", "mrr@10", "ndcg@10", "map@100"
+    per_query: dict[str, dict[str, float]]
+    geometry: dict[str, float]
+    positive_cosines: np.ndarray
+    unrelated_cosines: np.ndarray
+    run: dict[str, dict[str, float]]  # top-k of every query: {qid: {docid: score}}
+    recall_curve: list[float]  # mean recall@k for k = 1..top_k
+    timings: dict[str, float]  # seconds: encode_docs, encode_queries, encode, index, search, geometry
+    info: dict[str, Any] = field(default_factory=dict)  # pool sizes, dim, index, similarity
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready dict of everything but the run, per-query values and raw cosines."""
+        return {
+            "metrics": dict(self.metrics),
+            "geometry": dict(self.geometry),
+            "timings": dict(self.timings),
+            "info": dict(self.info),
+            "recall_curve": list(self.recall_curve),
+        }
+
+
+def _module_device(encoder: Any) -> torch.device | None:
+    try:
+        return next(encoder.parameters()).device
+    except (AttributeError, StopIteration, TypeError):
+        return None
+
+
+def _to_device(side: dict, device: torch.device | None) -> dict:
+    if device is None:
+        return side
+    return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in side.items()}
+
+
+def encode_texts(
+    encoder: Any,
+    texts: Sequence[str],
+    kind: str,
+    batch_size: int = 256,
+    show_progress: bool = True,
+    *,
+    description: str | None = None,
+    sort_by_length: bool = True,
+) -> np.ndarray:
+    """Embeddings ``float32 [len(texts), d]`` of ``texts`` as ``kind`` ("query" or "doc").
+
+    Batched, under ``torch.no_grad`` with the encoder in eval mode (its mode is restored after).
+    The side dict is ``{"texts": ..., **encoder.tokenize(texts, kind)}`` when
+    ``encoder.needs_tokens``, else ``{"texts": ...}``. Texts are encoded longest first, so each
+    batch pads to similar lengths, and returned in the order given.
+    """
+    if kind not in ("query", "doc"):
+        raise ValueError(f"kind must be 'query' or 'doc', got {kind!r}")
+    texts = list(texts)
+    n = len(texts)
+    order = sorted(range(n), key=lambda i: -len(texts[i])) if sort_by_length else list(range(n))
+    needs_tokens = bool(getattr(encoder, "needs_tokens", False))
+    device = _module_device(encoder)
+    was_training = getattr(encoder, "training", None)
+    if hasattr(encoder, "eval"):
+        encoder.eval()
+    noun = "queries" if kind == "query" else "documents"
+    desc = description or f"encoding {n:,} {noun}"
+    bar = None
+    if show_progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=n, desc=desc, unit=" texts" if kind == "doc" else " queries", leave=False)
+    chunks: list[np.ndarray] = []
+    try:
+        with torch.no_grad():
+            for start in range(0, n, batch_size):
+                idx = order[start : start + batch_size]
+                batch = [texts[i] for i in idx]
+                side: dict[str, Any] = {"texts": batch}
+                if needs_tokens:
+                    side.update(encoder.tokenize(batch, kind))
+                out = encoder(_to_device(side, device), kind)
+                chunks.append(out.detach().float().cpu().numpy())
+                if bar is not None:
+                    bar.update(len(batch))
+    finally:
+        if bar is not None:
+            bar.close()
+        if was_training and hasattr(encoder, "train"):
+            encoder.train(True)
+    if not chunks:
+        dim = int(getattr(encoder, "dim", 0) or 0)
+        return np.zeros((0, dim), np.float32)
+    emb = np.concatenate(chunks, axis=0)
+    result = np.empty_like(emb)
+    result[np.asarray(order, dtype=np.int64)] = emb
+    return np.ascontiguousarray(result, dtype=np.float32)
+
+
+def evaluate_embeddings(
+    doc_ids: Sequence[str],
+    doc_emb: Any,
+    query_ids: Sequence[str],
+    query_emb: Any,
+    qrels: Mapping[str, Mapping[str, int]],
+    cfg: Any,
+    *,
+    normalize: bool | None = None,
+    geometry_seed: int = 0,
+) -> EvalResult:
+    """Index ``doc_emb`` (as given: no normalization here), search ``cfg.top_k`` per query,
+    score the run against ``qrels`` and measure the geometry of the pool.
+
+    ``cfg`` is an ``EvalConfig`` (index, nlist, nprobe, hnsw_m, ef_search, top_k). recall@100
+    and map@100 only see the ``top_k`` retrieved documents. ``normalize``: whether the model
+    normalizes (recorded in ``info``; guessed from the norms when None).
+    """
+    doc_ids = [str(d) for d in doc_ids]
+    query_ids = [str(q) for q in query_ids]
+    if len(set(doc_ids)) != len(doc_ids):
+        raise ValueError("doc_ids contain duplicates")
+    d_emb = _np32(doc_emb)
+    q_emb = _np32(query_emb)
+    if len(d_emb) != len(doc_ids) or len(q_emb) != len(query_ids):
+        raise ValueError(
+            f"ids and embeddings differ in length: {len(doc_ids)} doc ids / {len(d_emb)} rows, "
+            f"{len(query_ids)} query ids / {len(q_emb)} rows"
+        )
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    index = build_index_from_config(d_emb, cfg)
+    timings["index"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    scores, indices = search(index, q_emb, cfg.top_k)
+    timings["search"] = time.perf_counter() - t0
+    run = results_to_run(scores, indices, query_ids, doc_ids)
+    # score only the queries of the pool (qrels may cover more than was encoded)
+    pool_qrels = {q: qrels[q] for q in query_ids if q in qrels}
+    res = evaluate_run(run, pool_qrels)
+    curve = recall_curve(run, pool_qrels, max_k=max(int(cfg.top_k), 1))
+    t0 = time.perf_counter()
+    geo = compute_geometry(q_emb, d_emb, query_ids, doc_ids, pool_qrels, seed=geometry_seed)
+    timings["geometry"] = time.perf_counter() - t0
+    norms = np.linalg.norm(d_emb, axis=1) if len(d_emb) else np.zeros(0)
+    normalized = bool(len(norms)) and bool(np.allclose(norms, 1.0, atol=1e-3))
+    if normalize is not None:
+        normalized = bool(normalize)
+    info = {
+        "num_docs": len(doc_ids),
+        "num_queries": len(query_ids),
+        "num_scored_queries": res.num_queries,
+        "num_queries_without_relevant": res.num_without_relevant,
+        "dim": int(d_emb.shape[1]) if d_emb.ndim == 2 else 0,
+        "index": cfg.index,
+        "top_k": int(cfg.top_k),
+        "similarity": "cosine" if normalized else "dot",
+        "normalize": normalized,
+    }
+    return EvalResult(
+        metrics=res.mean,
+        per_query=res.per_query,
+        geometry=geo.stats,
+        positive_cosines=geo.positive_cosines,
+        unrelated_cosines=geo.unrelated_cosines,
+        run=run,
+        recall_curve=curve,
+        timings=timings,
+        info=info,
+    )
+
+
+def _np32(x: Any) -> np.ndarray:
+    if torch.is_tensor(x):
+        x = x.detach().float().cpu().numpy()
+    return np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+
+
+def evaluate_encoder(
+    encoder: Any,
+    evalset: Any,
+    cfg: Any,
+    batch_size: int = 256,
+    *,
+    show_progress: bool = True,
+) -> EvalResult:
+    """Encode ``evalset.corpus`` and ``evalset.queries`` with ``encoder`` and evaluate.
+
+    Timings hold ``encode_docs``, ``encode_queries`` and ``encode`` (their sum) next to
+    ``index`` and ``search``: evaluation time is mostly encoding.
+    """
+    doc_ids = list(evalset.corpus.keys())
+    query_ids = list(evalset.queries.keys())
+    t0 = time.perf_counter()
+    doc_emb = encode_texts(encoder, [evalset.corpus[d] for d in doc_ids], "doc", batch_size, show_progress)
+    t_docs = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    query_emb = encode_texts(encoder, [evalset.queries[q] for q in query_ids], "query", batch_size, show_progress)
+    t_queries = time.perf_counter() - t0
+    normalize = getattr(encoder, "normalize", None)
+    result = evaluate_embeddings(
+        doc_ids, doc_emb, query_ids, query_emb, evalset.qrels, cfg,
+        normalize=None if normalize is None else bool(normalize),
+    )
+    result.timings = {
+        "encode_docs": t_docs,
+        "encode_queries": t_queries,
+        "encode": t_docs + t_queries,
+        **result.timings,
+    }
+    return result
+
+
+__all__ = ["EvalResult", "encode_texts", "evaluate_embeddings", "evaluate_encoder"]

@@ -1,0 +1,192 @@
+"""The Lightning module: wires encoder, key encoder, objective (and its queue), optimizer and
+validation. The flow of one step is in docs/design.md.
+"""
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import numpy as np
+import lightning as L
+import torch
+from omegaconf import OmegaConf
+
+from moco_retrieval.config import EvalConfig, ModelConfig, ObjectiveConfig, OptimConfig, TrainConfig
+from moco_retrieval.evaluation.encode import evaluate_embeddings
+from moco_retrieval.model.encoder import build_encoder
+from moco_retrieval.model.momentum import MomentumEncoder, momentum_at
+from moco_retrieval.objectives import build_objective
+
+
+def _as(cls, node):
+    """A dataclass config from a dataclass, DictConfig or plain dict."""
+    if isinstance(node, cls):
+        return node
+    if not isinstance(node, dict):
+        node = OmegaConf.to_container(node, resolve=True)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), node))
+
+
+def lr_lambda(schedule: str, warmup: int, total: int):
+    """Linear warmup to 1, then linear decay to 0, cosine decay to 0, or constant."""
+
+    def f(step: int) -> float:
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant" or total <= warmup:
+            return 1.0
+        t = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 1.0 - t if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * t))
+
+    if schedule not in ("linear", "cosine", "constant"):
+        raise ValueError(f"optim.schedule must be linear, cosine or constant, got {schedule!r}")
+    return f
+
+
+def rng_states() -> dict:
+    # numpy's state as a tensor and plain numbers, so checkpoints load with weights_only=True
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    states = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    n = states["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+class RetrievalModule(L.LightningModule):
+    """Trains a text encoder with a contrastive objective.
+
+    Args:
+        model, objective, optim, eval: configs (dataclasses, DictConfigs or dicts); see config.py.
+    """
+
+    def __init__(self, model: Any, objective: Any, optim: Any, eval: Any = None):
+        super().__init__()
+        self.model_cfg: ModelConfig = _as(ModelConfig, model)
+        self.objective_cfg: ObjectiveConfig = _as(ObjectiveConfig, objective)
+        self.optim_cfg: OptimConfig = _as(OptimConfig, optim)
+        self.eval_cfg: EvalConfig = _as(EvalConfig, eval or {})
+        # plain containers, so checkpoints reload without this package's classes pickled in
+        self.save_hyperparameters(
+            {k: OmegaConf.to_container(OmegaConf.structured(v)) for k, v in
+             dict(model=self.model_cfg, objective=self.objective_cfg, optim=self.optim_cfg, eval=self.eval_cfg).items()}
+        )
+        self.encoder = build_encoder(self.model_cfg)
+        self.objective = build_objective(self.objective_cfg, self.encoder.dim)
+        use_ema = self.objective.keys_from_key_encoder and self.model_cfg.key_encoder == "ema"
+        if self.model_cfg.key_encoder not in ("ema", "query"):
+            raise ValueError(f"model.key_encoder must be 'ema' or 'query', got {self.model_cfg.key_encoder!r}")
+        self.key_encoder = MomentumEncoder(self.encoder, self.model_cfg.key_encoder_dropout) if use_ema else None
+        self._val_outputs: dict[str, list] = {}
+        self.last_val_result = None
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> "RetrievalModule":
+        return cls(cfg.model, cfg.objective, cfg.optim, cfg.eval)
+
+    # ---- training -------------------------------------------------------------------------
+    def momentum(self) -> float:
+        total = self.trainer.estimated_stepping_batches if self._trainer is not None else 0
+        return momentum_at(self.global_step, int(total), self.model_cfg.momentum, self.model_cfg.momentum_schedule)
+
+    def encode_keys(self, side: dict) -> torch.Tensor:
+        """Document-side vectors that play the role of keys in the objective."""
+        if not self.objective.keys_from_key_encoder:
+            return self.encoder(side, "doc")  # in-batch: the trained tower, with gradient
+        if self.key_encoder is not None:
+            return self.key_encoder(side, "doc")
+        with torch.no_grad():  # key_encoder=query: the query encoder without a momentum copy
+            return self.encoder(side, "doc")
+
+    def shared_step(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        q = self.encoder(batch["query"], "query")
+        k = self.encode_keys(batch["doc"])
+        meta = {"doc_id": batch["doc_id"], "group": batch["group"]}
+        if "neg" in batch:
+            meta.update(neg=self.encode_keys(batch["neg"]), neg_id=batch["neg_id"], neg_group=batch["neg_group"])
+        return self.objective(q, k, meta, step=self.global_step)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss, stats = self.shared_step(batch)
+        if self.key_encoder is not None:
+            stats["momentum"] = torch.tensor(self.momentum())
+        bs = batch["doc_id"].shape[0]
+        self.log("train/loss", stats.pop("loss"), prog_bar=True, batch_size=bs)
+        self.log_dict({f"train/{k}": v.float() for k, v in stats.items()}, batch_size=bs)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        # after backward: the queue logits' backward needed the queue as it was
+        if hasattr(self.objective, "commit"):
+            self.objective.commit()
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        # Lightning calls this once per optimizer step (not per micro-batch under accumulation),
+        # so the EMA follows optimizer steps.
+        super().optimizer_step(*args, **kwargs)
+        if self.key_encoder is not None:
+            self.key_encoder.update(self.encoder, self.momentum())
+
+    def configure_optimizers(self):
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            if not p.requires_grad or name.startswith("key_encoder."):
+                continue
+            (no_decay if p.ndim < 2 or "norm" in name.lower() or "temperature" in name else decay).append(p)
+        o = self.optim_cfg
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=o.lr,
+            betas=tuple(o.betas),
+        )
+        total = int(self.trainer.estimated_stepping_batches)
+        warmup = o.warmup_steps or int(o.warmup_ratio * total)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o.schedule, warmup, total))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ---- checkpoints carry the random state, so a resumed run draws the same dropout masks ----
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["rng_states"] = rng_states()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if "rng_states" in checkpoint:
+            set_rng_states(checkpoint["rng_states"])
+
+    # ---- validation: the whole held-out pool on every rank, metrics computed once ----------
+    def on_validation_epoch_start(self) -> None:
+        self._val_outputs = {"doc_ids": [], "doc": [], "query_ids": [], "query": []}
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        kind = batch["kind"]
+        emb = self.encoder(batch, kind).float().cpu()
+        self._val_outputs[f"{kind}_ids"].extend(batch["ids"])
+        self._val_outputs[kind].append(emb)
+
+    def on_validation_epoch_end(self) -> None:
+        out = self._val_outputs
+        if not out.get("doc"):
+            return
+        dm = self.trainer.datamodule
+        result = evaluate_embeddings(
+            out["doc_ids"], torch.cat(out["doc"]).numpy(), out["query_ids"], torch.cat(out["query"]).numpy(),
+            dm.eval_set.qrels, self.eval_cfg, normalize=self.encoder.normalize,
+        )
+        self.last_val_result = result
+        logged = {f"val/{k}": float(v) for k, v in result.metrics.items()}
+        logged.update({f"val/{k}": float(v) for k, v in result.geometry.items() if isinstance(v, (int, float))})
+        if hasattr(self.objective, "queue"):
+            logged["val/queue_fill"] = float(self.objective.queue.fill)
+            logged["val/queue_age"] = self.objective.queue.mean_age(self.global_step)
+        # identical on every rank (each encodes the whole pool), so no reduction is needed
+        self.log_dict(logged, sync_dist=False)
+        self._val_outputs = {}

@@ -1,0 +1,1 @@
+"""Encoders (``encoder.py``), the tiny test backbone (``tiny.py``)."""

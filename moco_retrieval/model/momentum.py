@@ -1,0 +1,70 @@
+"""The momentum (EMA) key encoder and its momentum schedule (MoCo, He et al. 2020, eq. 2).
+
+The key encoder is a copy of the query side (tower and head) that never receives gradients and
+follows it as k <- m*k + (1-m)*q after every optimizer step; buffers are copied.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch import nn
+
+
+def momentum_at(step: int, total_steps: int, m0: float, schedule: str = "constant") -> float:
+    """Momentum for ``step``: ``m0`` throughout, or cosine from ``m0`` (step 0) to 1 (last step)."""
+    if schedule == "constant" or total_steps <= 0:
+        return m0
+    if schedule != "cosine":
+        raise ValueError(f"model.momentum_schedule must be 'constant' or 'cosine', got {schedule!r}")
+    t = min(max(step, 0), total_steps) / total_steps
+    return 1.0 - (1.0 - m0) * (math.cos(math.pi * t) + 1.0) / 2.0
+
+
+class MomentumEncoder(nn.Module):
+    """An EMA copy of ``encoder``.
+
+    Args:
+        encoder: the query-side encoder to copy (deep-copied once; frozen feature caches are
+            shared, see ``FeatureCache.__deepcopy__``).
+        dropout: False (default) keeps the key encoder in eval mode even while the trainer puts
+            modules in train mode, so keys are deterministic; True lets it follow train/eval.
+    """
+
+    def __init__(self, encoder: nn.Module, dropout: bool = False):
+        super().__init__()
+        self.key_encoder = copy.deepcopy(encoder)
+        for p in self.key_encoder.parameters():
+            p.requires_grad_(False)
+        self.dropout = dropout
+        self.train(False)
+
+    def train(self, mode: bool = True) -> "MomentumEncoder":
+        super().train(mode)
+        self.key_encoder.train(mode and self.dropout)
+        return self
+
+    @torch.no_grad()
+    def update(self, encoder: nn.Module, m: float) -> None:
+        """k <- m*k + (1-m)*q for trained parameters; frozen parameters and buffers are copied
+        (averaging equal values would still round, and a frozen backbone must stay bit-identical
+        so its cached features stay valid)."""
+        k_params = list(self.key_encoder.parameters())
+        q_params = list(encoder.parameters())
+        if len(k_params) != len(q_params):
+            raise RuntimeError("key encoder and query encoder have different parameter lists")
+        trained = [(k, q.detach()) for k, q in zip(k_params, q_params) if q.requires_grad]
+        if trained:
+            ks, qs = map(list, zip(*trained))
+            torch._foreach_mul_(ks, m)
+            torch._foreach_add_(ks, qs, alpha=1.0 - m)
+        for k, q in zip(k_params, q_params):
+            if not q.requires_grad:
+                k.copy_(q)
+        for kb, qb in zip(self.key_encoder.buffers(), encoder.buffers()):
+            kb.copy_(qb)
+
+    def forward(self, *args, **kwargs):
+        with torch.no_grad():
+            return self.key_encoder(*args, **kwargs)

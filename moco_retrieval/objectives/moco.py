@@ -1,0 +1,113 @@
+"""MoCo objective: InfoNCE against the momentum encoder's keys and a FIFO queue of past keys.
+
+He et al., "Momentum Contrast for Unsupervised Visual Representation Learning" (CVPR 2020),
+as adapted to retrieval by Izacard et al., "Unsupervised Dense Information Retrieval with
+Contrastive Learning" (Contriever, 2021; facebookresearch/contriever ``src/moco.py``).
+
+For query i with key-encoder positive k_i+ the candidates are, in this order:
+
+* its positive k_i+ (the target);
+* the other keys of the current (global) batch, when ``batch_negatives`` (default on);
+* the batch's hard negatives, shared by every query of the batch, when the batch carries them;
+* every filled slot of the queue.
+
+A candidate with the positive's document id or group is masked out (``mask_false_negatives``,
+default on). The loss is computed before this batch's keys are enqueued, so a query never sees
+its own key in the queue as a negative within the step that produced it. In training mode the
+keys are held back by ``forward`` and written by ``commit()``, which the trainer calls after the
+backward pass: the queue logits' backward still needs the queue as it was (and copying a K x d
+queue every step to avoid that is what this design avoids).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from moco_retrieval.distributed import all_gather_no_grad, rank
+from moco_retrieval.model.queue import NegativeQueue
+from moco_retrieval.objectives.contrastive import Block, Temperature, info_nce
+from moco_retrieval.objectives.masking import false_negative_mask, self_mask
+
+
+class MoCoObjective(nn.Module):
+    """Args:
+    dim: key dimension.
+    queue_size: K slots (> 0; use the in-batch objective for no queue).
+    queue_dtype: storage dtype of the queue ("float32"; "bfloat16"/"float16" halve memory).
+    temperature / learn_temperature / temperature_min / temperature_max: see ``Temperature``.
+    label_smoothing: target mass spread over unmasked candidates (default 0).
+    batch_negatives: also use the current batch's other keys as negatives (default True).
+    mask_false_negatives: mask candidates sharing the positive's id or group (default True).
+    enqueue_hard_negatives: also enqueue the batch's hard-negative keys (default False: they are
+        chosen per query and would make the queue less representative of the corpus).
+    """
+
+    keys_from_key_encoder = True
+
+    def __init__(
+        self,
+        dim: int,
+        queue_size: int = 65536,
+        queue_dtype: str = "float32",
+        temperature: float = 0.05,
+        learn_temperature: bool = False,
+        temperature_min: float = 0.01,
+        temperature_max: float = 1.0,
+        label_smoothing: float = 0.0,
+        batch_negatives: bool = True,
+        mask_false_negatives: bool = True,
+        enqueue_hard_negatives: bool = False,
+    ):
+        super().__init__()
+        if queue_size <= 0:
+            raise ValueError(
+                f"objective.queue_size must be > 0 under objective=moco (got {queue_size}); "
+                "use objective=inbatch to train without a queue"
+            )
+        self.queue = NegativeQueue(queue_size, dim, queue_dtype)
+        self.temperature = Temperature(temperature, learn_temperature, temperature_min, temperature_max)
+        self.label_smoothing = label_smoothing
+        self.batch_negatives = batch_negatives
+        self.mask_false_negatives = mask_false_negatives
+        self.enqueue_hard_negatives = enqueue_hard_negatives
+
+    def _mask(self, meta: dict, ids: Tensor, groups: Tensor) -> Tensor | None:
+        if not self.mask_false_negatives:
+            return None
+        return false_negative_mask(meta["doc_id"], meta["group"], ids, groups)
+
+    def forward(self, q: Tensor, k: Tensor, meta: dict, *, step: int = 0) -> tuple[Tensor, dict]:
+        with torch.autocast(device_type=q.device.type, enabled=False):  # logits in fp32
+            q, k = q.float(), k.detach().float()
+            pos = (q * k).sum(dim=1)
+            blocks = []
+            if self.batch_negatives:
+                keys = all_gather_no_grad(k)
+                ids, groups = all_gather_no_grad(meta["doc_id"]), all_gather_no_grad(meta["group"])
+                own = self_mask(q.shape[0], keys.shape[0], rank() * q.shape[0], q.device)
+                fn = self._mask(meta, ids, groups)
+                blocks.append(Block(q @ keys.T, own if fn is None else fn.logical_or_(own)))
+            if meta.get("neg") is not None:
+                h = meta["neg"].detach().float()
+                blocks.append(Block(q @ h.T, self._mask(meta, meta["neg_id"], meta["neg_group"])))
+            if self.queue.fill > 0:
+                blocks.append(Block(self.queue.logits(q), self._mask(meta, self.queue.ids(), self.queue.groups())))
+            loss, stats = info_nce(pos, blocks, self.temperature(), self.label_smoothing)
+        stats["queue_fill"] = torch.tensor(float(self.queue.fill))
+        stats["queue_age"] = torch.tensor(self.queue.mean_age(step))
+        self._pending = (k, meta, step) if self.training else None
+        return loss, stats
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """Enqueue the keys of the last training ``forward`` (call after backward)."""
+        if getattr(self, "_pending", None) is None:
+            return
+        k, meta, step = self._pending
+        self._pending = None
+        keys, ids, groups = k, meta["doc_id"], meta["group"]
+        if self.enqueue_hard_negatives and meta.get("neg") is not None:
+            keys = torch.cat([keys, meta["neg"].float()])
+            ids = torch.cat([ids, meta["neg_id"]])
+            groups = torch.cat([groups, meta["neg_group"]])
+        self.queue.enqueue(keys, ids, groups, step)

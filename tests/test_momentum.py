@@ -1,0 +1,75 @@
+import pytest
+import torch
+from torch import nn
+
+from moco_retrieval.model.momentum import MomentumEncoder, momentum_at
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.5)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        return self.drop(self.lin(x))
+
+
+def test_ema_update_is_exact():
+    torch.manual_seed(0)
+    q = Net()
+    m = MomentumEncoder(q)
+    k_before = {n: p.clone() for n, p in m.key_encoder.named_parameters()}
+    with torch.no_grad():
+        for p in q.parameters():
+            p.add_(torch.randn_like(p))
+        q.count.fill_(7)
+    m.update(q, 0.9)
+    for n, p in m.key_encoder.named_parameters():
+        assert torch.allclose(p, 0.9 * k_before[n] + 0.1 * dict(q.named_parameters())[n], atol=0, rtol=1e-6)
+    assert m.key_encoder.count.item() == 7  # buffers copied
+
+
+def test_backward_leaves_key_encoder_untouched():
+    q = Net()
+    m = MomentumEncoder(q)
+    x = torch.randn(3, 4)
+    loss = q(x).sum() + m(x).sum()
+    loss.backward()
+    assert all(p.grad is None for p in m.key_encoder.parameters())
+    assert all(not p.requires_grad for p in m.key_encoder.parameters())
+    assert q.lin.weight.grad is not None
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_key_encoder_dropout_mode(dropout):
+    q = Net()
+    m = MomentumEncoder(q, dropout=dropout)
+    m.train()  # what the trainer does at the start of every epoch
+    assert m.key_encoder.training is dropout
+    x = torch.ones(64, 4)
+    same = torch.equal(m(x), m(x))
+    assert same is (not dropout)
+
+
+def test_cosine_schedule_endpoints():
+    assert momentum_at(0, 100, 0.99, "cosine") == pytest.approx(0.99)
+    assert momentum_at(100, 100, 0.99, "cosine") == pytest.approx(1.0)
+    assert momentum_at(50, 100, 0.99, "cosine") == pytest.approx(0.995)
+    assert momentum_at(37, 100, 0.99, "constant") == 0.99
+    with pytest.raises(ValueError):
+        momentum_at(1, 10, 0.9, "linear")
+
+
+def test_frozen_parameters_are_copied_not_averaged():
+    q = Net()
+    q.lin.bias.requires_grad_(False)
+    m = MomentumEncoder(q)
+    with torch.no_grad():
+        q.lin.bias.copy_(torch.tensor([0.1, 0.2, 0.3, 0.7]))
+        q.lin.weight.add_(1.0)
+    w_before = m.key_encoder.lin.weight.clone()
+    m.update(q, 0.999)
+    assert torch.equal(m.key_encoder.lin.bias, q.lin.bias)  # bit-identical, no rounding
+    assert torch.allclose(m.key_encoder.lin.weight, 0.999 * w_before + 0.001 * q.lin.weight)

@@ -1,0 +1,184 @@
+"""Each objective's loss against a reference written as explicit loops over candidates."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moco_retrieval.objectives.inbatch import InBatchObjective
+from moco_retrieval.objectives.moco import MoCoObjective
+
+TAU = 0.07
+
+
+def unit(*shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return F.normalize(torch.randn(*shape, generator=g), dim=-1)
+
+
+def ref_loss(q, pos_vecs, cand_lists, tau=TAU, smoothing=0.0):
+    """cand_lists[i]: negatives of query i (a list of vectors). Loops, no vectorisation."""
+    total = 0.0
+    for i in range(q.shape[0]):
+        logits = [float(q[i] @ pos_vecs[i]) / tau] + [float(q[i] @ c) / tau for c in cand_lists[i]]
+        m = max(logits)
+        lse = m + math.log(sum(math.exp(l - m) for l in logits))
+        nll = lse - logits[0]
+        if smoothing:
+            nll = (1 - smoothing) * nll + smoothing * sum(lse - l for l in logits) / len(logits)
+        total += nll
+    return total / q.shape[0]
+
+
+def excluded(i, ids, groups, j_id, j_group):
+    return j_id == ids[i] or (groups[i] >= 0 and j_group == groups[i])
+
+
+@pytest.fixture
+def batch():
+    B, d = 6, 8
+    q, k = unit(B, d, seed=1), unit(B, d, seed=2)
+    ids = torch.tensor([10, 11, 12, 13, 10, 15])  # rows 0 and 4 share a positive document
+    groups = torch.tensor([1, 2, 2, -1, 1, -1])  # rows 1 and 2 are duplicates of each other
+    return q, k, ids, groups
+
+
+@pytest.mark.parametrize("mask", [True, False])
+def test_inbatch_matches_loops(batch, mask):
+    q, k, ids, groups = batch
+    obj = InBatchObjective(temperature=TAU, mask_false_negatives=mask)
+    loss, stats = obj(q, k, {"doc_id": ids, "group": groups})
+    cands = []
+    for i in range(len(q)):
+        cands.append([k[j] for j in range(len(q)) if j != i and not (mask and excluded(i, ids, groups, ids[j], groups[j]))])
+    assert loss.item() == pytest.approx(ref_loss(q, k, cands), abs=1e-5)
+    assert stats["negatives_per_query"].item() == pytest.approx(sum(map(len, cands)) / len(q))
+
+
+def test_inbatch_symmetric_matches_loops(batch):
+    q, k, ids, groups = batch
+    obj = InBatchObjective(temperature=TAU, symmetric=True)
+    loss, _ = obj(q, k, {"doc_id": ids, "group": groups})
+    n = len(q)
+    fwd = ref_loss(q, k, [[k[j] for j in range(n) if j != i and not excluded(i, ids, groups, ids[j], groups[j])] for i in range(n)])
+    bwd = ref_loss(k, q, [[q[j] for j in range(n) if j != i and not excluded(i, ids, groups, ids[j], groups[j])] for i in range(n)])
+    assert loss.item() == pytest.approx((fwd + bwd) / 2, abs=1e-5)
+
+
+def test_label_smoothing_matches_loops(batch):
+    q, k, ids, groups = batch
+    obj = InBatchObjective(temperature=TAU, label_smoothing=0.1, mask_false_negatives=False)
+    loss, _ = obj(q, k, {"doc_id": ids, "group": groups})
+    cands = [[k[j] for j in range(len(q)) if j != i] for i in range(len(q))]
+    assert loss.item() == pytest.approx(ref_loss(q, k, cands, smoothing=0.1), abs=1e-5)
+    # and it equals torch's own cross-entropy with label smoothing on the unmasked logit matrix
+    logits = (q @ k.T) / TAU
+    assert loss.item() == pytest.approx(F.cross_entropy(logits, torch.arange(len(q)), label_smoothing=0.1).item(), abs=1e-5)
+
+
+def _moco(batch_negatives, mask, K=20, d=8):
+    obj = MoCoObjective(d, queue_size=K, temperature=TAU, batch_negatives=batch_negatives, mask_false_negatives=mask)
+    obj.train()
+    return obj
+
+
+def _fill_queue(obj, n, seed, ids, groups):
+    obj.queue.enqueue(unit(n, obj.queue.dim, seed=seed), ids, groups, step=0)
+
+
+@pytest.mark.parametrize("batch_negatives", [True, False])
+@pytest.mark.parametrize("mask", [True, False])
+@pytest.mark.parametrize("with_hard", [True, False])
+def test_moco_matches_loops(batch, batch_negatives, mask, with_hard):
+    q, k, ids, groups = batch
+    obj = _moco(batch_negatives, mask)
+    q_ids = torch.tensor([10, 99, 12, 98, 97, 96, 13, 95, 94, 93, 92, 91])  # holds positives 10, 12, 13
+    q_groups = torch.tensor([-1, 2, -1, -1, 1, -1, -1, 5, -1, -1, -1, -1])  # and duplicates of groups 1, 2
+    _fill_queue(obj, 12, 5, q_ids, q_groups)
+    queue = obj.queue.keys().clone()
+    meta = {"doc_id": ids, "group": groups}
+    hard = hard_ids = hard_groups = None
+    if with_hard:
+        hard = unit(12, 8, seed=9)
+        hard_ids = torch.arange(200, 212)
+        hard_ids[3] = 11  # row 1's positive as a "hard negative" of someone else
+        hard_groups = torch.full((12,), -1)
+        hard_groups[5] = 1
+        meta.update(neg=hard, neg_id=hard_ids, neg_group=hard_groups)
+    loss, stats = obj(q, k, meta)
+    cands = []
+    for i in range(len(q)):
+        c = []
+        if batch_negatives:
+            c += [k[j] for j in range(len(q)) if j != i and not (mask and excluded(i, ids, groups, ids[j], groups[j]))]
+        if with_hard:
+            c += [hard[j] for j in range(12) if not (mask and excluded(i, ids, groups, hard_ids[j], hard_groups[j]))]
+        c += [queue[j] for j in range(12) if not (mask and excluded(i, ids, groups, q_ids[j], q_groups[j]))]
+        cands.append(c)
+    assert loss.item() == pytest.approx(ref_loss(q, k, cands), abs=1e-5)
+    assert stats["negatives_per_query"].item() == pytest.approx(sum(map(len, cands)) / len(q))
+    # the loss is computed before the batch's keys are enqueued; they are there afterwards
+    assert obj.queue.fill == 12
+    obj.commit()
+    assert obj.queue.fill == 18
+    assert torch.equal(obj.queue.ids()[12:], ids)
+
+
+def test_positive_copy_in_queue_is_masked(batch):
+    """A copy of a query's positive key in the queue changes nothing with masking on, and raises
+    the loss with it off (the query is pushed away from its own document)."""
+    q, k, ids, groups = batch
+    for i in range(len(q)):
+        results = {}
+        for mask in (True, False):
+            for with_copy in (False, True):
+                obj = _moco(False, mask)
+                _fill_queue(obj, 10, 5, torch.arange(100, 110), torch.full((10,), -1))
+                if with_copy:
+                    obj.queue.enqueue(k[i : i + 1], ids[i : i + 1], groups[i : i + 1], step=0)
+                meta = {"doc_id": ids[i : i + 1], "group": groups[i : i + 1]}
+                results[mask, with_copy] = obj(q[i : i + 1], k[i : i + 1], meta)[0].item()
+        assert results[True, True] == pytest.approx(results[True, False], abs=1e-6)
+        # unmasked, the copy adds exp(s+/tau) to the denominator: loss grows by log(1 + p(positive))
+        base = results[False, False]
+        assert results[False, True] == pytest.approx(base + math.log1p(math.exp(-base)), abs=1e-5)
+
+
+def test_gradients_reach_query_only(batch):
+    q, k, ids, groups = batch
+    q = q.clone().requires_grad_(True)
+    k = k.clone().requires_grad_(True)
+    obj = _moco(True, True)
+    _fill_queue(obj, 10, 5, torch.arange(100, 110), torch.full((10,), -1))
+    loss, _ = obj(q, k, {"doc_id": ids, "group": groups})
+    loss.backward()
+    obj.commit()  # after backward, as the Lightning module does
+    assert q.grad is not None and q.grad.abs().sum() > 0
+    assert k.grad is None
+    assert obj.queue.fill == 16
+
+
+def test_learnable_temperature_is_clamped_and_trained(batch):
+    q, k, ids, groups = batch
+    obj = InBatchObjective(temperature=0.5, learn_temperature=True, temperature_min=0.1, temperature_max=1.0)
+    loss, stats = obj(q, k, {"doc_id": ids, "group": groups})
+    loss.backward()
+    assert obj.temperature.log_tau.grad is not None and obj.temperature.log_tau.grad.abs() > 0
+    with torch.no_grad():
+        obj.temperature.log_tau.fill_(math.log(0.001))
+    assert obj.temperature().item() == pytest.approx(0.1)
+
+
+def test_moco_rejects_empty_queue():
+    with pytest.raises(ValueError, match="queue_size must be > 0"):
+        MoCoObjective(8, queue_size=0)
+
+
+def test_logits_fp32_under_bf16_autocast(batch):
+    q, k, ids, groups = batch
+    obj = InBatchObjective(temperature=TAU)
+    ref, _ = obj(q, k, {"doc_id": ids, "group": groups})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = obj(q, k, {"doc_id": ids, "group": groups})
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-6)
