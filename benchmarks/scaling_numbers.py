@@ -1,7 +1,7 @@
 """Numbers for docs/scaling.md: queue memory, all-gather volume, queue size vs global batch,
 logits memory, and the measured step-time share of the queue logits on this machine's CPU.
 
-    python benchmarks/scaling_numbers.py            # tables + timing (a few minutes on 2 cores)
+    python benchmarks/scaling_numbers.py            # tables + timing (several minutes on 2 cores)
     python benchmarks/scaling_numbers.py --no-timing  # the arithmetic only (instant)
 
 Writes benchmarks/results/scaling_numbers.md and benchmarks/results/scaling_numbers.json.
@@ -260,7 +260,9 @@ def render(data: dict) -> str:
     t = data.get("timing")
     if t:
         e = t["encoder"]
-        lines += ["", f"## Measured on CPU ({t['cpu']}, {t['threads']} threads)", "",
+        load = t.get("load_average_1min")
+        load_note = f", 1-minute load average {load[0]:.1f} before / {load[1]:.1f} after" if load else ""
+        lines += ["", f"## Measured on CPU ({t['cpu']}, {t['threads']} thread{'s' if t['threads'] > 1 else ''}{load_note})", "",
                   f"B = {t['batch']}, d = {t['dim']}, fp32, torch {t['torch']}; median of {t['rounds']} rounds, "
                   "the measurements interleaved within each round.", "",
                   f"- MiniLM-L6 query forward+backward (len 32): {e['query_fwd_bwd_len32_s'] * 1e3:.0f} ms",
@@ -281,7 +283,9 @@ def render(data: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-timing", action="store_true", help="skip the CPU measurements")
-    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    # one thread by default: on a shared machine, multi-threaded timings swing with the others'
+    # load far more than single-threaded ones; --threads 2 on an idle 2-core machine
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=9, help="timing rounds (median)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
@@ -290,7 +294,9 @@ def main() -> None:
             "queue_vs_batch": queue_vs_batch(), "logits_memory": logits_memory(),
             "gradient_allreduce": gradient_allreduce()}
     if not args.no_timing:
+        load_before = os.getloadavg()[0]
         data["timing"] = timing(args.threads, args.rounds)
+        data["timing"]["load_average_1min"] = [load_before, os.getloadavg()[0]]
         data["timing"]["cpu"] = _cpu_name()
         import torch
 

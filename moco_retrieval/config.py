@@ -60,6 +60,9 @@ class ObjectiveConfig:
     queue_dtype: str = "float32"  # float32 | bfloat16 | float16
     batch_negatives: bool = True  # other keys of the current batch are negatives too
     enqueue_hard_negatives: bool = False
+    # frozen backbone only: the queue holds backbone features, re-projected by the current key head
+    # every step (no stale keys; costs one queue_size x hidden x d projection per step)
+    queue_reproject: bool = False
 
 
 @dataclass
@@ -92,6 +95,9 @@ class DataConfig:
     max_train_examples: Optional[int] = None
     max_eval_queries: Optional[int] = None
     max_eval_docs: Optional[int] = None  # cap the pool (keeps every relevant document)
+    # hard negatives per training row (rows need a 'negatives' list, e.g. from moco_retrieval.mine);
+    # None: train without hard negatives
+    n_negatives: Optional[int] = None
 
 
 @dataclass
@@ -149,6 +155,38 @@ class TrainConfig:
     run_dir: Optional[str] = None  # default: Hydra's run directory
 
 
+@dataclass
+class MineConfig:
+    """``python -m moco_retrieval.mine``: hard negatives for training pairs (see mining.py).
+
+    The model is ``checkpoint`` (a training .ckpt), else ``model_dir`` (an exported directory, or
+    a plain Hugging Face folder built with ``model``'s pooling/head), else the base encoder that
+    ``model`` describes. Candidates are ranked with FAISS (``eval.index``, ``eval.nlist``, ...;
+    ``eval.top_k`` is not used: the search depth follows ``range_max``).
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)  # the training pairs (their positives are the corpus)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # index settings
+    checkpoint: Optional[str] = None
+    model_dir: Optional[str] = None
+    encoder: str = "query"  # query | key (a MoCo checkpoint's momentum key encoder)
+    output: str = MISSING  # JSONL of pairs with "negatives" and "positive_score"
+    stats_path: Optional[str] = None  # default: <output without .jsonl>.stats.json
+    n_negatives: int = 8  # negatives written per query (fewer when fewer candidates pass)
+    range_min: int = 0  # rank window, 0-based, inclusive, counted after dropping positives/groups
+    range_max: int = 50
+    margin: Optional[float] = None  # absolute: keep iff score(neg) <= score(pos) - margin
+    relative_margin: Optional[float] = 0.05  # keep iff score(neg) <= score(pos) * (1 - r) (TopK-PercPos)
+    max_score: Optional[float] = None  # keep iff score(neg) <= max_score
+    drop_group: bool = True  # drop documents of the positive's group (False: only the positive itself)
+    sampling: str = "top"  # top (best-ranked that pass) | random (uniform among those that pass, seeded)
+    seed: int = 0
+    keep_empty: bool = False  # also write rows left without negatives
+    batch_size: int = 256  # encoding batch
+    progress: bool = True
+
+
 def cache_root() -> Path:
     """Where built data sets, tiny models and frozen features go: $MOCO_RETRIEVAL_CACHE or
     ~/.cache/moco_retrieval."""
@@ -158,6 +196,7 @@ def cache_root() -> Path:
 def register_configs() -> None:
     """Register the schema with Hydra (idempotent) and the ``${mr_cache:NAME}`` resolver."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    ConfigStore.instance().store(name="mine_schema", node=MineConfig)
     if not OmegaConf.has_resolver("mr_cache"):
         OmegaConf.register_new_resolver("mr_cache", lambda name: str(cache_root() / name))
 
@@ -171,6 +210,7 @@ __all__ = [
     "LoggerConfig",
     "EvalConfig",
     "TrainConfig",
+    "MineConfig",
     "MISSING",
     "register_configs",
     "cache_root",

@@ -216,7 +216,7 @@ def export_encoder(
     tower = encoder.tower_for(side)
     with tempfile.TemporaryDirectory(prefix="moco-export-") as tmp:
         tmp_dir = Path(tmp)
-        tower.backbone.save_pretrained(tmp_dir)
+        _save_backbone(tower.backbone, tmp_dir)
         encoder.tokenizer.save_pretrained(tmp_dir)
         modules: list[torch.nn.Module] = [
             Transformer(
@@ -251,6 +251,23 @@ def export_encoder(
     meta = {"format_version": FORMAT_VERSION, "model": cfg, "side": side, "source": source or {}}
     (out / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return out
+
+
+def _save_backbone(backbone: torch.nn.Module, folder: Path) -> None:
+    """``save_pretrained``, with a (never used) pooler put back when training dropped it, so that
+    loading the directory with a plain AutoModel reports no missing weights."""
+    restore = False
+    if getattr(backbone, "pooler", "absent") is None:
+        try:
+            backbone.pooler = type(backbone)(backbone.config).pooler
+            restore = backbone.pooler is not None
+        except Exception:  # noqa: BLE001 - a model class without the add_pooling_layer default
+            backbone.pooler = None
+    try:
+        backbone.save_pretrained(folder)
+    finally:
+        if restore:
+            backbone.pooler = None
 
 
 def _head_kind(head: torch.nn.Module) -> str:

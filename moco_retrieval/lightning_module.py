@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from moco_retrieval.config import EvalConfig, ModelConfig, ObjectiveConfig, OptimConfig, TrainConfig
 from moco_retrieval.evaluation.encode import evaluate_embeddings
+from moco_retrieval.gradcache import GradCache
 from moco_retrieval.model.encoder import build_encoder
 from moco_retrieval.model.momentum import MomentumEncoder, momentum_at
 from moco_retrieval.objectives import build_objective
@@ -87,8 +88,24 @@ class RetrievalModule(L.LightningModule):
         if self.model_cfg.key_encoder not in ("ema", "query"):
             raise ValueError(f"model.key_encoder must be 'ema' or 'query', got {self.model_cfg.key_encoder!r}")
         self.key_encoder = MomentumEncoder(self.encoder, self.model_cfg.key_encoder_dropout) if use_ema else None
+        # GradCache (objective.grad_cache_chunk, see gradcache.py): the trained side is embedded in
+        # chunks and re-run during backward; key-encoder sides are embedded in chunks (no graph).
+        # Automatic optimization is kept: clipping, accumulation, schedules and the EMA/queue hooks
+        # see an ordinary loss.backward().
+        chunk = self.objective_cfg.grad_cache_chunk
+        self.grad_cache = GradCache(chunk) if chunk is not None else None
+        if self.objective_cfg.queue_reproject:
+            if not (self.objective.keys_from_key_encoder and hasattr(self.objective, "reproject_features")):
+                raise ValueError("objective.queue_reproject=true needs objective=moco (a queue)")
+            if not self.encoder.frozen:
+                raise ValueError(
+                    "objective.queue_reproject=true needs model.frozen_backbone=true: only a frozen backbone's "
+                    "features stay valid, so the queue can hold features and re-project them every step"
+                )
+            self.objective.reproject_features(self._key_side().hidden_size)
         self._val_outputs: dict[str, list] = {}
         self.last_val_result = None
+        self.last_val_step = -1
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> "RetrievalModule":
@@ -99,21 +116,49 @@ class RetrievalModule(L.LightningModule):
         total = self.trainer.estimated_stepping_batches if self._trainer is not None else 0
         return momentum_at(self.global_step, int(total), self.model_cfg.momentum, self.model_cfg.momentum_schedule)
 
+    def _encode(self, encoder, side: dict, kind: str, grad: bool = True) -> torch.Tensor:
+        """``encoder(side, kind)``; through GradCache when ``objective.grad_cache_chunk`` is set."""
+        if self.grad_cache is None:
+            return encoder(side, kind)
+        return self.grad_cache.embed(lambda part: encoder(part, kind), side, device=self.device, grad=grad)
+
     def encode_keys(self, side: dict) -> torch.Tensor:
         """Document-side vectors that play the role of keys in the objective."""
         if not self.objective.keys_from_key_encoder:
-            return self.encoder(side, "doc")  # in-batch: the trained tower, with gradient
+            return self._encode(self.encoder, side, "doc")  # in-batch: the trained tower, with gradient
         if self.key_encoder is not None:
-            return self.key_encoder(side, "doc")
+            return self._encode(self.key_encoder, side, "doc", grad=False)
         with torch.no_grad():  # key_encoder=query: the query encoder without a momentum copy
-            return self.encoder(side, "doc")
+            return self._encode(self.encoder, side, "doc", grad=False)
+
+    def _key_side(self):
+        """The encoder that makes keys: the EMA copy, else the query encoder."""
+        return self.key_encoder.key_encoder if self.key_encoder is not None else self.encoder
+
+    def key_features(self, side: dict) -> torch.Tensor:
+        """Frozen backbone features of documents (queue_reproject; cached by the key encoding)."""
+        enc = self._key_side()
+        tower = enc.tower_for("doc")
+        enc._fill_cache(tower, side["texts"], "doc", batch_size=256, progress=False)
+        return tower.feature_cache.gather(side["texts"], enc.max_len("doc")).to(tower.special_ids.device)
+
+    @torch.no_grad()
+    def project_keys(self, feats: torch.Tensor) -> torch.Tensor:
+        """Keys from frozen features with the *current* key head (queue_reproject)."""
+        enc = self._key_side()
+        out = enc.tower_for("doc").project(feats).float()
+        return torch.nn.functional.normalize(out, dim=-1) if enc.normalize else out
 
     def shared_step(self, batch: dict) -> tuple[torch.Tensor, dict]:
-        q = self.encoder(batch["query"], "query")
+        q = self._encode(self.encoder, batch["query"], "query")
         k = self.encode_keys(batch["doc"])
         meta = {"doc_id": batch["doc_id"], "group": batch["group"]}
         if "neg" in batch:
             meta.update(neg=self.encode_keys(batch["neg"]), neg_id=batch["neg_id"], neg_group=batch["neg_group"])
+        if getattr(self.objective, "reproject", False):
+            meta.update(key_features=self.key_features(batch["doc"]), project_keys=self.project_keys)
+            if "neg" in batch:
+                meta["neg_features"] = self.key_features(batch["neg"])
         return self.objective(q, k, meta, step=self.global_step)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -124,6 +169,14 @@ class RetrievalModule(L.LightningModule):
         self.log("train/loss", stats.pop("loss"), prog_bar=True, batch_size=bs)
         self.log_dict({f"train/{k}": v.float() for k, v in stats.items()}, batch_size=bs)
         return loss
+
+    def on_fit_start(self) -> None:
+        if self.grad_cache is not None and self.trainer.world_size > 1:
+            # the chunks' re-runs inside one backward would each fire DDP's gradient hooks
+            raise ValueError(
+                "objective.grad_cache_chunk is not supported with more than one process (DDP) yet: "
+                "run on one device, or unset objective.grad_cache_chunk"
+            )
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         # after backward: the queue logits' backward needed the queue as it was
@@ -181,7 +234,7 @@ class RetrievalModule(L.LightningModule):
             out["doc_ids"], torch.cat(out["doc"]).numpy(), out["query_ids"], torch.cat(out["query"]).numpy(),
             dm.eval_set.qrels, self.eval_cfg, normalize=self.encoder.normalize,
         )
-        self.last_val_result = result
+        self.last_val_result, self.last_val_step = result, self.global_step
         logged = {f"val/{k}": float(v) for k, v in result.metrics.items()}
         logged.update({f"val/{k}": float(v) for k, v in result.geometry.items() if isinstance(v, (int, float))})
         if hasattr(self.objective, "queue"):

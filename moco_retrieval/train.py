@@ -4,11 +4,17 @@ Composes the config (strict: see config.py), builds data module -> Lightning mod
 fits, runs a final validation and writes into the run directory:
 ``checkpoints/last.ckpt`` and ``checkpoints/best-*.ckpt`` (by val/recall@1), ``metrics.json``
 (final validation metrics, flat keys), ``config.yaml`` (resolved) and the loggers' files.
+
+Preemption (see preemption.py): on SIGTERM or SIGUSR1 the run finishes the current step, writes
+``checkpoints/last.ckpt`` atomically and exits with status 128 + signal (143 / 138) without a final
+validation or ``metrics.json``. A requeued job runs the same command with the same ``run_dir`` and
+``ckpt_path=last``, which resumes from that checkpoint (and starts fresh when there is none yet).
 """
 from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -17,15 +23,21 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from moco_retrieval import distributed
 from moco_retrieval.checkpointing import AtomicCheckpointIO, resolve_ckpt_path
+from moco_retrieval.cluster import on_slurm
 from moco_retrieval.config import TrainConfig, TrainerConfig, register_configs
 from moco_retrieval.data.datamodule import RetrievalDataModule
+from moco_retrieval.evaluation.callback import ValidationReport
 from moco_retrieval.lightning_module import RetrievalModule
 from moco_retrieval.loggers import build_loggers
+from moco_retrieval.preemption import Preempted, PreemptionCheckpoint
+from moco_retrieval.progress import progress_callback
 
 register_configs()
 # The key encoder is in eval mode on purpose (no dropout in keys); faiss announces each CPU
@@ -65,28 +77,46 @@ def trainer_kwargs(cfg: TrainerConfig) -> dict:
 def build(cfg: TrainConfig, run_dir: Path) -> tuple[RetrievalModule, RetrievalDataModule, L.Trainer]:
     module = RetrievalModule.from_config(cfg)
     enc = module.encoder
-    dm = RetrievalDataModule(cfg.data, tokenize=enc.tokenize if enc.needs_tokens else None)
+    dm = RetrievalDataModule(cfg.data, tokenize=enc.tokenize if enc.needs_tokens else None, n_negatives=cfg.data.n_negatives)
     checkpoints = ModelCheckpoint(
         dirpath=run_dir / "checkpoints",
         filename="best-{step}",
         monitor="val/recall@1",
         mode="max",
         save_top_k=1,
-        save_last=True,
         auto_insert_metric_name=False,
     )
-    # A TQDM bar: on a terminal it redraws; in a cluster job's log file it prints a line every
-    # `refresh` steps instead of nothing (Rich's bar) or a line per step.
-    callbacks = [checkpoints, TQDMProgressBar(refresh_rate=1 if sys.stderr.isatty() else 10)]
+    # checkpoints/last.ckpt, what `ckpt_path=last` resumes from, holds the latest state: written at
+    # every validation (a job killed without warning loses at most val_check_interval steps), at a
+    # preemption and at the end of training (PreemptionCheckpoint below). (`save_last=True` above
+    # would write it only along with a new best.) Overwritten, never versioned to last-v1.ckpt.
+    latest = ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="last", save_top_k=1,
+                             enable_version_counter=False)
+    callbacks = [checkpoints, latest] + ([progress_callback(cfg.trainer.log_every_n_steps)] if cfg.trainer.enable_progress_bar else [])
+    callbacks.append(ValidationReport(run_dir / "plots", cfg.eval.sample_queries, cfg.logger.log_tables))
     loggers = build_loggers(cfg.logger, run_dir)
     if loggers:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
+    # SIGTERM / SIGUSR1: finish the step, write checkpoints/last.ckpt, exit 128 + signal (preemption.py).
+    # Under SLURM, Lightning's auto-requeue on SIGUSR1 (`scontrol requeue` after that checkpoint).
+    slurm = on_slurm()
+    # (first in line, so that the run stops before the other callbacks' hooks of the next step)
+    callbacks.insert(0, PreemptionCheckpoint(run_dir / "checkpoints" / "last.ckpt",
+                                             requeue_signal=signal.SIGUSR1 if slurm else None))
+    plugins: list = [AtomicCheckpointIO()]
+    if slurm:
+        plugins.append(SLURMEnvironment(auto_requeue=True, requeue_signal=signal.SIGUSR1))
+    kw = trainer_kwargs(cfg.trainer)
+    if kw["strategy"] == "ddp":
+        # Every rank enqueues the same all-gathered keys, so the queue (K x d buffers) needs no
+        # broadcast from rank 0 before each forward, which DDP does by default.
+        kw["strategy"] = DDPStrategy(broadcast_buffers=False)
     trainer = L.Trainer(
         default_root_dir=str(run_dir),
         logger=loggers or False,
         callbacks=callbacks,
-        plugins=[AtomicCheckpointIO()],
-        **trainer_kwargs(cfg.trainer),
+        plugins=plugins,
+        **kw,
     )
     return module, dm, trainer
 
@@ -103,9 +133,18 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
         module.encoder.warm_cache([p.positive for p in dm.train_pairs] + list(dm.eval_set.corpus.values()), "doc")
     if trainer.is_global_zero:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    trainer.fit(module, datamodule=dm, ckpt_path=resolve_ckpt_path(cfg.ckpt_path, run_dir))
-    results = trainer.validate(module, datamodule=dm, verbose=False)
-    metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
+    if cfg.ckpt_path is None and (run_dir / "checkpoints" / "last.ckpt").exists() and trainer.is_global_zero:
+        print(f"[moco_retrieval] warning: {run_dir / 'checkpoints' / 'last.ckpt'} exists but ckpt_path is not set: "
+              "training starts from scratch and overwrites it (ckpt_path=last resumes)", file=sys.stderr)
+    try:
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+    except Preempted:  # checkpoint written on every rank's behalf; the status says "requeue me"
+        distributed.teardown()
+        raise
+    if module.last_val_step != trainer.global_step:  # the end of fit was not a validation point
+        trainer.validate(module, datamodule=dm, verbose=False)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
     if trainer.is_global_zero:
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
         print(f"final validation: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()) if "@" in k))
@@ -114,19 +153,8 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
     return metrics
 
 
-def check_complete(cfg: DictConfig) -> None:
-    """Required values left at ``???`` are an error that names them, before anything is built."""
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        raise SystemExit(
-            "missing required config values: " + ", ".join(missing)
-            + " (set them on the command line, e.g. data.train_path=FILE data.eval_dir=DIR)"
-        )
-
-
 @hydra.main(config_path="pkg://moco_retrieval.conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    check_complete(cfg)
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir)
     train(OmegaConf.to_object(cfg), run_dir)
 

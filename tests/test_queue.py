@@ -44,11 +44,13 @@ def test_low_precision_storage_gives_fp32_logits(dtype):
     q = NegativeQueue(size=50, dim=16, dtype=dtype, logits_chunk=7)
     keys = torch.nn.functional.normalize(torch.randn(50, 16), dim=1)
     q.enqueue(keys, torch.arange(50), torch.arange(50), step=0)
-    x = torch.randn(3, 16)
+    x = torch.randn(3, 16, requires_grad=True)
     out = q.logits(x)
     assert out.dtype == torch.float32
     ref = x @ q.queue_keys.float().T
     assert torch.allclose(out, ref, atol=1e-5)
+    out.sum().backward()  # the query side still gets its gradient
+    assert torch.allclose(x.grad, q.queue_keys.float().sum(0).expand(3, -1), atol=1e-4)
     assert q.queue_keys.element_size() == 2
 
 

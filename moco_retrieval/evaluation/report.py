@@ -75,6 +75,8 @@ def _json_safe(x: Any) -> Any:
     if isinstance(x, (np.floating, float)):
         v = float(x)
         return v if math.isfinite(v) else None
+    if isinstance(x, np.bool_):
+        return bool(x)
     if isinstance(x, np.integer):
         return int(x)
     if isinstance(x, (str, int, bool)) or x is None:
@@ -302,6 +304,9 @@ def write_report(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     res, single = _as_mapping(results, models)
+    slugs = [run_file_name(n, single) for n in res]
+    if len(set(slugs)) != len(slugs):
+        raise ValueError(f"model names {list(res)} give the same run file names {slugs}; rename them")
     files: dict[str, Path] = {}
     for name, r in res.items():
         p = out / run_file_name(name, single)

@@ -66,15 +66,13 @@ class NegativeQueue(nn.Module):
         return self.queue_groups[: self.fill]
 
     def logits(self, q: Tensor) -> Tensor:
-        """fp32 scores ``q @ keys^T`` over the filled slots, shape [B, fill]."""
+        """fp32 scores ``q @ keys^T`` over the filled slots, shape [B, fill] (differentiable in q)."""
         keys, q = self.keys(), q.float()
         if keys.dtype == torch.float32:
             return q @ keys.T
-        out = q.new_empty(q.shape[0], keys.shape[0])
-        for start in range(0, keys.shape[0], self.logits_chunk):
-            chunk = keys[start : start + self.logits_chunk]
-            torch.matmul(q, chunk.float().T, out=out[:, start : start + chunk.shape[0]])
-        return out
+        # low-precision storage: cast a chunk at a time (no K x d fp32 copy)
+        chunks = [q @ keys[i : i + self.logits_chunk].float().T for i in range(0, keys.shape[0], self.logits_chunk)]
+        return torch.cat(chunks, dim=1) if chunks else q.new_zeros(q.shape[0], 0)
 
     def mean_age(self, step: int) -> float:
         """Mean age, in optimizer steps, of the keys in the filled slots."""

@@ -1,13 +1,16 @@
 """InfoNCE over a positive column and blocks of negatives, with masking, in fp32.
 
-Both objectives reduce to: for each query i, a positive score s_i+ and some blocks of negative
-scores (other batch documents, hard negatives, the queue), each with a mask of false negatives.
-The loss is cross-entropy with the positive as target (van den Oord et al. 2018, "InfoNCE"):
+Both objectives reduce to: for each query i, a positive logit s_i+ / tau and some blocks of
+negative logits (other batch documents, hard negatives, the queue), each with its masked (false
+negative) entries. The loss is cross-entropy with the positive as target (van den Oord et al. 2018,
+"Representation Learning with Contrastive Predictive Coding"):
 
     loss_i = -s_i+/tau + log( exp(s_i+/tau) + sum_{j unmasked} exp(s_ij/tau) )
 
-The blocks are never concatenated: each block's log-sum-exp is taken on its own and the results
-are combined, so a B x K queue block is the only K-sized tensor a step allocates (plus its mask).
+Callers scale the query side by 1/tau before their matmuls, so each block arrives as logits. The
+blocks are never concatenated: each block's log-sum-exp is taken on its own and the results are
+combined, so a B x K queue block is the only K-sized tensor a step allocates besides the
+log-sum-exp's own exp(). Masked entries are set to -inf in place.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from moco_retrieval.objectives.masking import Pairs
 
 
 class Temperature(nn.Module):
@@ -37,66 +42,57 @@ class Temperature(nn.Module):
 
 @dataclass
 class Block:
-    """Raw cosine/dot scores [B, N] of one group of negatives, and its false-negative mask."""
+    """Logits (scores / tau) [B, N] of one group of negatives, and its masked entries."""
 
-    scores: Tensor
-    mask: Tensor | None = None
+    logits: Tensor
+    masked: Pairs | None = None
 
 
-def info_nce(pos: Tensor, blocks: list[Block], tau: Tensor, label_smoothing: float = 0.0) -> tuple[Tensor, dict]:
-    """Loss and stats for positive scores ``pos`` [B] against negative ``blocks``.
+def info_nce(pos_logits: Tensor, blocks: list[Block], tau: Tensor, label_smoothing: float = 0.0) -> tuple[Tensor, dict]:
+    """Loss and stats for positive logits [B] against negative ``blocks`` (all fp32, already / tau).
 
-    Scores are raw (not divided by tau) and must already be fp32. Masked entries take no part in
-    the softmax. ``label_smoothing`` spreads that much target mass uniformly over all unmasked
-    candidates (positive included), as torch's cross_entropy does over classes.
+    Masked entries take no part in the softmax. ``label_smoothing`` spreads that much target mass
+    uniformly over all unmasked candidates (positive included), as torch's cross_entropy does over
+    classes. The blocks' logits are modified in place (masked entries become -inf).
     """
-    inv_tau = 1.0 / tau
-    pos_l = pos * inv_tau
-    lses = [pos_l]
-    n_neg = pos.new_zeros(pos.shape[0])
-    n_masked = pos.new_zeros(pos.shape[0])
-    neg_sum = pos.new_zeros(())
-    best_neg = torch.full_like(pos, -math.inf)
-    smooth_terms = []
+    B = pos_logits.shape[0]
+    lses, smooth = [pos_logits], []
+    n_neg, n_masked = pos_logits.new_zeros(B), pos_logits.new_zeros(B)
+    neg_sum, best_neg = pos_logits.new_zeros(()), torch.full_like(pos_logits, -math.inf).detach()
     for block in blocks:
-        s = block.scores
+        s = block.logits
         if s.shape[1] == 0:
             continue
+        rows, cols = block.masked if block.masked is not None else (s.new_zeros(0, dtype=torch.long),) * 2
         with torch.no_grad():
-            total = s.sum()
-            if block.mask is not None:
-                masked = block.mask.sum(1).float()
-                total = total - s.detach()[block.mask].sum()
-            else:
-                masked = torch.zeros_like(pos)
+            masked = torch.bincount(rows, minlength=B).to(s.dtype)
             n_masked += masked
             n_neg += s.shape[1] - masked
-            neg_sum += total
-        logits = s * inv_tau
-        if block.mask is not None:
-            logits.masked_fill_(block.mask, -math.inf)  # in place: mul's backward does not need its output
-        lses.append(torch.logsumexp(logits, dim=1))
-        with torch.no_grad():
-            best_neg = torch.maximum(best_neg, logits.max(dim=1).values)
-        if label_smoothing > 0:
-            finite = logits if block.mask is None else logits.masked_fill(block.mask, 0.0)
-            smooth_terms.append(finite.sum(1))
+            neg_sum += s.detach().sum() - s.detach()[rows, cols].sum()
+        if label_smoothing > 0:  # per-row sum of the unmasked logits, with gradient
+            smooth.append(s.sum(1) - s.new_zeros(B).index_add(0, rows, s[rows, cols]))
+        if rows.numel():
+            s.index_put_((rows, cols), s.new_tensor(-math.inf))  # the matmul's backward does not need s
+        # log-sum-exp by hand so its row max doubles as "best negative" for the accuracy stat
+        m = s.detach().amax(dim=1)
+        m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        lses.append(m_safe + torch.exp(s - m_safe.unsqueeze(1)).sum(dim=1).log())
+        best_neg = torch.maximum(best_neg, m)
     lse = torch.logsumexp(torch.stack(lses, dim=1), dim=1)
-    nll = lse - pos_l
+    nll = lse - pos_logits
     if label_smoothing > 0:
-        # mean over unmasked candidates of -log p = lse - mean(logit)
-        n_cand = n_neg + 1
-        mean_logit = (pos_l + sum(smooth_terms)) / n_cand
+        mean_logit = (pos_logits + sum(smooth)) / (n_neg + 1)  # mean over unmasked candidates
         nll = (1 - label_smoothing) * nll + label_smoothing * (lse - mean_logit)
     loss = nll.mean()
     with torch.no_grad():
+        t = tau.detach()
         stats = {
             "loss": loss.detach(),
-            "accuracy": (pos_l > best_neg).float().mean(),
-            "pos_cos": pos.detach().mean(),
-            "neg_cos": neg_sum / n_neg.sum().clamp(min=1),
+            "accuracy": (pos_logits.detach() > best_neg).float().mean(),
+            "pos_cos": pos_logits.detach().mean() * t,
+            "neg_cos": neg_sum * t / n_neg.sum().clamp(min=1),
             "negatives_per_query": n_neg.mean(),
             "masked_per_query": n_masked.mean(),
-            "temperature": tau.detach(),
+            "temperature": t,
         }
     return loss, stats

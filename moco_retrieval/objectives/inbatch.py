@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from moco_retrieval.distributed import all_gather_no_grad, all_gather_with_grad, rank
 from moco_retrieval.objectives.contrastive import Block, Temperature, info_nce
-from moco_retrieval.objectives.masking import false_negative_mask, self_mask
+from moco_retrieval.objectives.masking import false_negative_pairs, merge_pairs, own_pairs
 
 
 class InBatchObjective(nn.Module):
@@ -52,15 +52,17 @@ class InBatchObjective(nn.Module):
             return x
         return all_gather_with_grad(x) if grad else all_gather_no_grad(x)
 
-    def _direction(self, a: Tensor, b_all: Tensor, ids: Tensor, groups: Tensor, ids_all, groups_all, extra) -> tuple:
+    def _direction(self, a: Tensor, b_all: Tensor, ids: Tensor, groups: Tensor, ids_all, groups_all, extra, inv_tau) -> tuple:
+        """Rows of ``a`` (scaled by 1/tau) against every row of ``b_all``; row i's positive is
+        ``b_all[offset + i]``."""
         offset = rank() * a.shape[0] if self.cross_device else 0
-        own = self_mask(a.shape[0], b_all.shape[0], offset, a.device)
-        mask = own
+        masked = own_pairs(a.shape[0], offset, a.device)
         if self.mask_false_negatives:
-            mask = false_negative_mask(ids, groups, ids_all, groups_all).logical_or_(own)
+            masked = merge_pairs(masked, false_negative_pairs(ids, groups, ids_all, groups_all), b_all.shape[0])
+        a = a * inv_tau
         pos = (a * b_all[offset : offset + a.shape[0]]).sum(dim=1)
-        blocks = [Block(a @ b_all.T, mask)] + extra
-        return info_nce(pos, blocks, self.temperature(), self.label_smoothing)
+        blocks = [Block(a @ b_all.T, masked)] + [Block(a @ h.T, m) for h, m in extra]
+        return info_nce(pos, blocks, 1.0 / inv_tau, self.label_smoothing)
 
     def forward(self, q: Tensor, k: Tensor, meta: dict, *, step: int = 0) -> tuple[Tensor, dict]:
         with torch.autocast(device_type=q.device.type, enabled=False):  # logits in fp32
@@ -68,17 +70,18 @@ class InBatchObjective(nn.Module):
             ids, groups = meta["doc_id"], meta["group"]
             k_all = self._gather(k, grad=True)
             ids_all, groups_all = self._gather(ids, grad=False), self._gather(groups, grad=False)
+            inv_tau = 1.0 / self.temperature()
             extra = []
             if meta.get("neg") is not None:
                 h = self._gather(meta["neg"].float(), grad=True)
                 h_ids, h_groups = self._gather(meta["neg_id"], False), self._gather(meta["neg_group"], False)
-                h_mask = false_negative_mask(ids, groups, h_ids, h_groups) if self.mask_false_negatives else None
-                extra.append(Block(q @ h.T, h_mask))
-            loss, stats = self._direction(q, k_all, ids, groups, ids_all, groups_all, extra)
+                h_mask = false_negative_pairs(ids, groups, h_ids, h_groups) if self.mask_false_negatives else None
+                extra.append((h, h_mask))
+            loss, stats = self._direction(q, k_all, ids, groups, ids_all, groups_all, extra, inv_tau)
             if self.symmetric:
                 # document -> query: documents score every query; masking by the document's own id/group
                 q_all = self._gather(q, grad=True)
-                loss_d, _ = self._direction(k, q_all, ids, groups, ids_all, groups_all, [])
+                loss_d, _ = self._direction(k, q_all, ids, groups, ids_all, groups_all, [], inv_tau)
                 loss = (loss + loss_d) / 2
                 stats["loss"] = loss.detach()
         return loss, stats

@@ -3,24 +3,44 @@
 A candidate negative is a false negative of query i when it *is* query i's positive document
 (same document id) or a known duplicate of it (same group id, groups >= 0). Such candidates are
 removed from the softmax instead of being pushed away.
+
+Masks are sparse, as (rows, cols) index pairs: false negatives are rare, so finding them with one
+``isin`` over the N candidates and a small compare is far cheaper than B x N boolean passes over a
+65,536-key queue, and masking them is one ``index_put_``.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-
-def false_negative_mask(pos_ids: Tensor, pos_groups: Tensor, cand_ids: Tensor, cand_groups: Tensor) -> Tensor:
-    """Bool [B, N]: True where candidate j shares query i's positive id, or its (non-negative) group."""
-    mask = cand_ids.unsqueeze(0) == pos_ids.unsqueeze(1)
-    same_group = cand_groups.unsqueeze(0) == pos_groups.unsqueeze(1)
-    same_group &= (pos_groups >= 0).unsqueeze(1)
-    return mask.logical_or_(same_group)
+Pairs = tuple[Tensor, Tensor]  # (rows, cols) of masked entries
 
 
-def self_mask(rows: int, cols: int, offset: int, device: torch.device) -> Tensor:
-    """Bool [rows, cols]: True at (i, offset + i), the positive's own column in a batch block."""
-    mask = torch.zeros(rows, cols, dtype=torch.bool, device=device)
-    idx = torch.arange(rows, device=device)
-    mask[idx, idx + offset] = True
-    return mask
+def false_negative_pairs(pos_ids: Tensor, pos_groups: Tensor, cand_ids: Tensor, cand_groups: Tensor) -> Pairs:
+    """(i, j) for every candidate j sharing query i's positive id or its (non-negative) group."""
+    # a positive without a group (-1) must match nothing: give it a value no candidate carries
+    pg = torch.where(pos_groups >= 0, pos_groups, torch.full_like(pos_groups, -2))
+    hit = torch.isin(cand_ids, pos_ids).logical_or_(torch.isin(cand_groups, pg))
+    cols = hit.nonzero().squeeze(1)
+    sub = (cand_ids[cols].unsqueeze(0) == pos_ids.unsqueeze(1)) | (cand_groups[cols].unsqueeze(0) == pg.unsqueeze(1))
+    rows, c = sub.nonzero(as_tuple=True)
+    return rows, cols[c]
+
+
+def own_pairs(rows: int, offset: int, device: torch.device) -> Pairs:
+    """(i, offset + i): each query's own positive inside a batch block (it is scored separately)."""
+    r = torch.arange(rows, device=device)
+    return r, r + offset
+
+
+def merge_pairs(a: Pairs, b: Pairs, ncols: int) -> Pairs:
+    """Union of two index sets, each entry once."""
+    key = torch.unique(torch.cat([a[0] * ncols + a[1], b[0] * ncols + b[1]]))
+    return key // ncols, key % ncols
+
+
+def dense(pairs: Pairs, rows: int, cols: int) -> Tensor:
+    """Bool [rows, cols] of a sparse mask (for tests and inspection)."""
+    m = torch.zeros(rows, cols, dtype=torch.bool, device=pairs[0].device)
+    m[pairs] = True
+    return m

@@ -17,6 +17,13 @@ its own key in the queue as a negative within the step that produced it. In trai
 keys are held back by ``forward`` and written by ``commit()``, which the trainer calls after the
 backward pass: the queue logits' backward still needs the queue as it was (and copying a K x d
 queue every step to avoid that is what this design avoids).
+
+Re-projected feature queue (``reproject_features``, frozen-backbone mode only; config
+``objective.queue_reproject``): the queue stores the keys' *backbone features* instead of the keys,
+and every step they are projected by the current key head (``meta["project_keys"]``, given by the
+Lightning module) before scoring. With a frozen backbone a key is a function of (feature, key
+head) only, so a re-projected queue holds exactly the keys the current key encoder would give:
+no stale keys, whatever the queue's age. The cost is one K x hidden x d projection per step.
 """
 from __future__ import annotations
 
@@ -24,9 +31,9 @@ import torch
 from torch import Tensor, nn
 
 from moco_retrieval.distributed import all_gather_no_grad, rank
-from moco_retrieval.model.queue import NegativeQueue
+from moco_retrieval.model.queue import _DTYPES as _QUEUE_DTYPES, NegativeQueue
 from moco_retrieval.objectives.contrastive import Block, Temperature, info_nce
-from moco_retrieval.objectives.masking import false_negative_mask, self_mask
+from moco_retrieval.objectives.masking import false_negative_pairs, merge_pairs, own_pairs
 
 
 class MoCoObjective(nn.Module):
@@ -70,29 +77,53 @@ class MoCoObjective(nn.Module):
         self.batch_negatives = batch_negatives
         self.mask_false_negatives = mask_false_negatives
         self.enqueue_hard_negatives = enqueue_hard_negatives
+        self.reproject = False
 
-    def _mask(self, meta: dict, ids: Tensor, groups: Tensor) -> Tensor | None:
+    def reproject_features(self, feature_dim: int) -> None:
+        """Make the queue hold backbone features of dimension ``feature_dim`` (re-projected by the
+        current key head every step) instead of keys. Call before training; the queue restarts empty."""
+        q = self.queue
+        dtype = {v: k for k, v in _QUEUE_DTYPES.items()}[q.queue_keys.dtype]
+        self.queue = NegativeQueue(q.size, int(feature_dim), dtype, logits_chunk=q.logits_chunk)
+        self.reproject = True
+
+    def _queue_logits(self, q: Tensor, meta: dict) -> Tensor:
+        if not self.reproject:
+            return self.queue.logits(q)
+        project = meta.get("project_keys")
+        if project is None:
+            raise ValueError(
+                "objective.queue_reproject: meta needs 'project_keys' (features -> keys with the current key "
+                "head) and 'key_features'; the Lightning module provides them in frozen-backbone mode"
+            )
+        with torch.no_grad():
+            keys = project(self.queue.keys()).detach().float()  # the current key head: nothing stale
+        return q @ keys.T
+
+    def _mask(self, meta: dict, ids: Tensor, groups: Tensor):
         if not self.mask_false_negatives:
             return None
-        return false_negative_mask(meta["doc_id"], meta["group"], ids, groups)
+        return false_negative_pairs(meta["doc_id"], meta["group"], ids, groups)
 
     def forward(self, q: Tensor, k: Tensor, meta: dict, *, step: int = 0) -> tuple[Tensor, dict]:
         with torch.autocast(device_type=q.device.type, enabled=False):  # logits in fp32
-            q, k = q.float(), k.detach().float()
+            tau = self.temperature()
+            q, k = q.float() / tau, k.detach().float()  # q scaled once: every block arrives as logits
             pos = (q * k).sum(dim=1)
-            blocks = []
+            blocks, gathered = [], None
             if self.batch_negatives:
-                keys = all_gather_no_grad(k)
-                ids, groups = all_gather_no_grad(meta["doc_id"]), all_gather_no_grad(meta["group"])
-                own = self_mask(q.shape[0], keys.shape[0], rank() * q.shape[0], q.device)
+                gathered = (all_gather_no_grad(k), all_gather_no_grad(meta["doc_id"]), all_gather_no_grad(meta["group"]))
+                keys, ids, groups = gathered
+                masked = own_pairs(q.shape[0], rank() * q.shape[0], q.device)
                 fn = self._mask(meta, ids, groups)
-                blocks.append(Block(q @ keys.T, own if fn is None else fn.logical_or_(own)))
+                blocks.append(Block(q @ keys.T, masked if fn is None else merge_pairs(masked, fn, keys.shape[0])))
             if meta.get("neg") is not None:
                 h = meta["neg"].detach().float()
                 blocks.append(Block(q @ h.T, self._mask(meta, meta["neg_id"], meta["neg_group"])))
             if self.queue.fill > 0:
-                blocks.append(Block(self.queue.logits(q), self._mask(meta, self.queue.ids(), self.queue.groups())))
-            loss, stats = info_nce(pos, blocks, self.temperature(), self.label_smoothing)
+                blocks.append(Block(self._queue_logits(q, meta), self._mask(meta, self.queue.ids(), self.queue.groups())))
+            loss, stats = info_nce(pos, blocks, tau, self.label_smoothing)
+        self._gathered = gathered
         stats["queue_fill"] = torch.tensor(float(self.queue.fill))
         stats["queue_age"] = torch.tensor(self.queue.mean_age(step))
         self._pending = (k, meta, step) if self.training else None
@@ -106,8 +137,15 @@ class MoCoObjective(nn.Module):
         k, meta, step = self._pending
         self._pending = None
         keys, ids, groups = k, meta["doc_id"], meta["group"]
+        plain = not self.reproject and not (self.enqueue_hard_negatives and meta.get("neg") is not None)
+        if plain and getattr(self, "_gathered", None) is not None:  # forward already all-gathered them
+            self.queue.enqueue(*self._gathered, step, gather=False)
+            return
+        if self.reproject:  # store what the keys are projected from
+            keys = meta["key_features"]
         if self.enqueue_hard_negatives and meta.get("neg") is not None:
-            keys = torch.cat([keys, meta["neg"].float()])
+            neg = meta["neg_features"] if self.reproject else meta["neg"]
+            keys = torch.cat([keys, neg.float()])
             ids = torch.cat([ids, meta["neg_id"]])
             groups = torch.cat([groups, meta["neg_group"]])
         self.queue.enqueue(keys, ids, groups, step)

@@ -1,0 +1,322 @@
+"""Shared helpers of the benchmark scripts (not a benchmark itself).
+
+* ``compose_cfg(overrides)``: the training config through Hydra's compose API (strict schema).
+* ``Bench``: one process, many runs: the Debian set is read once, the frozen feature cache is
+  warmed once and kept alive, and ``fit_eval(cfg)`` trains a ``RetrievalModule`` with a quiet
+  Lightning ``Trainer`` (no logger, no progress bar, no checkpoints, no validation loop) and scores
+  the held-out pool with ``evaluate_encoder``.
+* ``write_results(name, md, data)``: benchmarks/results/<name>.md and .json.
+* small statistics (median, std) and environment notes (threads, peak RSS).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+os.environ.setdefault("MOCO_RETRIEVAL_CACHE", "/tmp/mrcache")
+os.environ.setdefault("MOCO_RETRIEVAL_DEBIAN_DIR", "/work/shared/data/debian-bookworm")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+warnings.filterwarnings("ignore", message=r".*LightningModule.*log.*")
+warnings.filterwarnings("ignore", category=UserWarning, module="lightning")
+for _name in ("lightning.pytorch", "lightning.fabric", "lightning", "faiss.loader", "pytorch_lightning"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+# ----------------------------------------------------------------------------------- config
+
+
+def compose_cfg(overrides: Sequence[str] = ()):
+    """A ``TrainConfig`` from conf/ through Hydra's compose API, e.g. ``["model=frozen_head"]``."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from moco_retrieval.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_module("moco_retrieval.conf", version_base="1.3"):
+        cfg = compose("train", overrides=list(overrides))
+    return OmegaConf.to_object(cfg)
+
+
+# MR_BENCH_TRAINER=gpu runs the frozen-head benchmarks on a GPU (benchmarks/gpu.sh)
+TRAINER = os.environ.get("MR_BENCH_TRAINER", "cpu")
+FROZEN_BASE = ["model=frozen_head", f"trainer={TRAINER}", "logger=none", "data=debian"]
+
+
+# ----------------------------------------------------------------------------------- runs
+
+
+class Bench:
+    """Data read once; frozen features cached once; many quiet runs."""
+
+    def __init__(self, max_train_examples: Optional[int] = None, max_eval_queries: Optional[int] = None):
+        from moco_retrieval.data.datamodule import RetrievalDataModule
+
+        cfg = compose_cfg(FROZEN_BASE)
+        cfg.data.max_train_examples = max_train_examples
+        cfg.data.max_eval_queries = max_eval_queries
+        self.data_cfg = cfg.data
+        dm = RetrievalDataModule(cfg.data, tokenize=None)
+        dm.prepare_data()
+        dm.setup("fit")
+        self.train_pairs = dm.train_pairs
+        self.eval_set = dm.eval_set
+        self._keep: list[Any] = []  # encoders whose feature caches must stay alive
+
+    def warm(self, encoder) -> float:
+        """Fill (or load) the frozen features of every train and eval text; returns seconds."""
+        t0 = time.perf_counter()
+        if encoder.frozen:
+            encoder.warm_cache([p.query for p in self.train_pairs] + list(self.eval_set.queries.values()), "query",
+                               progress=False)
+            encoder.warm_cache([p.positive for p in self.train_pairs] + list(self.eval_set.corpus.values()), "doc",
+                               progress=False)
+            self._keep.append(encoder.feature_cache)
+        return time.perf_counter() - t0
+
+    def datamodule(self, cfg):
+        from moco_retrieval.data.datamodule import RetrievalDataModule
+
+        data = cfg.data
+        data.max_train_examples = self.data_cfg.max_train_examples
+        data.max_eval_queries = self.data_cfg.max_eval_queries
+        dm = RetrievalDataModule(data, tokenize=None)
+        dm._train_pairs, dm._eval_set = self.train_pairs, self.eval_set  # read once, shared
+        dm.prepare_data = lambda: None
+        return dm
+
+    def fit_eval(self, cfg, *, callbacks: Iterable[Any] = (), evaluate: bool = True) -> dict:
+        """Train ``cfg`` (frozen-head runs: texts only) and score the held-out pool."""
+        import lightning as L
+
+        from moco_retrieval.evaluation.encode import evaluate_encoder
+        from moco_retrieval.lightning_module import RetrievalModule
+
+        L.seed_everything(cfg.seed, workers=False, verbose=False)
+        module = RetrievalModule.from_config(cfg)
+        self.warm(module.encoder)
+        dm = self.datamodule(cfg)
+        if not module.encoder.frozen:
+            dm.tokenize = module.encoder.tokenize
+        trainer = quiet_trainer(cfg, callbacks=callbacks)
+        t0 = time.perf_counter()
+        trainer.fit(module, datamodule=dm)
+        train_s = time.perf_counter() - t0
+        out = {"train_s": train_s, "steps": int(trainer.global_step), "module": module}
+        # the last step's logged stats (negatives_per_query, masked_per_query, queue_age, ...)
+        out["last_step"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
+        if hasattr(module.objective, "queue"):
+            out["queue_fill"] = module.objective.queue.fill
+            out["queue_age_end"] = module.objective.queue.mean_age(trainer.global_step)
+        if evaluate:
+            res = evaluate_encoder(module.encoder, self.eval_set, module.eval_cfg, show_progress=False)
+            out.update(metrics=dict(res.metrics), geometry=dict(res.geometry), result=res)
+        return out
+
+    def eval_untrained(self, cfg) -> dict:
+        import lightning as L
+
+        from moco_retrieval.evaluation.encode import evaluate_encoder
+        from moco_retrieval.lightning_module import RetrievalModule
+
+        L.seed_everything(cfg.seed, workers=False, verbose=False)
+        module = RetrievalModule.from_config(cfg)
+        self.warm(module.encoder)
+        res = evaluate_encoder(module.encoder, self.eval_set, module.eval_cfg, show_progress=False)
+        return {"metrics": dict(res.metrics), "geometry": dict(res.geometry), "result": res, "steps": 0}
+
+
+def run_key(name: str, seed: int) -> str:
+    return f"{name}|seed={seed}"
+
+
+class Runner:
+    """Runs configs once each (results cached in a JSONL file, so a restarted benchmark resumes)."""
+
+    def __init__(self, bench: Bench, base: list[str], cache: Path, fresh: bool):
+        self.bench, self.base, self.cache = bench, base, cache
+        self.done: dict[str, dict] = {}
+        if cache.is_file() and not fresh:
+            for line in cache.read_text().splitlines():
+                rec = json.loads(line)
+                self.done[rec["key"]] = rec
+        cache.parent.mkdir(parents=True, exist_ok=True)
+
+    def run(self, group: str, name: str, overrides: list[str], seed: int, untrained: bool = False, **info) -> dict:
+        key = run_key(f"{group}:{name}", seed)
+        if key in self.done:
+            return self.done[key]
+        cfg = compose_cfg(FROZEN_BASE + overrides + self.base + [f"seed={seed}", f"data.seed={seed}"])
+        t0 = time.perf_counter()
+        r = self.bench.eval_untrained(cfg) if untrained else self.bench.fit_eval(cfg)
+        o = cfg.objective
+        rec = {
+            "key": key, "group": group, "name": name, "seed": seed, "overrides": overrides,
+            "batch_size": cfg.data.batch_size, "objective": o.name, "queue_size": o.queue_size if o.name == "moco" else 0,
+            "momentum": cfg.model.momentum if o.name == "moco" and cfg.model.key_encoder == "ema" else None,
+            "key_encoder": cfg.model.key_encoder if o.name == "moco" else None,
+            "queue_reproject": bool(o.queue_reproject) if o.name == "moco" else False,
+            "mask_false_negatives": o.mask_false_negatives, "batch_negatives": o.batch_negatives if o.name == "moco" else True,
+            "temperature": o.temperature, "lr": cfg.optim.lr, "epochs": cfg.trainer.max_epochs,
+            "steps": r["steps"], "train_s": r.get("train_s", 0.0),
+            "ms_per_step": 1000 * r["train_s"] / r["steps"] if r["steps"] else None,
+            "metrics": r["metrics"], "positive_cos_mean": r["geometry"].get("positive_cos_mean"),
+            "unrelated_cos_mean": r["geometry"].get("unrelated_cos_mean"),
+            "last_step": r.get("last_step", {}), "queue_age_end": r.get("queue_age_end"),
+            "wall_s": time.perf_counter() - t0, **info,
+        }
+        self.done[key] = rec
+        with self.cache.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        log(f"{group}: {name} seed {seed}: recall@1 {rec['metrics']['recall@1']:.3f} "
+            f"({rec['steps']} steps, {rec['train_s']:.0f}s)")
+        return rec
+
+
+def quiet_trainer(cfg, callbacks: Iterable[Any] = (), **kw):
+    import lightning as L
+
+    t = cfg.trainer
+    args = dict(
+        accelerator=t.accelerator, devices=1, precision=t.precision, max_epochs=t.max_epochs, max_steps=t.max_steps,
+        gradient_clip_val=t.gradient_clip_val, accumulate_grad_batches=t.accumulate_grad_batches,
+        logger=False, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=list(callbacks),
+        default_root_dir="/tmp/mr-bench-lightning",
+    )
+    args.update(kw)
+    return L.Trainer(**args)
+
+
+# ----------------------------------------------------------------------------------- stats / io
+
+
+def median(xs: Sequence[float]) -> float:
+    xs = [float(x) for x in xs if x is not None]
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def std(xs: Sequence[float]) -> float:
+    xs = [float(x) for x in xs if x is not None]
+    return float(statistics.stdev(xs)) if len(xs) > 1 else 0.0
+
+
+def mean(xs: Sequence[float]) -> float:
+    xs = [float(x) for x in xs if x is not None]
+    return float(statistics.fmean(xs)) if xs else float("nan")
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far (ru_maxrss is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def environment() -> dict:
+    import lightning
+    import transformers
+
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+    }
+
+
+def _json_default(o):
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(type(o).__name__)
+
+
+def write_results(name: str, markdown: str, data: dict, out_dir: Path = RESULTS) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md, js = out_dir / f"{name}.md", out_dir / f"{name}.json"
+    md.write_text(markdown.rstrip() + "\n", encoding="utf-8")
+    js.write_text(json.dumps(data, indent=2, default=_json_default) + "\n", encoding="utf-8")
+    return md, js
+
+
+def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(map(str, r)) + " |")
+    return "\n".join(lines)
+
+
+def f3(x: float) -> str:
+    return "n/a" if x is None or not np.isfinite(x) else f"{x:.3f}"
+
+
+def figure(w: float = 6.4, h: float = 4.2):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(w, h), dpi=110)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def skip_frozen_ema_copies() -> None:
+    """Benchmark-only speed patch: ``MomentumEncoder.update`` copies every *frozen* parameter into
+    the key encoder after each step (for the bag-of-wordpieces backbone a 30,522 x 384 embedding,
+    ~15 ms per step on this CPU, more than the whole head step). Frozen parameters never change
+    after the deep copy, so the EMA of the trained parameters and the buffer copy are all that is
+    left to do; the result is bit-identical. Applied by the frozen-head benchmarks (B1, B2)."""
+    from moco_retrieval.model import momentum
+
+    if getattr(momentum.MomentumEncoder.update, "_bench_patched", False):
+        return
+
+    @torch.no_grad()
+    def update(self, encoder, m: float) -> None:
+        k_params = list(self.key_encoder.parameters())
+        q_params = list(encoder.parameters())
+        if len(k_params) != len(q_params):
+            raise RuntimeError("key encoder and query encoder have different parameter lists")
+        trained = [(k, q.detach()) for k, q in zip(k_params, q_params) if q.requires_grad]
+        if trained:
+            ks, qs = map(list, zip(*trained))
+            torch._foreach_mul_(ks, m)
+            torch._foreach_add_(ks, qs, alpha=1.0 - m)
+        for kb, qb in zip(self.key_encoder.buffers(), encoder.buffers()):
+            kb.copy_(qb)
+
+    update._bench_patched = True
+    momentum.MomentumEncoder.update = update

@@ -1,0 +1,328 @@
+"""B1: the batch-size table, and the queue that decouples negatives from the batch.
+
+Frozen `bag_of_wordpieces` backbone (mean of all-MiniLM-L6-v2's input word embeddings) + a randomly
+initialised linear head (384 -> 384), the Debian set (36,513 training pairs; held-out pool of 3,283
+documents and queries), every run the same number of epochs, lr and temperature:
+
+1. the untrained head (one per seed);
+2. in-batch negatives at batches 4 ... 256, several seeds;
+3. batch 32 + the MoCo queue ("naive": keys stored as the key encoder made them) at
+   K = 1,024 ... 65,536 with momentum 0.99 and 0.999, masking on; K = 65,536 with masking off;
+4. remedies for stale queued keys, each measured the same way: the key encoder = the current query
+   head (no EMA lag), a lower momentum, the queue of frozen backbone *features* re-projected by the
+   current key head every step (``objective.queue_reproject``), and temperature re-tuned for K;
+5. the winner (``conf/experiment/frozen_queue.yaml``) against in-batch batch 256
+   (``conf/experiment/frozen_inbatch.yaml`` with data.batch_size=256) over the same seeds.
+
+Writes benchmarks/results/batch_size.{md,json} and batch_size_vs_batch.png,
+batch_size_vs_negatives.png. ``--quick``: a 6,000-pair slice, 1 epoch, fewer points (minutes).
+
+    python benchmarks/batch_size.py [--quick] [--seeds 3] [--epochs 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    FROZEN_BASE, Bench, Runner, compose_cfg, environment, f3, figure, log, md_table, mean, median, peak_rss_mb, std,
+    skip_frozen_ema_copies, write_results,
+)
+
+import torch  # noqa: E402
+
+NAME = "batch_size"
+REFERENCE = {4: .151, 8: .195, 16: .257, 32: .284, 64: .321, 128: .343, 256: .348}  # the issue's table
+REFERENCE_UNTRAINED = .174
+# the issue's quick reference on a similar split (linear head on bag-of-wordpieces, 3 epochs, 1 seed)
+REFERENCE_QUICK = {"inbatch": {32: .624, 64: .645, 128: .660, 256: .670}, "queue_best": .649}
+
+INBATCH = ["+experiment=frozen_inbatch"]
+QUEUE = ["+experiment=frozen_queue"]
+# the naive queue: keys stored as made by the EMA key encoder (what MoCo does)
+NAIVE = QUEUE + ["objective.queue_reproject=false", "model.key_encoder=ema", "objective.temperature=0.05"]
+
+
+def remedies(quick: bool) -> dict[str, tuple[str, list[str]]]:
+    """name -> (what it changes, overrides on top of the frozen_queue preset)."""
+    r = {
+        "naive K=4,096, m 0.999": ("the naive queue, for reference", NAIVE + ["objective.queue_size=4096", "model.momentum=0.999"]),
+        "no batch negatives, K=4,096, m 0.99": ("queued negatives only (batch_negatives off)",
+                                              NAIVE + ["objective.queue_size=4096", "model.momentum=0.99",
+                                                       "objective.batch_negatives=false"]),
+        "key encoder = query head, K=4,096": ("momentum 0: keys from the current head, queue still stale",
+                                             NAIVE + ["objective.queue_size=4096", "model.key_encoder=query"]),
+        "m 0.99, lr 3e-4, K=4,096": ("slower head: queued keys age less in head-space",
+                                     NAIVE + ["objective.queue_size=4096", "model.momentum=0.99", "optim.lr=3e-4"]),
+        "m 0.99, tau 0.1, K=4,096": ("temperature re-tuned up for more negatives",
+                                     NAIVE + ["objective.queue_size=4096", "model.momentum=0.99", "objective.temperature=0.1"]),
+        "re-projected, m 0.999, K=4,096": ("feature queue re-projected by the EMA key head",
+                                           QUEUE + ["objective.queue_size=4096", "model.key_encoder=ema", "model.momentum=0.999"]),
+        "re-projected, m 0.99, K=4,096": ("feature queue re-projected by the EMA key head",
+                                          QUEUE + ["objective.queue_size=4096", "model.key_encoder=ema", "model.momentum=0.99"]),
+        "re-projected, query head, K=4,096": ("feature queue re-projected by the current head", QUEUE + ["objective.queue_size=4096"]),
+        "re-projected, query head, K=16,384": ("feature queue re-projected by the current head", QUEUE + ["objective.queue_size=16384"]),
+        "re-projected, query head, K=16,384, tau 0.1": ("... and tau re-tuned", QUEUE + ["objective.queue_size=16384", "objective.temperature=0.1"]),
+    }
+    if quick:
+        keep = ["naive K=4,096, m 0.999", "key encoder = query head, K=4,096", "re-projected, query head, K=4,096"]
+        r = {k: r[k] for k in keep}
+    return r
+
+
+def r1(recs: list[dict]) -> list[float]:
+    return [r["metrics"]["recall@1"] for r in recs]
+
+
+def negatives_per_query(rec: dict) -> float:
+    """Unmasked negatives per query at the end of training (from the last step's stats when logged)."""
+    v = rec.get("last_step", {}).get("train/negatives_per_query")
+    if v is not None:
+        return float(v)
+    b = rec["batch_size"]
+    return b - 1 + (rec["queue_size"] or 0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a slice of the data, 1 epoch, fewer points (minutes)")
+    ap.add_argument("--seeds", type=int, default=None, help="seeds for in-batch and the winner (default 3; quick 1)")
+    ap.add_argument("--queue-seeds", type=int, default=1, help="seeds for every queue / remedy configuration")
+    ap.add_argument("--epochs", type=int, default=None, help="epochs of every run (default 3; quick 1)")
+    ap.add_argument("--batches", type=str, default=None, help="comma-separated in-batch batch sizes")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--fresh", action="store_true", help="ignore the cache of finished runs")
+    ap.add_argument("--skip", type=str, default="", help="comma-separated sections to skip: naive,remedies,winner")
+    ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    quick = args.quick
+    seeds = list(range(args.seeds if args.seeds is not None else (1 if quick else 3)))
+    queue_seeds = list(range(max(1, args.queue_seeds)))
+    epochs = args.epochs or (1 if quick else 3)
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else ([4, 32, 256] if quick else [4, 8, 16, 32, 64, 128, 256])
+    skip = {s for s in args.skip.split(",") if s}
+    ks = [1024, 4096] if quick else [1024, 4096, 16384, 65536]
+    moms = [0.99, 0.999]
+    skip_frozen_ema_copies()
+    t_start = time.time()
+    bench = Bench(max_train_examples=6000 if quick else None, max_eval_queries=None)
+    mode = "quick" if quick else "full"
+    runner = Runner(bench, [f"trainer.max_epochs={epochs}"], Path(f"/tmp/mr-bench-cache/{NAME}-{mode}-e{epochs}.jsonl"),
+                    args.fresh)
+    log(f"B1 {mode}: {len(bench.train_pairs):,} train pairs, pool {len(bench.eval_set.corpus):,} docs / "
+        f"{len(bench.eval_set.queries):,} queries; epochs {epochs}; seeds {seeds}")
+
+    # 1-2. untrained head and in-batch negatives, batch sweep (each seed sweeps every batch, so a cut
+    # run still has every batch size)
+    untrained = [runner.run("untrained", "untrained head", INBATCH, s, untrained=True) for s in seeds]
+    inbatch: dict[int, list[dict]] = {b: [] for b in batches}
+    for s in seeds:
+        for b in sorted(batches, reverse=True):
+            inbatch[b].append(runner.run("inbatch", f"batch {b}", INBATCH + [f"data.batch_size={b}"], s))
+
+    # 3. the naive queue at batch 32
+    naive: list[dict] = []
+    if "naive" not in skip:
+        for k in ks:
+            for m in moms:
+                for s in queue_seeds:
+                    naive.append(runner.run("naive", f"K={k:,}, m {m}", NAIVE + [f"objective.queue_size={k}", f"model.momentum={m}"], s))
+        kmask = ks[-1]
+        for s in queue_seeds:
+            naive.append(runner.run("naive", f"K={kmask:,}, m 0.999, masking off",
+                                    NAIVE + [f"objective.queue_size={kmask}", "model.momentum=0.999",
+                                             "objective.mask_false_negatives=false"], s))
+
+    # 4. remedies
+    rem: list[dict] = []
+    if "remedies" not in skip:
+        for name, (what, ov) in remedies(quick).items():
+            for s in queue_seeds:
+                rem.append(runner.run("remedy", name, ov, s, what=what))
+
+    # 5. the winner preset over the in-batch seeds
+    winner: list[dict] = []
+    if "winner" not in skip:
+        for s in seeds:
+            winner.append(runner.run("winner", "frozen_queue preset", QUEUE, s))
+
+    # ------------------------------------------------------------------------------- report
+    out_dir = args.out or Path(__file__).resolve().parent / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prefix = NAME if not quick else f"{NAME}_quick"
+    ib = {b: r1(v) for b, v in inbatch.items() if v}
+    b256 = ib.get(max(ib)) if ib else []
+    win = r1(winner)
+    verdict = None
+    if win and b256:
+        gap = median(win) - median(b256)
+        sd = std(b256)
+        verdict = {
+            "winner_median": median(win), "winner_std": std(win), "inbatch_max_batch": max(ib),
+            "inbatch_max_median": median(b256), "inbatch_max_std": sd, "difference": gap,
+            "met": bool(gap >= -sd) if len(b256) > 1 else bool(gap >= 0),
+            "beats": bool(gap > 0),
+        }
+    wcfg = compose_cfg(FROZEN_BASE + QUEUE)
+    preset = {
+        "queue_size": wcfg.objective.queue_size, "queue_reproject": wcfg.objective.queue_reproject,
+        "key_encoder": wcfg.model.key_encoder, "momentum": wcfg.model.momentum, "temperature": wcfg.objective.temperature,
+        "batch_size": wcfg.data.batch_size, "lr": wcfg.optim.lr,
+    }
+    env = environment()
+    data = {
+        "benchmark": "B1 batch size and queue", "mode": mode, "epochs": epochs, "seeds": seeds, "queue_seeds": queue_seeds,
+        "train_pairs": len(bench.train_pairs), "eval_docs": len(bench.eval_set.corpus),
+        "eval_queries": len(bench.eval_set.queries), "reference_issue": REFERENCE,
+        "reference_issue_untrained": REFERENCE_UNTRAINED, "reference_quick": REFERENCE_QUICK,
+        "untrained": {"recall@1": r1(untrained), "median": median(r1(untrained))},
+        "inbatch": {str(b): {"recall@1": v, "median": median(v), "mean": mean(v), "std": std(v)} for b, v in ib.items()},
+        "winner_preset": preset, "verdict": verdict,
+        "runs": list(runner.done[k] for k in runner.done if k.split(":")[0] in ("untrained", "inbatch", "naive", "remedy", "winner")),
+        "wall_s": time.time() - t_start, "peak_rss_mb": peak_rss_mb(), "environment": env,
+    }
+    md = render(data, ib, untrained, naive, rem, winner, prefix)
+    write_results(prefix, md, data, out_dir)
+    plots(ib, untrained, naive, rem, winner, out_dir, prefix)
+    log(f"wrote {out_dir / (prefix + '.md')} ({time.time() - t_start:.0f}s, peak RSS {peak_rss_mb():.0f} MB)")
+    return 0
+
+
+def _row(rec: dict) -> list:
+    return [rec["name"], rec["seed"], f"{negatives_per_query(rec):,.0f}", f3(rec["metrics"]["recall@1"]),
+            f3(rec["metrics"]["mrr@10"]), f3(rec["positive_cos_mean"]), f3(rec["unrelated_cos_mean"]),
+            f"{rec['ms_per_step']:.1f}" if rec.get("ms_per_step") else "-"]
+
+
+def render(data, ib, untrained, naive, rem, winner, prefix) -> str:
+    L = [f"# B1: batch size, and batch 32 + queue ({data['mode']})", ""]
+    L.append(f"Frozen bag-of-wordpieces backbone + random linear head (384 -> 384), Debian set: "
+             f"{data['train_pairs']:,} training pairs, held-out pool of {data['eval_docs']:,} documents and "
+             f"{data['eval_queries']:,} queries. Every run: {data['epochs']} epoch(s), AdamW, the "
+             f"frozen_inbatch / frozen_queue presets (lr, tau and warmup there), seeds {data['seeds']} for in-batch "
+             f"and the winner, {len(data['queue_seeds'])} seed(s) for each queue configuration. recall@1 over the pool.")
+    L.append("")
+    L.append("## In-batch negatives vs batch size (median over seeds, ± std)")
+    L.append("")
+    bs = sorted(ib)
+    L.append(md_table(["batch"] + [str(b) for b in bs] + ["untrained"],
+                      [["recall@1 (median)"] + [f3(median(ib[b])) for b in bs] + [f3(median(r1(untrained)))],
+                       ["± std"] + [f3(std(ib[b])) for b in bs] + [f3(std(r1(untrained)))],
+                       ["seeds"] + [str(len(ib[b])) for b in bs] + [str(len(untrained))],
+                       ["issue's reference"] + [f3(REFERENCE.get(b)) for b in bs] + [f3(REFERENCE_UNTRAINED)]]))
+    L.append("")
+    v = data["verdict"]
+    if v:
+        p = data["winner_preset"]
+        what = (f"K={p['queue_size']:,}, {'re-projected feature queue' if p['queue_reproject'] else 'key queue'}, "
+                f"key encoder {p['key_encoder']}{'' if p['key_encoder'] == 'query' else ' m ' + str(p['momentum'])}, "
+                f"tau {p['temperature']}")
+        L.append("## The claim: batch 32 + queue vs in-batch at the largest batch")
+        L.append("")
+        L.append(md_table(["configuration", "recall@1 median", "± std", "seeds"], [
+            [f"in-batch, batch {v['inbatch_max_batch']}", f3(v["inbatch_max_median"]), f3(v["inbatch_max_std"]), len(ib[v['inbatch_max_batch']])],
+            [f"batch {p['batch_size']} + queue ({what})", f3(v["winner_median"]), f3(v["winner_std"]), len(winner)],
+        ]))
+        L.append("")
+        verdict = ("**met, and beaten**" if v["beats"] else "**met** (within one std)") if v["met"] else "**not met**"
+        L.append(f"Difference {v['difference']:+.3f}: {verdict}.")
+        L.append("")
+    if naive:
+        L.append("## Batch 32 + naive MoCo queue (keys stored as the key encoder made them)")
+        L.append("")
+        L.append(md_table(["configuration", "seed", "negatives/query", "recall@1", "MRR@10", "pos cos", "unrel cos", "ms/step"],
+                          [_row(r) for r in naive]))
+        L.append("")
+    if rem:
+        L.append("## Remedies for stale queued keys (batch 32)")
+        L.append("")
+        L.append(md_table(["configuration", "seed", "negatives/query", "recall@1", "MRR@10", "pos cos", "unrel cos", "ms/step", "what it changes"],
+                          [_row(r) + [r.get("what", "")] for r in rem]))
+        L.append("")
+    if winner:
+        L.append("## The winner preset over seeds")
+        L.append("")
+        L.append(md_table(["configuration", "seed", "negatives/query", "recall@1", "MRR@10", "pos cos", "unrel cos", "ms/step"],
+                          [_row(r) for r in winner]))
+        L.append("")
+    L.append("## In-batch runs")
+    L.append("")
+    L.append(md_table(["configuration", "seed", "negatives/query", "recall@1", "MRR@10", "pos cos", "unrel cos", "ms/step"],
+                      [_row(r) for b in sorted(ib) for r in data_runs(data, "inbatch", f"batch {b}")]))
+    L.append("")
+    L.append(f"![recall@1 vs batch]({prefix}_vs_batch.png)")
+    L.append("")
+    L.append(f"![recall@1 vs negatives per query]({prefix}_vs_negatives.png)")
+    L.append("")
+    L.append(f"Wall time {data['wall_s'] / 60:.1f} min (this invocation; finished runs are cached), peak RSS "
+             f"{data['peak_rss_mb']:.0f} MB, torch {data['environment']['torch']}, "
+             f"{data['environment']['torch_threads']} thread(s). ms/step is wall time of the whole Lightning step on a "
+             "shared 2-core CPU: indicative only (B5 measures speed).")
+    return "\n".join(L)
+
+
+def data_runs(data, group, name):
+    return [r for r in data["runs"] if r["group"] == group and r["name"] == name]
+
+
+def plots(ib, untrained, naive, rem, winner, out_dir: Path, prefix: str) -> None:
+    bs = sorted(ib)
+    fig = figure(6.6, 4.4)
+    ax = fig.subplots()
+    med = [median(ib[b]) for b in bs]
+    lo = [min(ib[b]) for b in bs]
+    hi = [max(ib[b]) for b in bs]
+    ax.plot(bs, med, "o-", color="#1f77b4", label="in-batch negatives (median over seeds)")
+    ax.fill_between(bs, lo, hi, color="#1f77b4", alpha=0.15, label="in-batch min-max over seeds")
+    if untrained:
+        ax.axhline(median(r1(untrained)), color="#7f7f7f", linestyle=":", label="untrained head")
+    if naive:
+        best = max(naive, key=lambda r: r["metrics"]["recall@1"])
+        ax.plot([32], [best["metrics"]["recall@1"]], "s", color="#d62728", label=f"batch 32 + naive queue, best ({best['name']})")
+    if winner:
+        w = r1(winner)
+        ax.errorbar([32], [median(w)], yerr=[[median(w) - min(w)], [max(w) - median(w)]], fmt="*", markersize=13,
+                    color="#2ca02c", label="batch 32 + queue, frozen_queue preset")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(bs)
+    ax.set_xticklabels([str(b) for b in bs])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("recall@1 (held-out pool)")
+    ax.set_title("Recall@1 vs batch size (frozen head)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{prefix}_vs_batch.png")
+
+    fig = figure(6.6, 4.4)
+    ax = fig.subplots()
+    xs = [b - 1 for b in bs]
+    ax.plot(xs, med, "o-", color="#1f77b4", label="in-batch (batch - 1 negatives)")
+    for group, color, marker, label in ((naive, "#d62728", "s", "batch 32 + naive queue"),
+                                        (rem, "#ff7f0e", "^", "batch 32 + queue, remedies"),
+                                        (winner, "#2ca02c", "*", "batch 32 + queue, preset")):
+        if group:
+            x = [negatives_per_query(r) for r in group]
+            y = [r["metrics"]["recall@1"] for r in group]
+            ax.scatter(x, y, marker=marker, color=color, s=50 if marker != "*" else 140, label=label, zorder=3)
+    for r in naive:
+        ax.annotate(r["name"].replace(", m ", "\nm "), (negatives_per_query(r), r["metrics"]["recall@1"]), fontsize=5,
+                    xytext=(3, -8), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("negatives per query (log scale)")
+    ax.set_ylabel("recall@1 (held-out pool)")
+    ax.set_title("Recall@1 vs negatives per query")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{prefix}_vs_negatives.png")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

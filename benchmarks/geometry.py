@@ -1,0 +1,198 @@
+"""B3: geometry of the embedding space on the held-out Debian pool.
+
+For each encoder: anisotropy (mean cosine of unrelated (query, document) pairs, with its 5th-95th
+percentiles), mean positive cosine, alignment and uniformity (Wang & Isola 2020), and recall@1 for
+reference, all from ``moco_retrieval.evaluation`` (``evaluate_encoder`` -> ``compute_geometry``):
+
+* a randomly initialised MiniLM (all-MiniLM-L6-v2's architecture, ``AutoConfig`` + random init);
+* the bag-of-wordpieces encoder (mean of MiniLM's input word embeddings, no head);
+* all-MiniLM-L6-v2 as released (contrastively trained by its authors);
+* our trained head: the frozen bag-of-wordpieces backbone + linear head trained here with the
+  B1 winner preset (``+experiment=frozen_queue``; ``--head-preset frozen_inbatch`` for batch 256
+  in-batch negatives);
+* the MiniLM fine-tuned by the main job (``--checkpoint``, default
+  /work/runs/queue65k/checkpoints/last.ckpt), when it exists.
+
+Writes benchmarks/results/geometry.{md,json}, geometry_hist.png (positive vs unrelated cosine
+histograms side by side) and geometry_recall.png. ``--quick``: a 600-query / 600-document slice of
+the pool and a 1-epoch head.
+
+    python benchmarks/geometry.py [--quick] [--checkpoint PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    FROZEN_BASE, Bench, compose_cfg, environment, f3, log, md_table, peak_rss_mb, skip_frozen_ema_copies, write_results,
+)
+
+import torch  # noqa: E402
+
+NAME = "geometry"
+DEFAULT_CKPT = "/work/runs/queue65k/checkpoints/last.ckpt"
+
+
+def random_minilm(seed: int = 0):
+    """A TextEncoder with all-MiniLM-L6-v2's architecture and tokenizer, weights randomly initialised."""
+    from transformers import AutoConfig, AutoModel
+
+    from moco_retrieval.config import ModelConfig
+    from moco_retrieval.model.encoder import build_encoder, resolve_backbone_path
+
+    cfg = ModelConfig(backbone="minilm", head="none")
+    enc = build_encoder(cfg)
+    hf = AutoConfig.from_pretrained(str(resolve_backbone_path(cfg)), local_files_only=True)
+    torch.manual_seed(seed)
+    try:
+        model = AutoModel.from_config(hf, add_pooling_layer=False)
+    except TypeError:
+        model = AutoModel.from_config(hf)
+    model.pooler = None
+    enc.tower.backbone = model.eval()
+    return enc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--checkpoint", default=DEFAULT_CKPT)
+    ap.add_argument("--head-preset", default="frozen_queue", choices=["frozen_queue", "frozen_inbatch"])
+    ap.add_argument("--head-epochs", type=int, default=None, help="epochs of the trained head (default: the preset's; quick 1)")
+    ap.add_argument("--max-pool", type=int, default=None, help="cap queries and documents of the pool (default: all)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from moco_retrieval.config import ModelConfig
+    from moco_retrieval.data.datamodule import cap_eval_set
+    from moco_retrieval.evaluation.encode import evaluate_encoder
+    from moco_retrieval.evaluation.report import plot_cosine_histograms, plot_recall_curves
+    from moco_retrieval.model.encoder import build_encoder
+
+    skip_frozen_ema_copies()
+    quick = args.quick
+    t0 = time.time()
+    cap = args.max_pool or (600 if quick else None)
+    bench = Bench(max_train_examples=6000 if quick else None)
+    pool = cap_eval_set(bench.eval_set, cap, cap, seed=0) if cap else bench.eval_set
+    ecfg = compose_cfg(FROZEN_BASE).eval
+    log(f"B3: pool {len(pool.corpus):,} documents / {len(pool.queries):,} queries")
+
+    results, notes, timing = {}, {}, {}
+
+    def measure(name: str, encoder, note: str) -> None:
+        t = time.perf_counter()
+        encoder.eval()
+        results[name] = evaluate_encoder(encoder, pool, ecfg, batch_size=64, show_progress=False)
+        timing[name] = time.perf_counter() - t
+        notes[name] = note
+        g = results[name].geometry
+        log(f"{name}: unrelated {g['unrelated_cos_mean']:+.3f} [{g['unrelated_cos_p05']:+.2f}, {g['unrelated_cos_p95']:+.2f}], "
+            f"positive {g['positive_cos_mean']:+.3f}, recall@1 {results[name].metrics['recall@1']:.3f} ({timing[name]:.0f}s)")
+
+    with torch.no_grad():
+        measure("MiniLM, random init", random_minilm(0), "all-MiniLM-L6-v2 architecture, AutoConfig + random init, mean pooling")
+        bow = build_encoder(ModelConfig(backbone="minilm", backbone_kind="bag_of_wordpieces", head="none"))
+        measure("bag-of-wordpieces", bow, "mean of MiniLM's input word embeddings, no head")
+        del bow
+        measure("all-MiniLM-L6-v2", build_encoder(ModelConfig(backbone="minilm", head="none")), "as released, mean pooling")
+
+    overrides = [f"+experiment={args.head_preset}"]
+    epochs = args.head_epochs or (1 if quick else None)
+    if epochs:
+        overrides.append(f"trainer.max_epochs={epochs}")
+    hcfg = compose_cfg(FROZEN_BASE + overrides)
+    t = time.perf_counter()
+    run = bench.fit_eval(hcfg, evaluate=False)
+    head_train_s = time.perf_counter() - t
+    with torch.no_grad():
+        measure(f"our head ({args.head_preset})", run["module"].encoder,
+                f"bag-of-wordpieces + linear head trained with +experiment={args.head_preset}, "
+                f"{hcfg.trainer.max_epochs} epoch(s), {run['steps']} steps ({head_train_s:.0f}s)")
+    del run
+
+    ckpt = Path(args.checkpoint) if args.checkpoint else None
+    ckpt_note = None
+    if ckpt is not None and ckpt.is_file():
+        from moco_retrieval.lightning_module import RetrievalModule
+
+        m = RetrievalModule.load_from_checkpoint(str(ckpt), map_location="cpu", weights_only=False)
+        step = torch.load(str(ckpt), map_location="cpu", weights_only=False).get("global_step")
+        with torch.no_grad():
+            measure("MiniLM fine-tuned (queue65k)", m.encoder, f"{ckpt} (global step {step}), query encoder")
+        del m
+    else:
+        ckpt_note = f"no fine-tuned checkpoint at {ckpt}: row left out"
+        log(ckpt_note)
+
+    out_dir = args.out or Path(__file__).resolve().parent / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prefix = NAME if not quick else f"{NAME}_quick"
+    plot_cosine_histograms(results, out_dir / f"{prefix}_hist.png")
+    plot_side_by_side(results, out_dir / f"{prefix}_hist_grid.png")
+    plot_recall_curves(results, out_dir / f"{prefix}_recall.png")
+    rows = []
+    for name, r in results.items():
+        g = r.geometry
+        rows.append([name, f"{g['unrelated_cos_mean']:+.3f}", f"[{g['unrelated_cos_p05']:+.2f}, {g['unrelated_cos_p95']:+.2f}]",
+                     f"{g['positive_cos_mean']:+.3f}", f"{g['cos_gap']:+.3f}", f3(g["alignment"]), f3(g["uniformity"]),
+                     f3(r.metrics["recall@1"]), f3(r.metrics["ndcg@10"])])
+    data = {
+        "benchmark": "B3 geometry", "mode": "quick" if quick else "full",
+        "pool": {"docs": len(pool.corpus), "queries": len(pool.queries)},
+        "models": {n: {"note": notes[n], "geometry": r.geometry, "metrics": r.metrics, "encode_eval_s": timing[n]}
+                   for n, r in results.items()},
+        "checkpoint_note": ckpt_note, "wall_s": time.time() - t0, "peak_rss_mb": peak_rss_mb(),
+        "environment": environment(),
+    }
+    md = [f"# B3: geometry ({data['mode']})", "",
+          f"Held-out Debian pool: {len(pool.corpus):,} documents, {len(pool.queries):,} queries. Anisotropy = mean "
+          "cosine of unrelated (query, document) pairs (20,000 sampled), with its 5th-95th percentiles; alignment = "
+          "E||f(q) - f(d+)||^2 (lower is better); uniformity = log E exp(-2||f(x) - f(y)||^2), the mean of the "
+          "query and document sides (lower is more uniform). All on L2-normalised embeddings.", "",
+          md_table(["encoder", "anisotropy (mean unrel. cos)", "unrel. 5th-95th pct", "mean pos. cos", "gap",
+                    "alignment", "uniformity", "recall@1", "nDCG@10"], rows), ""]
+    md += ["Encoders:", ""] + [f"- **{n}**: {notes[n]}" for n in results] + [""]
+    if ckpt_note:
+        md += [f"Note: {ckpt_note}.", ""]
+    md += [f"![cosine histograms side by side]({prefix}_hist_grid.png)", "",
+           f"![cosine histograms]({prefix}_hist.png)", "", f"![recall at k]({prefix}_recall.png)", "",
+           f"Wall time {data['wall_s'] / 60:.1f} min, peak RSS {data['peak_rss_mb']:.0f} MB."]
+    write_results(prefix, "\n".join(md), data, out_dir)
+    log(f"wrote {out_dir / (prefix + '.md')}")
+    return 0
+
+
+def plot_side_by_side(results: dict, path: Path, bins: int = 60) -> None:
+    """One column per encoder: unrelated vs positive cosine histograms on a shared x axis."""
+    import numpy as np
+
+    from _common import figure
+
+    n = len(results)
+    fig = figure(3.0 * n, 3.2)
+    axes = fig.subplots(1, n, sharex=True, squeeze=False)[0]
+    edges = np.linspace(-0.4, 1.0, bins + 1)
+    for ax, (name, r) in zip(axes, results.items()):
+        ax.hist(np.clip(r.unrelated_cosines, -0.4, 1.0), bins=edges, density=True, alpha=0.55, color="#7f7f7f", label="unrelated")
+        ax.hist(np.clip(r.positive_cosines, -0.4, 1.0), bins=edges, density=True, alpha=0.55, color="#1f77b4", label="positive")
+        g = r.geometry
+        ax.axvline(g["unrelated_cos_mean"], color="#404040", linestyle="--", linewidth=1)
+        ax.axvline(g["positive_cos_mean"], color="#0b4f8a", linestyle="--", linewidth=1)
+        ax.set_title(f"{name}\nunrel {g['unrelated_cos_mean']:+.2f}, pos {g['positive_cos_mean']:+.2f}", fontsize=8)
+        ax.set_xlabel("cosine")
+        ax.set_yticks([])
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,190 @@
+"""``python -m moco_retrieval.evaluate``: retrieval metrics, geometry and plots for one model or
+several side by side.
+
+    python -m moco_retrieval.evaluate                                   # the untrained base encoder (model group)
+    python -m moco_retrieval.evaluate checkpoint=RUN/checkpoints/last.ckpt
+    python -m moco_retrieval.evaluate model_dir=EXPORTED_DIR
+    python -m moco_retrieval.evaluate checkpoint=CKPT compare=[base]    # side by side, one report
+    python -m moco_retrieval.evaluate data=beir data.dir=BEIR_DIR       # any BEIR-layout folder
+
+The pool is the data group's evaluation split (Debian held-out pool by default; ``data=beir`` reads
+only ``qrels/<data.eval_split>.tsv``), capped by ``data.max_eval_queries`` / ``data.max_eval_docs``.
+Writes into ``out_dir`` (default: Hydra's run folder): ``eval.json``, ``run.trec`` (one model) or
+``run.<name>.trec``, ``report.md``, ``cosine_hist.png`` and ``recall_at_k.png``; see
+``moco_retrieval/evaluation/report.py``. Index and top-k come from ``eval.*`` (EvalConfig).
+
+``compare`` entries are ``base`` (the ``model`` group's untrained encoder), a checkpoint file or a
+model directory; the report's columns are the main model then ``compare`` in order.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from moco_retrieval.config import DataConfig, EvalConfig, ModelConfig
+from moco_retrieval.export import describe_spec, load_encoder, model_config, store_command
+
+warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+
+
+@dataclass
+class EvaluateConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)  # the base encoder ("base"), and model_dir fallback
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: Optional[str] = None  # a training checkpoint (.ckpt)
+    model_dir: Optional[str] = None  # a directory written by moco_retrieval.export (or any HF model folder)
+    encoder: str = "query"  # query | key (a checkpoint's momentum key encoder)
+    compare: list[str] = field(default_factory=list)  # more models: base | CKPT | DIR
+    name: Optional[str] = None  # report name of the main model
+    out_dir: Optional[str] = None  # default: Hydra's run folder
+    batch_size: Optional[int] = None  # default: data.eval_batch_size
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    plots: bool = True
+    progress: bool = True
+
+
+def register() -> None:
+    store_command("evaluate_command", EvaluateConfig, {"model": "minilm", "data": "debian"}, quiet=False)
+
+
+register()
+
+
+# --------------------------------------------------------------------------- pool
+
+
+def load_eval_set(data: Any) -> tuple[Any, dict]:
+    """The evaluation pool of a data config, without reading training data: ``(EvalSet, description)``."""
+    from moco_retrieval.data.datamodule import cap_eval_set
+    from moco_retrieval.data.formats import DataError, read_beir
+
+    kind = data.kind
+    if kind == "debian":
+        from moco_retrieval.data.debian import ensure_debian_dataset
+
+        folder = ensure_debian_dataset(data) / "eval"
+        split = "test"
+    elif kind == "beir":
+        if not data.dir:
+            raise DataError("data.dir is required with data=beir (a BEIR folder with corpus.jsonl, queries.jsonl, qrels/)")
+        folder, split = Path(data.dir).expanduser(), data.eval_split
+    elif kind == "jsonl":
+        if not data.eval_dir:
+            raise DataError("data.eval_dir is required with data=jsonl (a BEIR-layout folder)")
+        folder, split = Path(data.eval_dir).expanduser(), data.eval_split
+    else:
+        raise DataError(f"data.kind={kind!r}: expected debian, jsonl or beir")
+    full = read_beir(folder, split)
+    ev = cap_eval_set(full, data.max_eval_queries, data.max_eval_docs, data.seed)
+    desc = {
+        "kind": kind,
+        "dir": str(folder),
+        "split": split,
+        "queries": len(ev.queries),
+        "documents": len(ev.corpus),
+        "judgments": sum(len(r) for r in ev.qrels.values()),
+    }
+    if len(ev.queries) != len(full.queries) or len(ev.corpus) != len(full.corpus):
+        desc["capped_from"] = {"queries": len(full.queries), "documents": len(full.corpus)}
+    return ev, desc
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _model_name(spec_kwargs: dict, desc: dict, given: Optional[str]) -> str:
+    if given:
+        return given
+    if desc.get("source") == "base":
+        return "base"
+    p = Path(spec_kwargs.get("checkpoint") or spec_kwargs.get("model_dir") or "model")
+    if p.suffix == ".ckpt":
+        run = p.parent.parent.name if p.parent.name == "checkpoints" else p.parent.name
+        name = f"{run}-{p.stem}" if run else p.stem
+    else:
+        name = p.name
+    if desc.get("encoder") == "key":
+        name += "-key"
+    return name
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    out, i = name, 2
+    while out in taken:
+        out, i = f"{name}-{i}", i + 1
+    taken.add(out)
+    return out
+
+
+# --------------------------------------------------------------------------- command
+
+
+def run_evaluate(cfg: Any, out_dir: str | Path) -> dict[str, Path]:
+    """Evaluate the configured model(s) on the pool and write the report files into ``out_dir``."""
+    from moco_retrieval.evaluation.encode import evaluate_encoder
+    from moco_retrieval.evaluation.report import write_report
+
+    evalset, dataset = load_eval_set(cfg.data)
+    eval_cfg = OmegaConf.to_object(cfg.eval) if isinstance(cfg.eval, DictConfig) else cfg.eval
+    base_model = model_config(cfg.model)
+    device = pick_device(cfg.device)
+    batch_size = int(cfg.batch_size or cfg.data.eval_batch_size)
+    specs: list[tuple[dict, str, Optional[str]]] = []
+    main_kwargs = {k: v for k, v in (("checkpoint", cfg.checkpoint), ("model_dir", cfg.model_dir)) if v}
+    specs.append((main_kwargs, cfg.encoder, cfg.name))
+    for spec in cfg.compare:
+        specs.append((describe_spec(str(spec)), "query", None))
+    print(
+        f"pool: {dataset['queries']:,} queries, {dataset['documents']:,} documents ({dataset['kind']}, {dataset['dir']}); "
+        f"index {eval_cfg.index}, top {eval_cfg.top_k}; device {device}"
+    )
+    results, models, taken = {}, {}, set()
+    for kwargs, which, given in specs:
+        enc, desc = load_encoder(model=base_model, encoder=which, **kwargs)
+        name = _unique(_model_name(kwargs, desc, given), taken)
+        enc.to(device)
+        res = evaluate_encoder(enc, evalset, eval_cfg, batch_size, show_progress=bool(cfg.progress))
+        desc["parameters"] = int(sum(p.numel() for p in enc.parameters()))
+        results[name], models[name] = res, desc
+        m = res.metrics
+        print(
+            f"{name}: recall@1 {m['recall@1']:.4f}  recall@10 {m['recall@10']:.4f}  mrr@10 {m['mrr@10']:.4f}  "
+            f"ndcg@10 {m['ndcg@10']:.4f}  anisotropy {res.geometry['anisotropy']:+.3f}  "
+            f"(encode {res.timings['encode']:.1f}s, search {res.timings['search']:.2f}s)"
+        )
+        del enc
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    files = write_report(out_dir, results, models=models, dataset=dataset, plots=bool(cfg.plots))
+    print(f"report: {files['report_md']}")
+    return files
+
+
+def _main() -> None:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    @hydra.main(config_path="pkg://moco_retrieval.conf", config_name="evaluate_command", version_base="1.3")
+    def main(cfg: DictConfig) -> None:
+        missing = sorted(k for k in OmegaConf.missing_keys(cfg) if k != "data.train_path")  # not read here
+        if missing:
+            raise SystemExit("missing required config values: " + ", ".join(missing))
+        out_dir = cfg.out_dir or HydraConfig.get().runtime.output_dir
+        run_evaluate(cfg, out_dir)
+
+    main()
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,546 @@
+"""Hard-negative mining with false-negative filters (``python -m moco_retrieval.mine``).
+
+For every training pair the query is searched against a corpus and the best-ranked documents
+that are *not* known to be relevant become its hard negatives:
+
+1. The corpus is the training documents: the pairs' positives, one entry per document id.
+2. Corpus and queries are encoded by one model (a checkpoint, an exported model directory or
+   the base encoder) and each query's top candidates are found with FAISS (inner product: the
+   training score; cosine for a normalizing model).
+3. Candidates are removed, in this order (each candidate is counted under the first rule that
+   removes it; ``stats["removed"]``):
+
+   * ``positive``: a positive of the query: the pair's own document, and every document paired
+     with the same query text elsewhere in the data. Always removed: a positive is never a negative.
+   * ``group``: a document of the same group as one of those positives (``drop_group``, default
+     on): known duplicates (the Debian set: binary packages of one source package).
+   * ``rank_window``: ranks are 0-based and counted over the candidates left after the two rules
+     above (rank 0 = the best-scoring document that is neither a positive nor in its group); a
+     candidate is kept only when ``range_min <= rank <= range_max``. The search goes deep enough
+     that every query has ``range_max + 1`` ranked candidates after the removals (when the corpus
+     has them); candidates below ``range_min`` are counted as removed, the list ends at
+     ``range_max``.
+   * ``margin`` (absolute): keep only if ``score(neg) <= score(pos) - margin``.
+   * ``relative_margin``: keep only if ``score(neg) <= score(pos) * (1 - r)``; r = 0.05 by default.
+     Positive-aware mining ("TopK-PercPos", Moreira et al. 2024, "NV-Retriever"): a candidate that
+     scores nearly as high as the labelled positive is likely an unlabelled relevant document,
+     and training against it teaches the model to push relevant documents away. ``null`` turns
+     it off; ``0`` still removes candidates scoring above the positive. (Meant for positive
+     scores, e.g. cosine > 0; with a negative positive score the bound lies above it.)
+   * ``max_score``: keep only if ``score(neg) <= max_score``.
+
+   ``stats["would_remove_alone"]`` also says how many candidates of the window each score filter
+   rejects by itself (the filters overlap).
+4. ``n_negatives`` of the candidates that pass are kept per query: the best-ranked (``sampling=top``)
+   or a uniform random choice (``sampling=random``, generator seeded by ``(seed, row)``), listed
+   by rank.
+
+The output is the training JSONL of :mod:`moco_retrieval.data.formats` (read by
+``read_pairs_jsonl``; train with ``data=jsonl data.train_path=OUT data.n_negatives=N``): each row
+keeps its query, positive, ids and group, gains ``positive_score`` and ``negatives`` (``doc_id``,
+``text``, ``score``, ``group`` when known, and ``rank``), replacing any negatives it had. Rows left
+without a negative are not written unless ``keep_empty`` (training with ``n_negatives`` refuses
+them). The statistics go to ``<output stem>.stats.json`` and to stdout.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from moco_retrieval.data.formats import Negative, Pair, pair_to_json, write_jsonl
+from moco_retrieval.data.ids import NO_GROUP, normalize_text
+
+SAMPLINGS = ("top", "random")
+REMOVAL_REASONS = ("positive", "group", "rank_window", "margin", "relative_margin", "max_score")
+SCORE_FILTERS = ("margin", "relative_margin", "max_score")
+
+
+# ----------------------------------------------------------------------------------- filters
+
+
+@dataclass
+class MiningFilters:
+    """What a candidate must satisfy to become a negative (see the module docstring)."""
+
+    range_min: int = 0
+    range_max: int = 50
+    margin: Optional[float] = None
+    relative_margin: Optional[float] = 0.05
+    max_score: Optional[float] = None
+    drop_group: bool = True
+
+    def check(self) -> "MiningFilters":
+        if self.range_min < 0 or self.range_max < self.range_min:
+            raise ValueError(
+                f"rank window [range_min={self.range_min}, range_max={self.range_max}]: expected "
+                "0 <= range_min <= range_max"
+            )
+        if self.margin is not None and self.margin < 0:
+            raise ValueError(f"margin={self.margin}: expected >= 0 (or null for no absolute margin)")
+        if self.relative_margin is not None and not 0 <= self.relative_margin < 1:
+            raise ValueError(f"relative_margin={self.relative_margin}: expected 0 <= r < 1 (or null)")
+        return self
+
+    def score_rejects(self, score: float, pos_score: float) -> Optional[str]:
+        """The first score filter that rejects ``score`` (None: it passes)."""
+        for name in SCORE_FILTERS:
+            if self._rejects(name, score, pos_score):
+                return name
+        return None
+
+    def _rejects(self, name: str, score: float, pos_score: float) -> bool:
+        if name == "margin":
+            return self.margin is not None and not score <= pos_score - self.margin
+        if name == "relative_margin":
+            return self.relative_margin is not None and not score <= pos_score * (1 - self.relative_margin)
+        if name == "max_score":
+            return self.max_score is not None and not score <= self.max_score
+        raise KeyError(name)
+
+
+@dataclass
+class Candidate:
+    doc: int  # corpus position
+    score: float
+    rank: int  # 0-based rank after removing positives and their groups
+
+
+def new_counts() -> dict[str, Any]:
+    return {
+        "considered": 0,
+        "removed": {r: 0 for r in REMOVAL_REASONS},
+        "would_remove_alone": {r: 0 for r in SCORE_FILTERS},
+        "passed": 0,
+        "not_sampled": 0,
+        "kept": 0,
+    }
+
+
+def filter_candidates(
+    docs: Sequence[int],
+    scores: Sequence[float],
+    pos_score: float,
+    positives: set[int],
+    positive_groups: set[int],
+    doc_groups: Sequence[int],
+    filters: MiningFilters,
+    counts: Optional[dict] = None,
+) -> list[Candidate]:
+    """The candidates of one query that pass every filter, in rank order.
+
+    ``docs``/``scores``: the query's search results, best first (corpus positions; -1 = no result).
+    ``positives``: corpus positions of the query's positives; ``positive_groups``: their groups
+    (>= 0). ``doc_groups[j]``: group of corpus document j (-1 none). ``counts`` (from
+    :func:`new_counts`) is updated in place.
+    """
+    counts = counts if counts is not None else new_counts()
+    out: list[Candidate] = []
+    rank = -1
+    for j, s in zip(docs, scores):
+        j = int(j)
+        if j < 0:
+            continue
+        if rank >= filters.range_max:
+            break  # the window is complete
+        s = float(s)
+        counts["considered"] += 1
+        if j in positives:
+            counts["removed"]["positive"] += 1
+            continue
+        if filters.drop_group and doc_groups[j] != NO_GROUP and doc_groups[j] in positive_groups:
+            counts["removed"]["group"] += 1
+            continue
+        rank += 1
+        if rank < filters.range_min:
+            counts["removed"]["rank_window"] += 1
+            continue
+        for name in SCORE_FILTERS:
+            if filters._rejects(name, s, pos_score):
+                counts["would_remove_alone"][name] += 1
+        reason = filters.score_rejects(s, pos_score)
+        if reason is not None:
+            counts["removed"][reason] += 1
+            continue
+        counts["passed"] += 1
+        out.append(Candidate(j, s, rank))
+    return out
+
+
+def sample_candidates(passing: list[Candidate], n: int, sampling: str, seed: int, row: int) -> list[Candidate]:
+    """``n`` of the passing candidates: the best-ranked, or a seeded uniform choice (rank order kept)."""
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"sampling={sampling!r}: expected one of {SAMPLINGS}")
+    if len(passing) <= n:
+        return list(passing)
+    if sampling == "top":
+        return passing[:n]
+    rng = np.random.default_rng([int(seed), int(row)])
+    pick = sorted(rng.choice(len(passing), size=n, replace=False).tolist())
+    return [passing[i] for i in pick]
+
+
+# ------------------------------------------------------------------------------------ corpus
+
+
+@dataclass
+class Corpus:
+    """The training documents: one entry per positive document id (first text and group seen)."""
+
+    doc_ids: list[int]
+    texts: list[str]
+    groups: list[int]
+    row_doc: list[int]  # corpus position of each pair's positive
+    row_positives: list[set[int]]  # corpus positions of every positive of each pair's query
+    row_groups: list[set[int]]  # groups (>= 0) of those positives
+
+    def __len__(self) -> int:
+        return len(self.doc_ids)
+
+
+def build_corpus(pairs: Sequence[Pair]) -> Corpus:
+    """The corpus of ``pairs`` and, per pair, what must never be its negative."""
+    pos_of: dict[int, int] = {}
+    doc_ids: list[int] = []
+    texts: list[str] = []
+    groups: list[int] = []
+    row_doc: list[int] = []
+    for p in pairs:
+        j = pos_of.get(p.doc_id)
+        if j is None:
+            j = pos_of[p.doc_id] = len(doc_ids)
+            doc_ids.append(int(p.doc_id))
+            texts.append(p.positive)
+            groups.append(int(p.group))
+        elif groups[j] == NO_GROUP and p.group != NO_GROUP:
+            groups[j] = int(p.group)
+        row_doc.append(j)
+    by_query: dict[str, set[int]] = {}
+    for p, j in zip(pairs, row_doc):
+        by_query.setdefault(normalize_text(p.query).casefold(), set()).add(j)
+    row_positives, row_groups = [], []
+    for p, j in zip(pairs, row_doc):
+        pos = by_query[normalize_text(p.query).casefold()]
+        row_positives.append(pos)
+        g = {groups[k] for k in pos if groups[k] != NO_GROUP}
+        if p.group != NO_GROUP:
+            g.add(int(p.group))
+        row_groups.append(g)
+    return Corpus(doc_ids, texts, groups, row_doc, row_positives, row_groups)
+
+
+# ------------------------------------------------------------------------------------ mining
+
+
+@dataclass
+class MiningResult:
+    pairs: list[Pair]  # the rows to write (with their mined negatives)
+    ranks: list[list[int]]  # per written row, the rank of each negative
+    stats: dict[str, Any]
+
+
+def _excluded_count(corpus: Corpus, row: int, group_size: dict[int, int], drop_group: bool) -> int:
+    n = len(corpus.row_positives[row])
+    if drop_group:
+        n += sum(group_size.get(g, 0) for g in corpus.row_groups[row])
+    return n
+
+
+def _search_all(index, q_emb: np.ndarray, rows: list[int], k: int, progress: bool, desc: str, chunk: int = 1024):
+    from moco_retrieval.evaluation.index import search
+
+    scores = np.empty((len(rows), k), np.float32)
+    idx = np.empty((len(rows), k), np.int64)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(rows), desc=desc, unit=" queries", leave=False)
+    try:
+        for s in range(0, len(rows), chunk):
+            sl = rows[s : s + chunk]
+            sc, ix = search(index, q_emb[sl], k)
+            scores[s : s + len(sl), : sc.shape[1]] = sc
+            idx[s : s + len(sl), : ix.shape[1]] = ix
+            if sc.shape[1] < k:
+                idx[s : s + len(sl), sc.shape[1] :] = -1
+            if bar is not None:
+                bar.update(len(sl))
+    finally:
+        if bar is not None:
+            bar.close()
+    return scores, idx
+
+
+def mine_from_embeddings(
+    pairs: Sequence[Pair],
+    corpus: Corpus,
+    q_emb: np.ndarray,
+    d_emb: np.ndarray,
+    filters: MiningFilters,
+    *,
+    n_negatives: int = 8,
+    sampling: str = "top",
+    seed: int = 0,
+    keep_empty: bool = False,
+    index_cfg: Any = None,
+    progress: bool = True,
+) -> MiningResult:
+    """Mine with given embeddings: ``q_emb[i]`` of ``pairs[i].query``, ``d_emb[j]`` of ``corpus.texts[j]``."""
+    from moco_retrieval.config import EvalConfig
+    from moco_retrieval.evaluation.index import build_index_from_config
+
+    filters.check()
+    if n_negatives < 1:
+        raise ValueError(f"n_negatives={n_negatives}: expected >= 1")
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"sampling={sampling!r}: expected one of {SAMPLINGS}")
+    q_emb = np.ascontiguousarray(q_emb, dtype=np.float32)
+    d_emb = np.ascontiguousarray(d_emb, dtype=np.float32)
+    if len(q_emb) != len(pairs) or len(d_emb) != len(corpus):
+        raise ValueError(f"{len(q_emb)} query vectors for {len(pairs)} pairs, {len(d_emb)} document vectors for {len(corpus)} documents")
+    index_cfg = index_cfg or EvalConfig()
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    index = build_index_from_config(d_emb, index_cfg)
+    timings["index"] = time.perf_counter() - t0
+
+    # search depth: the window plus whatever a row must skip (its positives and their groups)
+    group_size: dict[int, int] = {}
+    for g in corpus.groups:
+        if g != NO_GROUP:
+            group_size[g] = group_size.get(g, 0) + 1
+    need = [filters.range_max + 1 + _excluded_count(corpus, i, group_size, filters.drop_group) for i in range(len(pairs))]
+    base_k = min(len(corpus), filters.range_max + 1 + 16)
+    deeper = base_k < len(corpus)
+    rows_small = [i for i in range(len(pairs)) if not deeper or need[i] <= base_k]
+    rows_large = [i for i in range(len(pairs)) if deeper and need[i] > base_k]
+    t0 = time.perf_counter()
+    results: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for rows, k, desc in [
+        (rows_small, base_k, "searching"),
+        (rows_large, min(len(corpus), max((need[i] for i in rows_large), default=0)), "searching (large groups)"),
+    ]:
+        if not rows:
+            continue
+        sc, ix = _search_all(index, q_emb, rows, k, progress, desc)
+        for r, i in enumerate(rows):
+            results[i] = (sc[r], ix[r])
+    timings["search"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    counts = new_counts()
+    out_pairs: list[Pair] = []
+    out_ranks: list[list[int]] = []
+    n_hist = {"full": 0, "short": 0, "empty": 0}
+    pos_scores, neg_scores, neg_ranks = [], [], []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(pairs), desc="filtering", unit=" queries", leave=False)
+    for i, p in enumerate(pairs):
+        pos_score = float(q_emb[i] @ d_emb[corpus.row_doc[i]])
+        sc, ix = results[i]
+        passing = filter_candidates(
+            ix.tolist(), sc.tolist(), pos_score, corpus.row_positives[i], corpus.row_groups[i], corpus.groups, filters, counts
+        )
+        chosen = sample_candidates(passing, n_negatives, sampling, seed, i)
+        counts["not_sampled"] += len(passing) - len(chosen)
+        counts["kept"] += len(chosen)
+        n_hist["full" if len(chosen) >= n_negatives else "short" if chosen else "empty"] += 1
+        pos_scores.append(pos_score)
+        if chosen or keep_empty:
+            negs = [Negative(doc_id=corpus.doc_ids[c.doc], text=corpus.texts[c.doc], score=round(c.score, 6), group=corpus.groups[c.doc]) for c in chosen]
+            out_pairs.append(
+                Pair(query=p.query, positive=p.positive, doc_id=p.doc_id, group=p.group, query_id=p.query_id,
+                     negatives=negs, positive_score=round(pos_score, 6))
+            )
+            out_ranks.append([c.rank for c in chosen])
+            neg_scores.extend(c.score for c in chosen)
+            neg_ranks.extend(c.rank for c in chosen)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    timings["filter"] = time.perf_counter() - t0
+
+    def _mean(xs):
+        return float(np.mean(xs)) if len(xs) else math.nan
+
+    stats = {
+        "queries": len(pairs),
+        "corpus_documents": len(corpus),
+        "search_depth": {"k": base_k, "queries_searched_deeper": len(rows_large)},
+        "candidates": counts,
+        "queries_with_n_negatives": n_hist["full"],
+        "queries_with_fewer": n_hist["short"],
+        "queries_without_negatives": n_hist["empty"],
+        "rows_written": len(out_pairs),
+        "negatives_written": counts["kept"],
+        "mean_positive_score": _mean(pos_scores),
+        "mean_negative_score": _mean(neg_scores),
+        "mean_negative_rank": _mean(neg_ranks),
+        "settings": {**asdict(filters), "n_negatives": n_negatives, "sampling": sampling, "seed": seed,
+                     "keep_empty": keep_empty, "index": getattr(index_cfg, "index", "flat")},
+        "timings": timings,
+    }
+    return MiningResult(out_pairs, out_ranks, stats)
+
+
+def mine_hard_negatives(
+    encoder: Any,
+    pairs: Sequence[Pair],
+    filters: MiningFilters,
+    *,
+    n_negatives: int = 8,
+    sampling: str = "top",
+    seed: int = 0,
+    keep_empty: bool = False,
+    index_cfg: Any = None,
+    batch_size: int = 256,
+    progress: bool = True,
+) -> MiningResult:
+    """Encode the corpus of ``pairs`` (their positives) and their queries with ``encoder`` (a
+    ``TextEncoder``, or any ``encoder(side, kind)`` module) and mine (see the module docstring)."""
+    from moco_retrieval.evaluation.encode import encode_texts
+
+    if not pairs:
+        raise ValueError("no training pairs to mine for")
+    corpus = build_corpus(pairs)
+    t0 = time.perf_counter()
+    d_emb = encode_texts(encoder, corpus.texts, "doc", batch_size, progress, description=f"encoding {len(corpus):,} documents")
+    t_docs = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    q_emb = encode_texts(encoder, [p.query for p in pairs], "query", batch_size, progress, description=f"encoding {len(pairs):,} queries")
+    t_queries = time.perf_counter() - t0
+    res = mine_from_embeddings(
+        pairs, corpus, q_emb, d_emb, filters, n_negatives=n_negatives, sampling=sampling, seed=seed,
+        keep_empty=keep_empty, index_cfg=index_cfg, progress=progress,
+    )
+    res.stats["timings"] = {"encode_docs": t_docs, "encode_queries": t_queries, **res.stats["timings"]}
+    return res
+
+
+# ------------------------------------------------------------------------------------ output
+
+
+def write_mined(path: str | Path, result: MiningResult) -> int:
+    """The training JSONL (see the module docstring); returns the number of rows."""
+    def records():
+        for pair, ranks in zip(result.pairs, result.ranks):
+            obj = pair_to_json(pair)
+            for neg, r in zip(obj.get("negatives", []), ranks):
+                neg["rank"] = r
+            yield obj
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_jsonl(path, records())
+
+
+def stats_path_for(output: str | Path) -> Path:
+    p = Path(output)
+    stem = p.name[: -len(".jsonl")] if p.name.endswith(".jsonl") else p.name
+    return p.with_name(stem + ".stats.json")
+
+
+def format_stats(stats: dict) -> str:
+    c = stats["candidates"]
+    lines = [
+        f"mined {stats['negatives_written']:,} negatives for {stats['rows_written']:,} of {stats['queries']:,} queries "
+        f"(corpus {stats['corpus_documents']:,} documents)",
+        f"  candidates considered: {c['considered']:,}",
+    ]
+    for r in REMOVAL_REASONS:
+        alone = f" (alone: {c['would_remove_alone'][r]:,})" if r in SCORE_FILTERS else ""
+        lines.append(f"  removed by {r:<16} {c['removed'][r]:>10,}{alone}")
+    lines += [
+        f"  passed all filters:        {c['passed']:>10,}  (kept {c['kept']:,}, not sampled {c['not_sampled']:,})",
+        f"  queries with {stats['settings']['n_negatives']} negatives: {stats['queries_with_n_negatives']:,}, "
+        f"with fewer: {stats['queries_with_fewer']:,}, with none: {stats['queries_without_negatives']:,}",
+        f"  mean score: positive {stats['mean_positive_score']:.4f}, negatives {stats['mean_negative_score']:.4f} "
+        f"(mean rank {stats['mean_negative_rank']:.1f})",
+    ]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ command
+
+
+def load_training_pairs(data_cfg: Any) -> list[Pair]:
+    """The training pairs of a DataConfig; ``kind=jsonl`` needs only ``train_path`` here."""
+    from moco_retrieval.data.datamodule import RetrievalDataModule, _subset
+    from moco_retrieval.data.formats import DataError, read_pairs_jsonl
+
+    if data_cfg.kind == "jsonl":
+        if not data_cfg.train_path:
+            raise DataError("data.train_path is required with data=jsonl (a JSONL file of training pairs)")
+        path = Path(str(data_cfg.train_path)).expanduser()
+        if not path.is_file():
+            raise DataError(f"data.train_path={data_cfg.train_path}: no such file (a JSONL file of training pairs)")
+        pairs = read_pairs_jsonl(path)
+        keep = _subset(len(pairs), data_cfg.max_train_examples, [data_cfg.seed, 1])  # the datamodule's cap
+        return pairs if keep is None else [pairs[i] for i in keep]
+    return RetrievalDataModule(data_cfg).train_pairs
+
+
+def run_mine(cfg: Any) -> MiningResult:
+    """``python -m moco_retrieval.mine``: load the model and pairs, mine, write JSONL and stats."""
+    from moco_retrieval.export import load_encoder
+
+    if not cfg.output:
+        raise SystemExit("output=FILE is required (the JSONL of pairs with mined negatives)")
+    filters = MiningFilters(
+        range_min=cfg.range_min, range_max=cfg.range_max, margin=cfg.margin, relative_margin=cfg.relative_margin,
+        max_score=cfg.max_score, drop_group=cfg.drop_group,
+    ).check()
+    if cfg.sampling not in SAMPLINGS:
+        raise SystemExit(f"sampling={cfg.sampling!r}: expected one of {SAMPLINGS}")
+    pairs = load_training_pairs(cfg.data)
+    encoder, desc = load_encoder(checkpoint=cfg.checkpoint, model_dir=cfg.model_dir, model=cfg.model, encoder=cfg.encoder)
+    print(f"mining with {desc['source']} encoder ({desc.get('path', desc.get('backbone'))}, dim {encoder.dim}) "
+          f"for {len(pairs):,} training pairs", file=sys.stderr)
+    if getattr(encoder, "frozen", False):
+        texts = build_corpus(pairs).texts
+        encoder.warm_cache(texts, "doc", progress=cfg.progress)
+        encoder.warm_cache([p.query for p in pairs], "query", progress=cfg.progress)
+    result = mine_hard_negatives(
+        encoder, pairs, filters, n_negatives=cfg.n_negatives, sampling=cfg.sampling, seed=cfg.seed,
+        keep_empty=cfg.keep_empty, index_cfg=cfg.eval, batch_size=cfg.batch_size, progress=cfg.progress,
+    )
+    result.stats["model"] = desc
+    out = Path(cfg.output).expanduser()
+    write_mined(out, result)
+    stats_file = Path(cfg.stats_path).expanduser() if cfg.stats_path else stats_path_for(out)
+    result.stats["output"] = str(out)
+    stats_file.write_text(json.dumps(result.stats, indent=2, default=str) + "\n", encoding="utf-8")
+    print(format_stats(result.stats))
+    print(f"wrote {out} and {stats_file}")
+    print(f"train with: data=jsonl data.train_path={out} data.eval_dir=DIR data.n_negatives={cfg.n_negatives}")
+    return result
+
+
+__all__ = [
+    "MiningFilters",
+    "Candidate",
+    "Corpus",
+    "MiningResult",
+    "REMOVAL_REASONS",
+    "build_corpus",
+    "filter_candidates",
+    "sample_candidates",
+    "mine_from_embeddings",
+    "mine_hard_negatives",
+    "write_mined",
+    "stats_path_for",
+    "format_stats",
+    "load_training_pairs",
+    "run_mine",
+]

@@ -1,0 +1,260 @@
+"""Preemption-safe training: stop at a step boundary on SIGTERM or SIGUSR1, write
+``checkpoints/last.ckpt``, exit with a status a requeue understands.
+
+How clusters warn a job before killing it:
+
+* Kubernetes (eviction, preemption, ``kubectl delete``): SIGTERM to the container's main process,
+  SIGKILL after ``terminationGracePeriodSeconds`` (30 s by default). ``torchrun`` passes the
+  SIGTERM on to its workers.
+* SLURM: ``#SBATCH --signal=SIGUSR1@90`` sends SIGUSR1 to every task 90 s before the time limit;
+  preemption, ``scancel`` and ``scontrol requeue`` send SIGTERM, SIGKILL after ``KillWait`` /
+  ``GraceTime``.
+
+What :class:`PreemptionCheckpoint` does (one per trainer, added by ``train.build``):
+
+1. The signal handler only records the signal: no IO and no collective in a signal handler.
+   (Lightning's own SLURM handler saves its ``hpc_ckpt_*.ckpt`` inside the handler, at any point
+   of a step, and its SIGTERM handler broadcasts inside the handler; see Lightning issue #21406.
+   Ours replace both while ``fit`` trains, and Lightning's come back afterwards.)
+2. At the end of every optimizer step the ranks agree on the flag with one all-reduce (MAX) of a
+   single number, so every rank stops after the same step even when only one node was signalled.
+3. Then every rank takes part in ``trainer.save_checkpoint(checkpoints/last.ckpt)``: rank 0 writes
+   it through the atomic checkpoint IO (temporary file, fsync, rename). The checkpoint is the one
+   Lightning writes at ``on_train_batch_end`` (as ``ModelCheckpoint(every_n_train_steps=...)``
+   does), with this step's keys already in the queue: model, key encoder, queue, optimizer,
+   scheduler, step, RNG states and the position in the epoch. The run goes on to log the step's
+   metrics and stops at the next hook (before a validation, the next batch or the epoch's end).
+4. Under SLURM with ``SLURMEnvironment(auto_requeue=True)`` and the requeue signal (SIGUSR1, the
+   time-limit warning) rank 0 runs ``scontrol requeue <job>``, as Lightning's auto-requeue does. A
+   SIGTERM is not requeued from here: SLURM requeues preempted jobs itself, and ``scancel`` means
+   stop.
+5. :class:`Preempted` (a ``SystemExit``) ends the run with status ``128 + signal``: 143 for
+   SIGTERM, 138 for SIGUSR1, the status of a process the signal killed. Requeue machinery treats
+   that as retryable: Kubeflow's ``restartPolicy: ExitCode`` retries 128-255 and fails 1-127;
+   ``restartPolicy: OnFailure`` and Job ``backoffLimit`` retry any non-zero status;
+   ``docker/slurm.sbatch`` requeues a run that stopped unfinished with a status above 128.
+   No final validation runs and ``metrics.json`` is not written (the sign of an unfinished run).
+
+Resume: the same command line with ``ckpt_path=last`` and the same ``run_dir`` (see
+``checkpointing.resolve_ckpt_path``; with no ``last.ckpt`` yet the run starts fresh). A validation
+that was due at the preempted step is skipped, as Lightning does for any checkpoint saved at
+``on_train_batch_end``.
+
+Every checkpoint also records a fingerprint of each rank's queue and key encoder
+(``checkpoint["rank_fingerprints"]``, one entry per rank), so that a run whose ranks drifted apart
+shows it: the ranks must hold identical copies, which DDP does not check.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def exit_code(signum: int) -> int:
+    """The status of a run stopped by ``signum``: 128 + the signal number (143 for SIGTERM)."""
+    return 128 + int(signum)
+
+
+class Preempted(SystemExit):
+    """Raised after the preemption checkpoint is written; its ``code`` is the process status."""
+
+    def __init__(self, signum: int, ckpt_path: str, step: int):
+        super().__init__(exit_code(signum))
+        self.signum, self.ckpt_path, self.step = int(signum), str(ckpt_path), int(step)
+
+    def __str__(self) -> str:
+        return (f"stopped by {signal.Signals(self.signum).name} after step {self.step}; "
+                f"checkpoint {self.ckpt_path}; exit status {self.code}")
+
+
+def slurm_job_id(env: Optional[dict] = None) -> Optional[str]:
+    """The id ``scontrol requeue`` takes: ``<array job>_<task>`` for array tasks, else the job id."""
+    e = os.environ if env is None else env
+    if e.get("SLURM_ARRAY_JOB_ID") and e.get("SLURM_ARRAY_TASK_ID"):
+        return f"{e['SLURM_ARRAY_JOB_ID']}_{e['SLURM_ARRAY_TASK_ID']}"
+    return e.get("SLURM_JOB_ID") or None
+
+
+def slurm_requeue(job: Optional[str] = None) -> bool:
+    """``scontrol requeue <job>``; False (with the reason logged) when it cannot be done here."""
+    job = job or slurm_job_id()
+    if not job:
+        log.warning("requeue: no SLURM job id in the environment")
+        return False
+    try:
+        rc = subprocess.call(["scontrol", "requeue", job])
+    except FileNotFoundError:
+        log.warning("requeue: scontrol is not available here (a container?); the batch script has to "
+                    "requeue job %s (docker/slurm.sbatch does, on an exit status above 128)", job)
+        return False
+    if rc != 0:
+        log.warning("requeue: `scontrol requeue %s` failed with status %s", job, rc)
+        return False
+    log.info("requeued SLURM job %s", job)
+    return True
+
+
+def _fingerprint(tensors: Sequence[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(str((t.dtype, tuple(t.shape))).encode())
+        h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def rank_fingerprints(pl_module: L.LightningModule) -> dict[str, str]:
+    """sha256 of this rank's queue buffers and key-encoder weights (the state DDP does not sync)."""
+    out = {}
+    queue = getattr(getattr(pl_module, "objective", None), "queue", None)
+    if queue is not None:
+        out["queue"] = _fingerprint([b for _, b in sorted(queue.named_buffers())])
+    key_encoder = getattr(pl_module, "key_encoder", None)
+    if key_encoder is not None:
+        out["key_encoder"] = _fingerprint([t for _, t in sorted(key_encoder.state_dict().items())])
+    return out
+
+
+class PreemptionCheckpoint(Callback):
+    """See the module docstring.
+
+    Args:
+        ckpt_path: where the preemption checkpoint goes (``<run_dir>/checkpoints/last.ckpt``).
+        requeue_signal: the signal on which rank 0 also runs ``scontrol requeue`` (None: never);
+            ``train.build`` passes SIGUSR1 under SLURM.
+        signals: the signals that stop the run.
+        save_at_end: also write ``ckpt_path`` when training ends, so that it always holds the
+            final state (a requeue of a run that finished training only validates).
+    """
+
+    def __init__(self, ckpt_path: str | os.PathLike, requeue_signal: Optional[int] = None,
+                 signals: Sequence[int] = STOP_SIGNALS, save_at_end: bool = True):
+        self.ckpt_path = Path(ckpt_path)
+        self.save_at_end = save_at_end
+        self.requeue_signal = requeue_signal
+        self.signals = tuple(signals)
+        self.received: Optional[int] = None  # the first stop signal this process got
+        self._stop: Optional[Preempted] = None  # set once the preemption checkpoint is written
+        self._saved_handlers: dict[int, Any] = {}
+
+    # ---- signals --------------------------------------------------------------------------
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.received is None:
+            self.received = signum
+            # os.write: no buffered IO inside a signal handler
+            os.write(2, f"[moco_retrieval] got {signal.Signals(signum).name}: stopping after this step\n".encode())
+
+    def _install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s in self.signals:
+            previous = signal.signal(s, self._handler)
+            self._saved_handlers.setdefault(s, previous)
+
+    def _restore(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s, handler in self._saved_handlers.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        self._saved_handlers = {}
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.received, self._stop = None, None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning registered its handlers just before; ours replace them while training runs, and
+        # go before Lightning's teardown puts back the handlers the process had before fit.
+        if trainer.received_sigterm and self.received is None:  # came through Lightning's handler
+            self.received = signal.SIGTERM
+        self._install()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._restore()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._restore()  # (normally done already, in on_train_end)
+
+    # ---- the step boundary ----------------------------------------------------------------
+    def _agreed_signal(self, trainer: L.Trainer) -> int:
+        """The largest signal number any rank received (0: none), the same on every rank."""
+        local = int(self.received or 0)
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return local
+        flag = torch.tensor([local], dtype=torch.int32, device=trainer.strategy.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        acc = max(1, int(trainer.accumulate_grad_batches))
+        if acc > 1 and (batch_idx + 1) % acc and not trainer.is_last_batch:
+            return  # mid-accumulation: gradients are not in a checkpoint; stop at the optimizer step
+        signum = self._agreed_signal(trainer)
+        if not signum:
+            return
+        # This callback runs before the module's own on_train_batch_end, which enqueues the step's
+        # keys; enqueue them now so the checkpoint has them (commit() is a no-op the second time).
+        commit = getattr(getattr(pl_module, "objective", None), "commit", None)
+        if callable(commit):
+            commit()
+        trainer.save_checkpoint(self.ckpt_path)  # every rank; rank 0 writes; ends with a barrier
+        self._stop = Preempted(signum, str(self.ckpt_path), trainer.global_step)
+        if trainer.is_global_zero:
+            print(f"[moco_retrieval] {self._stop}", file=sys.stderr, flush=True)
+            if self.requeue_signal is not None and signum == int(self.requeue_signal):
+                slurm_requeue()
+        # The exit comes at the next hook, so that this step's metrics still reach the loggers;
+        # a validation that would start now does not run (no time for it in a grace period).
+
+    def _exit_if_stopped(self) -> None:
+        if self._stop is not None:
+            stop, self._stop = self._stop, None
+            raise stop
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._exit_if_stopped()
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._exit_if_stopped()
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._exit_if_stopped()  # runs before ModelCheckpoint's (Lightning orders checkpoint callbacks last)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._exit_if_stopped()
+        if self.save_at_end:
+            # The final state. (ModelCheckpoint's last.ckpt is only written along with a new best.)
+            trainer.save_checkpoint(self.ckpt_path)
+        self._restore()
+
+    # ---- every checkpoint: each rank's fingerprint ----------------------------------------
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        # trainer.save_checkpoint runs this on every rank (only rank 0 writes the file), so the
+        # gather is matched on all ranks.
+        mine = rank_fingerprints(pl_module)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+        else:
+            everyone = [mine]
+        checkpoint["rank_fingerprints"] = everyone
+
+
+__all__ = ["PreemptionCheckpoint", "Preempted", "exit_code", "rank_fingerprints", "slurm_job_id",
+           "slurm_requeue", "STOP_SIGNALS"]

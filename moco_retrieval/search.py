@@ -1,0 +1,292 @@
+"""``python -m moco_retrieval.search``: semantic search over a corpus with a trained or exported model.
+
+    python -m moco_retrieval.search checkpoint=CKPT query="resize images from the command line"
+    python -m moco_retrieval.search model_dir=EXPORTED k=5 < queries.txt      # one query a line
+    python -m moco_retrieval.search model_dir=EXPORTED corpus=BEIR_DIR_OR_corpus.jsonl format=json
+
+The first call encodes the corpus, builds the FAISS index (``eval.index``: flat, ivf or hnsw) and
+saves it in ``index_dir`` (default ``$MOCO_RETRIEVAL_CACHE/search/<key>``, the key hashing the
+model, the corpus and the index settings); later calls with the same model and corpus load it.
+``rebuild=true`` forces a new one. Queries come from ``query=...`` / ``queries=[...]``, else from
+standard input (one a line; an interactive prompt on a terminal).
+
+Default corpus: the data group's documents. Debian (default): every package description, training
+and held-out ones, the package name as id: a semantic ``apt search``. ``data=beir``: ``data.dir``'s
+corpus.jsonl; ``data=jsonl``: the training positives and ``data.eval_dir``'s corpus.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from moco_retrieval.config import DataConfig, EvalConfig, ModelConfig, cache_root
+from moco_retrieval.export import load_encoder, model_config, store_command
+
+warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+
+
+@dataclass
+class SearchConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # index kind and parameters
+    checkpoint: Optional[str] = None
+    model_dir: Optional[str] = None
+    encoder: str = "query"  # query | key
+    corpus: Optional[str] = None  # a corpus.jsonl or a BEIR folder; default: the data group's documents
+    index_dir: Optional[str] = None  # default: $MOCO_RETRIEVAL_CACHE/search/<key>
+    rebuild: bool = False
+    query: Optional[str] = None
+    queries: list[str] = field(default_factory=list)
+    k: int = 10
+    format: str = "text"  # text | json
+    max_chars: int = 160  # document text shown per hit (text format)
+    batch_size: Optional[int] = None  # default: data.eval_batch_size
+    device: str = "auto"
+    progress: bool = True
+
+
+def register() -> None:
+    store_command("search_command", SearchConfig, {"model": "minilm", "data": "debian"}, quiet=True)
+
+
+register()
+
+
+# --------------------------------------------------------------------------- corpus
+
+
+def _read_corpus_file(path: Path) -> dict[str, str]:
+    from moco_retrieval.data import formats
+
+    reader = getattr(formats, "read_corpus", None)
+    if reader is not None:
+        return dict(reader(path))
+    return formats._read_corpus(path)[0]  # validated reader of the BEIR corpus.jsonl
+
+
+def load_corpus(corpus: Optional[str], data: Any) -> tuple[dict[str, str], str]:
+    """``({doc id: text}, description)`` from ``corpus`` or, when None, from the data group."""
+    from moco_retrieval.data.formats import DataError, read_pairs_jsonl
+
+    if corpus:
+        p = Path(corpus).expanduser()
+        if p.is_dir():
+            p = p / "corpus.jsonl"
+        if not p.is_file():
+            raise DataError(f"corpus={corpus}: expected a corpus.jsonl file or a BEIR folder holding one")
+        return _read_corpus_file(p), str(p)
+    docs: dict[str, str] = {}
+    if data.kind == "debian":
+        from moco_retrieval.data.debian import ensure_debian_dataset
+
+        d = ensure_debian_dataset(data)
+        for pair in read_pairs_jsonl(d / "train.jsonl"):
+            docs.setdefault(pair.query_id or str(pair.doc_id), pair.positive)
+        for did, text in _read_corpus_file(d / "eval" / "corpus.jsonl").items():
+            docs.setdefault(did, text)
+        return docs, f"Debian package descriptions ({d})"
+    if data.kind == "beir":
+        if not data.dir:
+            raise DataError("data.dir is required with data=beir (or give corpus=PATH)")
+        p = Path(data.dir).expanduser() / "corpus.jsonl"
+        return _read_corpus_file(p), str(p)
+    if data.kind == "jsonl":
+        if not OmegaConf.is_missing(data, "train_path") and data.train_path:
+            for pair in read_pairs_jsonl(data.train_path):
+                docs.setdefault(pair.query_id or str(pair.doc_id), pair.positive)
+        if not OmegaConf.is_missing(data, "eval_dir") and data.eval_dir:
+            for did, text in _read_corpus_file(Path(data.eval_dir).expanduser() / "corpus.jsonl").items():
+                docs.setdefault(did, text)
+        if not docs:
+            raise DataError("data=jsonl: set data.train_path and/or data.eval_dir (or give corpus=PATH)")
+        return docs, "data.train_path + data.eval_dir"
+    raise DataError(f"data.kind={data.kind!r}: expected debian, jsonl or beir")
+
+
+# --------------------------------------------------------------------------- index
+
+
+def _model_identity(cfg: Any) -> dict:
+    if cfg.checkpoint:
+        p = Path(cfg.checkpoint).expanduser().resolve()
+        st = p.stat()
+        return {"checkpoint": str(p), "size": st.st_size, "mtime": st.st_mtime_ns, "encoder": cfg.encoder}
+    if cfg.model_dir:
+        p = Path(cfg.model_dir).expanduser().resolve()
+        stamp = max((f.stat().st_mtime_ns for f in p.rglob("*") if f.is_file()), default=0)
+        return {"model_dir": str(p), "mtime": stamp}
+    return {"base": OmegaConf.to_container(OmegaConf.structured(model_config(cfg.model)))}
+
+
+def _corpus_digest(doc_ids: list[str], texts: list[str]) -> str:
+    h = hashlib.sha256()
+    for d, t in zip(doc_ids, texts):
+        h.update(d.encode())
+        h.update(b"\0")
+        h.update(t.encode())
+        h.update(b"\1")
+    return h.hexdigest()
+
+
+class SearchIndex:
+    """A saved FAISS index with its document ids (``index.faiss``, ``doc_ids.json``, ``meta.json``)."""
+
+    def __init__(self, index: Any, doc_ids: list[str], meta: dict):
+        self.index, self.doc_ids, self.meta = index, doc_ids, meta
+
+    def save(self, folder: Path) -> None:
+        from moco_retrieval.evaluation.index import save_index
+
+        folder.mkdir(parents=True, exist_ok=True)
+        save_index(self.index, folder / "index.faiss")
+        (folder / "doc_ids.json").write_text(json.dumps(self.doc_ids), encoding="utf-8")
+        (folder / "meta.json").write_text(json.dumps(self.meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, folder: Path, eval_cfg: Any) -> Optional["SearchIndex"]:
+        from moco_retrieval.evaluation.index import load_index
+
+        files = [folder / n for n in ("index.faiss", "doc_ids.json", "meta.json")]
+        if not all(f.is_file() for f in files):
+            return None
+        index = load_index(files[0], nprobe=eval_cfg.nprobe, ef_search=eval_cfg.ef_search)
+        return cls(index, json.loads(files[1].read_text(encoding="utf-8")), json.loads(files[2].read_text(encoding="utf-8")))
+
+    def search(self, query_emb: np.ndarray, k: int) -> list[list[tuple[str, float]]]:
+        from moco_retrieval.evaluation.index import search
+
+        scores, idx = search(self.index, query_emb, k)
+        return [[(self.doc_ids[j], float(s)) for s, j in zip(srow, irow) if j >= 0]
+                for srow, irow in zip(scores.tolist(), idx.tolist())]
+
+
+def build_or_load_index(
+    encoder: Any,
+    corpus: dict[str, str],
+    eval_cfg: Any,
+    index_dir: Path,
+    model_identity: dict,
+    *,
+    batch_size: int = 256,
+    rebuild: bool = False,
+    progress: bool = True,
+) -> tuple[SearchIndex, bool]:
+    """The index of ``corpus`` under ``encoder``: loaded from ``index_dir`` when it was built from
+    the same model, corpus and index settings, else built and saved there. ``(index, built)``."""
+    from moco_retrieval.evaluation.encode import encode_texts
+    from moco_retrieval.evaluation.index import build_index_from_config
+
+    doc_ids = list(corpus)
+    texts = [corpus[d] for d in doc_ids]
+    meta = {
+        "model": model_identity,
+        "corpus_sha256": _corpus_digest(doc_ids, texts),
+        "documents": len(doc_ids),
+        "index": {k: getattr(eval_cfg, k) for k in ("index", "nlist", "hnsw_m")},
+    }
+    if not rebuild:
+        found = SearchIndex.load(index_dir, eval_cfg)
+        if found is not None and {k: found.meta.get(k) for k in meta} == meta:
+            return found, False
+    t0 = time.perf_counter()
+    emb = encode_texts(encoder, texts, "doc", batch_size, show_progress=progress)
+    meta["encode_seconds"] = round(time.perf_counter() - t0, 3)
+    meta["dim"] = int(emb.shape[1])
+    meta["normalize"] = bool(getattr(encoder, "normalize", True))
+    idx = SearchIndex(build_index_from_config(emb, eval_cfg), doc_ids, meta)
+    idx.save(index_dir)
+    return idx, True
+
+
+def default_index_dir(model_identity: dict, corpus_key: str, eval_cfg: Any) -> Path:
+    key = hashlib.sha256(
+        json.dumps({"model": model_identity, "corpus": corpus_key, "index": eval_cfg.index}, sort_keys=True).encode()
+    ).hexdigest()[:16]
+    return cache_root() / "search" / key
+
+
+# --------------------------------------------------------------------------- command
+
+
+def _query_stream(cfg: Any) -> Iterable[str]:
+    given = ([cfg.query] if cfg.query else []) + list(cfg.queries)
+    if given:
+        yield from given
+        return
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("query> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        if line.strip():
+            yield line.strip()
+
+
+def _snippet(text: str, n: int) -> str:
+    t = " ".join(text.split())
+    return t if len(t) <= n else t[: n - 1] + "…"
+
+
+def run_search(cfg: Any, out=None) -> list[dict]:
+    """Answer the configured queries; prints them and returns ``[{query, results}]``."""
+    from moco_retrieval.evaluate import pick_device
+    from moco_retrieval.evaluation.encode import encode_texts
+
+    out = out or sys.stdout
+    if cfg.format not in ("text", "json"):
+        raise SystemExit(f"format={cfg.format!r}: expected text or json")
+    eval_cfg = OmegaConf.to_object(cfg.eval) if isinstance(cfg.eval, DictConfig) else cfg.eval
+    corpus, corpus_desc = load_corpus(cfg.corpus, cfg.data)
+    identity = _model_identity(cfg)
+    index_dir = Path(cfg.index_dir).expanduser() if cfg.index_dir else default_index_dir(identity, corpus_desc, eval_cfg)
+    enc, desc = load_encoder(checkpoint=cfg.checkpoint, model_dir=cfg.model_dir, model=cfg.model, encoder=cfg.encoder)
+    enc.to(pick_device(cfg.device))
+    batch_size = int(cfg.batch_size or cfg.data.eval_batch_size)
+    index, built = build_or_load_index(enc, corpus, eval_cfg, index_dir, identity, batch_size=batch_size,
+                                       rebuild=bool(cfg.rebuild), progress=bool(cfg.progress))
+    print(f"{'built' if built else 'loaded'} index of {len(index.doc_ids):,} documents ({corpus_desc}) "
+          f"in {index_dir}", file=sys.stderr)
+    answers = []
+    for q in _query_stream(cfg):
+        emb = encode_texts(enc, [q], "query", show_progress=False)
+        hits = index.search(emb, cfg.k)[0]
+        answer = {"query": q, "results": [
+            {"rank": r, "doc_id": d, "score": round(s, 4), "text": corpus.get(d, "")} for r, (d, s) in enumerate(hits, 1)
+        ]}
+        answers.append(answer)
+        if cfg.format == "json":
+            print(json.dumps(answer, ensure_ascii=False), file=out, flush=True)
+        else:
+            print(f"\n{q}", file=out)
+            for h in answer["results"]:
+                print(f"{h['rank']:>3}. {h['score']:+.3f}  {h['doc_id']}: {_snippet(h['text'], cfg.max_chars)}", file=out)
+            out.flush()
+    return answers
+
+
+def _main() -> None:
+    import hydra
+
+    @hydra.main(config_path="pkg://moco_retrieval.conf", config_name="search_command", version_base="1.3")
+    def main(cfg: DictConfig) -> None:
+        run_search(cfg)
+
+    main()
+
+
+if __name__ == "__main__":
+    _main()

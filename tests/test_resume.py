@@ -1,0 +1,281 @@
+"""Preemption and resume (moco_retrieval/preemption.py).
+
+* The real CLI on the smoke experiment gets a SIGTERM mid-epoch: it finishes the step, writes
+  checkpoints/last.ckpt, exits 143; `ckpt_path=last` into the same run directory then gives the
+  per-step losses and the final weights, queue, optimizer and scheduler of an uninterrupted run
+  of the same seed (run in this process, alongside).
+* In process, on a synthetic data module: SIGUSR1 too, the stop at an optimizer step under
+  gradient accumulation, SLURM's requeue, the handlers put back, the wiring in train.build.
+"""
+from __future__ import annotations
+
+import csv
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from moco_retrieval import preemption
+from moco_retrieval.preemption import Preempted, PreemptionCheckpoint
+from synthetic import SyntheticData
+
+# 8 steps of 16 pairs, a validation every 3 steps on a small pool: a run takes ~20 s here
+SMALL = [
+    "+experiment=smoke",
+    "data.max_train_examples=128",
+    "data.max_eval_queries=32",
+    "data.max_eval_docs=64",
+    "trainer.log_every_n_steps=1",
+    "trainer.val_check_interval=3",
+]
+STEPS = 8
+PROGRESS = re.compile(r"\bstep (\d+)/(\d+)\b")  # moco_retrieval/progress.py's log lines
+
+
+@pytest.fixture(scope="module")
+def cli_env(tmp_path_factory):
+    debian = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "debian-bookworm"
+    if not debian.exists():
+        pytest.skip(f"the shared Debian snapshot is not at {debian} (needed by the smoke experiment)")
+    cache = os.environ.get("MOCO_RETRIEVAL_CACHE") or str(tmp_path_factory.mktemp("moco_cache"))
+    return dict(os.environ, MOCO_RETRIEVAL_DEBIAN_DIR=str(debian), MOCO_RETRIEVAL_CACHE=cache,
+                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def cli(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "moco_retrieval.train", *SMALL, f"run_dir={run_dir}",
+            f"hydra.run.dir={run_dir.parent / (run_dir.name + '-hydra')}", *extra]
+
+
+def losses(metrics_csv: Path) -> dict[int, float]:
+    with open(metrics_csv, newline="") as f:
+        return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
+
+
+def reference_run(run_dir: Path, env: dict) -> None:
+    """The uninterrupted run, in this process (no second interpreter start-up on a busy machine)."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from moco_retrieval.config import register_configs
+    from moco_retrieval.train import train
+
+    register_configs()
+    saved = {k: os.environ.get(k) for k in ("MOCO_RETRIEVAL_DEBIAN_DIR", "MOCO_RETRIEVAL_CACHE")}
+    threads = torch.get_num_threads()
+    try:
+        os.environ.update({k: env[k] for k in saved})
+        torch.set_num_threads(1)  # as in the subprocesses (OMP_NUM_THREADS=1): the same float sums
+        with initialize_config_module("moco_retrieval.conf", version_base="1.3"):
+            cfg = OmegaConf.to_object(compose("train", overrides=SMALL + [f"run_dir={run_dir}"]))
+        train(cfg, run_dir)
+    finally:
+        torch.set_num_threads(threads)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_env):
+    ref_dir, run_dir = tmp_path / "reference", tmp_path / "run"
+    run = subprocess.Popen(cli(run_dir), cwd=tmp_path, env=cli_env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
+
+    def sigterm_after_step_2():  # i.e. in the middle of the epoch
+        for line in run.stdout:
+            seen.append(line)
+            m = PROGRESS.search(line)
+            if m and int(m.group(1)) >= 2:
+                os.kill(run.pid, signal.SIGTERM)
+                return
+
+    watcher = threading.Thread(target=sigterm_after_step_2, daemon=True)
+    watcher.start()
+    reference_run(ref_dir, cli_env)  # meanwhile
+    watcher.join(timeout=300)
+    out = "".join(seen) + run.communicate(timeout=300)[0]
+    assert run.returncode == 143, out[-3000:]
+    assert "stopped by SIGTERM" in out
+
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert last.exists(), out[-3000:]
+    assert not (run_dir / "metrics.json").exists()  # no final validation: the run is unfinished
+    assert not list((run_dir / "checkpoints").glob(".*tmp")), "a temporary checkpoint file was left"
+    ckpt = torch.load(last, map_location="cpu", weights_only=False)
+    stop = ckpt["global_step"]
+    assert 2 <= stop < STEPS, f"SIGTERM came too late to test a resume mid-epoch (stopped at {stop})"
+    # the position in the epoch: the data module's sampler state, through the resumable loader
+    assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 0, "batches_done": stop}]
+    part1 = losses(run_dir / "csv" / "metrics.csv")  # the CSV logger starts a new file on resume
+    assert sorted(part1) == list(range(stop)), part1
+
+    resumed = subprocess.run(cli(run_dir, "ckpt_path=last"), cwd=tmp_path, env=cli_env,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "Restoring states from the checkpoint path at" in resumed.stdout + resumed.stderr
+    assert (run_dir / "metrics.json").exists()
+
+    ref_losses, part2 = losses(ref_dir / "csv" / "metrics.csv"), losses(run_dir / "csv" / "metrics.csv")
+    assert sorted(ref_losses) == list(range(STEPS))
+    assert sorted(part2) == list(range(stop, STEPS))  # no batch trained twice, none skipped
+    for step in range(STEPS):
+        got = part1.get(step, part2.get(step))
+        assert got == pytest.approx(ref_losses[step], rel=1e-5, abs=1e-6), f"train/loss at step {step}"
+
+    # no last-v1.ckpt: the resumed run keeps writing the name a requeue resumes from
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("last*")) == ["last.ckpt"]
+    a = torch.load(last, map_location="cpu", weights_only=False)
+    b = torch.load(ref_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert a["global_step"] == b["global_step"] == STEPS
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    assert any("queue_keys" in k for k in a["state_dict"]) and any(k.startswith("key_encoder.") for k in a["state_dict"])
+    for k, v in b["state_dict"].items():  # encoder, key encoder, queue (keys, ids, groups, steps, pointer)
+        assert torch.allclose(a["state_dict"][k].double(), v.double(), rtol=1e-5, atol=1e-6), k
+    for sa, sb in zip(a["optimizer_states"][0]["state"].values(), b["optimizer_states"][0]["state"].values()):
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.allclose(sa[name], sb[name], rtol=1e-5, atol=1e-8), name
+    assert a["lr_schedulers"] == b["lr_schedulers"]
+
+
+# ------------------------------------------------------------------------------ in process
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from moco_retrieval.model.tiny import build_tiny_bert
+
+    return str(build_tiny_bert(tmp_path_factory.mktemp("tiny") / "bert"))
+
+
+def make_module(tiny_dir):
+    from moco_retrieval.config import ModelConfig, ObjectiveConfig, OptimConfig
+    from moco_retrieval.lightning_module import RetrievalModule
+
+    return RetrievalModule(ModelConfig(backbone="tiny", path=tiny_dir, momentum=0.9),
+                           ObjectiveConfig(name="moco", queue_size=32, temperature=0.1),
+                           OptimConfig(lr=1e-3, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
+
+
+class SignalAt(Callback):
+    """Sends ``signum`` to this process when batch ``batch_idx`` starts."""
+
+    def __init__(self, signum, batch_idx):
+        self.signum, self.batch_idx, self.ends = signum, batch_idx, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.batch_idx:
+            os.kill(os.getpid(), self.signum)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.ends.append(batch_idx)
+
+
+def fit(tmp_path, module, callbacks, batches=6, **kw):
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
+        default_root_dir=str(tmp_path), callbacks=callbacks, **kw,
+    )
+    trainer.fit(module, SyntheticData(module.encoder.tokenize, batch_size=4, batches=batches))
+    return trainer
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_stops_after_the_step_with_a_checkpoint(tiny_dir, tmp_path, signum):
+    before = {s: signal.getsignal(s) for s in preemption.STOP_SIGNALS}
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    sig = SignalAt(signum, batch_idx=2)
+    module = make_module(tiny_dir)
+    with pytest.raises(Preempted) as stop:
+        fit(tmp_path, module, [PreemptionCheckpoint(path), sig])
+    assert stop.value.code == 128 + signum and stop.value.signum == signum and stop.value.step == 3
+    assert sig.ends == [0, 1, 2]  # the step the signal arrived in was finished, no further one began
+    ckpt = torch.load(path, weights_only=False)
+    assert ckpt["global_step"] == 3
+    queue = module.objective.queue
+    assert ckpt["state_dict"]["objective.queue.queue_fill"] == queue.fill == 12  # the stopped step's keys are in
+    assert torch.equal(ckpt["state_dict"]["objective.queue.queue_keys"], queue.queue_keys)
+    assert ckpt["rank_fingerprints"] == [preemption.rank_fingerprints(module)]
+    assert {s: signal.getsignal(s) for s in preemption.STOP_SIGNALS} == before  # handlers put back
+
+
+def test_no_signal_runs_to_the_end_and_saves_the_final_state(tiny_dir, tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    trainer = fit(tmp_path, make_module(tiny_dir), [PreemptionCheckpoint(tmp_path / "last.ckpt")], batches=3)
+    assert trainer.global_step == 3
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 3
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_stops_at_an_optimizer_step_under_accumulation(tiny_dir, tmp_path):
+    sig = SignalAt(signal.SIGTERM, batch_idx=2)  # the first micro-batch of optimizer step 2
+    with pytest.raises(Preempted) as stop:
+        fit(tmp_path, make_module(tiny_dir), [PreemptionCheckpoint(tmp_path / "last.ckpt"), sig],
+            batches=8, accumulate_grad_batches=2)
+    assert sig.ends == [0, 1, 2, 3] and stop.value.step == 2
+
+
+def test_requeue_on_the_requeue_signal_only(tiny_dir, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(preemption.subprocess, "call", lambda cmd, **kw: calls.append(cmd) or 0)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        with pytest.raises(Preempted):
+            fit(tmp_path, make_module(tiny_dir),
+                [PreemptionCheckpoint(tmp_path / "last.ckpt", requeue_signal=signal.SIGUSR1), SignalAt(signum, 1)])
+    assert calls == [["scontrol", "requeue", "4242"]]
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    assert preemption.slurm_job_id() == "77_3"
+
+
+def test_requeue_without_scontrol_is_reported_not_fatal(monkeypatch, caplog):
+    def missing(cmd, **kw):
+        raise FileNotFoundError(cmd[0])
+
+    monkeypatch.setattr(preemption.subprocess, "call", missing)
+    with caplog.at_level("WARNING"):
+        assert preemption.slurm_requeue("12") is False
+    assert "scontrol is not available" in caplog.text
+
+
+def test_build_wires_preemption_and_slurm_requeue(tmp_path, monkeypatch):
+    from hydra import compose, initialize_config_module
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+    from omegaconf import OmegaConf
+
+    from moco_retrieval.config import register_configs
+    from moco_retrieval.train import build
+
+    register_configs()
+    monkeypatch.setenv("MOCO_RETRIEVAL_CACHE", os.environ.get("MOCO_RETRIEVAL_CACHE") or str(tmp_path / "cache"))
+    with initialize_config_module("moco_retrieval.conf", version_base="1.3"):
+        cfg = OmegaConf.to_object(compose("train", overrides=["model=tiny", "trainer=cpu", "logger=none"]))
+    for var in [v for v in os.environ if v.startswith("SLURM_")]:
+        monkeypatch.delenv(var)
+    _, _, trainer = build(cfg, tmp_path)
+    (cb,) = [c for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)]
+    assert cb.ckpt_path == tmp_path / "checkpoints" / "last.ckpt" and cb.requeue_signal is None
+    assert not isinstance(trainer._accelerator_connector.cluster_environment, SLURMEnvironment)
+
+    slurm = dict(SLURM_JOB_ID="4242", SLURM_JOB_NAME="train", SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="1",
+                 SLURM_NNODES="1", SLURM_NODEID="0", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODELIST="node1")
+    for k, v in slurm.items():
+        monkeypatch.setenv(k, v)
+    _, _, trainer = build(cfg, tmp_path)
+    env = trainer._accelerator_connector.cluster_environment
+    assert isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal == signal.SIGUSR1
+    (cb,) = [c for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)]
+    assert cb.requeue_signal == signal.SIGUSR1

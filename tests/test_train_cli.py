@@ -1,0 +1,101 @@
+"""The main job's entry point: the smoke experiment end to end, strict configs, packaged configs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from moco_retrieval.config import register_configs
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def compose_train(overrides):
+    register_configs()
+    with initialize_config_module("moco_retrieval.conf", version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
+def test_smoke_experiment_end_to_end(tmp_path, debian_dir):
+    from moco_retrieval.train import train
+
+    # W&B offline (conftest sets WANDB_MODE=offline): it must neither hang nor need a network
+    cfg = OmegaConf.to_object(compose_train(["+experiment=smoke", "data.max_train_examples=160", "logger=wandb"]))
+    metrics = train(cfg, tmp_path)
+    assert (tmp_path / "checkpoints" / "last.ckpt").exists()
+    assert list((tmp_path / "checkpoints").glob("best-*.ckpt"))
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    for key in ["val/recall@1", "val/recall@10", "val/mrr@10", "val/ndcg@10", "val/map@100"]:
+        assert 0.0 <= saved[key] <= 1.0, key
+    assert saved == pytest.approx(metrics)
+    assert saved["val/recall@100"] >= saved["val/recall@10"] >= saved["val/recall@1"]
+    written = OmegaConf.load(tmp_path / "config.yaml")
+    assert written.objective.queue_size == 256 and written.model.backbone == "tiny"
+    csv = (tmp_path / "csv" / "metrics.csv").read_text().splitlines()[0]
+    assert "train/loss" in csv and "val/recall@1" in csv and "train/masked_per_query" in csv
+    assert sorted(p.name for p in (tmp_path / "plots").glob("cosines-step*.png")) == ["cosines-step10.png"]
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+def test_experiment_presets_compose():
+    q = compose_train(["+experiment=queue65k"])
+    assert (q.objective.name, q.objective.queue_size, q.data.batch_size, q.model.momentum) == ("moco", 65536, 64, 0.999)
+    assert q.optim.lr == pytest.approx(2e-5) and q.objective.temperature == pytest.approx(0.05)
+    b = compose_train(["+experiment=inbatch256"])
+    assert (b.objective.name, b.data.batch_size) == ("inbatch", 256)
+
+
+@pytest.mark.parametrize("override", ["objective.queue_sise=10", "model.pooling_mode=cls", "data=parquet"])
+def test_typo_in_override_is_an_error(override):
+    with pytest.raises(Exception) as err:
+        compose_train([override])
+    assert override.split("=")[0].split(".")[-1] in str(err.value)
+
+
+def test_wrong_type_is_an_error():
+    with pytest.raises(Exception, match="queue_size"):
+        compose_train(["objective.queue_size=lots"])
+
+
+def _cli(args, cwd, env=None):
+    return subprocess.run([sys.executable, "-m", "moco_retrieval.train", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=240, env={**os.environ, **(env or {})})
+
+
+def test_cli_rejects_typo_and_missing_values(tmp_path):
+    out = _cli(["objective.temprature=0.1"], tmp_path)
+    assert out.returncode != 0 and "temprature" in out.stderr
+    out = _cli(["data=jsonl", "logger=none"], tmp_path)
+    assert out.returncode != 0
+    assert "data.train_path" in out.stderr + out.stdout
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("*.ckpt"))
+
+
+def test_configs_found_from_a_plain_install(tmp_path):
+    """`pip install .` (not editable) ships conf/ as package data; Hydra finds it from any cwd."""
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(REPO)], check=True, capture_output=True, timeout=240)
+    assert (target / "moco_retrieval" / "conf" / "experiment" / "queue65k.yaml").exists()
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {"PYTHONPATH": str(target)}
+    where = subprocess.run([sys.executable, "-c", "import moco_retrieval; print(moco_retrieval.__file__)"],
+                           cwd=work, capture_output=True, text=True, env={**os.environ, **env}, check=True)
+    assert where.stdout.strip().startswith(str(target))
+    out = _cli(["--cfg", "job", "+experiment=queue65k"], work, env)
+    assert out.returncode == 0, out.stderr
+    assert "queue_size: 65536" in out.stdout
+
+
+def test_configs_found_from_the_editable_install(tmp_path):
+    out = _cli(["--cfg", "job", "+experiment=smoke"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "queue_size: 256" in out.stdout
