@@ -156,14 +156,41 @@ def run_key(name: str, seed: int) -> str:
 class Runner:
     """Runs configs once each (results cached in a JSONL file, so a restarted benchmark resumes)."""
 
-    def __init__(self, bench: Bench, base: list[str], cache: Path, fresh: bool):
+    def __init__(self, bench: Bench, base: list[str], cache: Path, fresh: bool, deadline: Optional[str] = None):
         self.bench, self.base, self.cache = bench, base, cache
+        self.deadline = deadline  # UTC "HH:MM": runs not started by then are cut
+        self.cut: list[str] = []
         self.done: dict[str, dict] = {}
         if cache.is_file() and not fresh:
             for line in cache.read_text().splitlines():
                 rec = json.loads(line)
                 self.done[rec["key"]] = rec
         cache.parent.mkdir(parents=True, exist_ok=True)
+
+    def past_deadline(self) -> bool:
+        if not self.deadline:
+            return False
+        return time.strftime("%H:%M", time.gmtime()) >= self.deadline
+
+    def runs(self, active: bool, specs: list[tuple]) -> list[dict]:
+        """Run (when ``active``) or read from the cache each (group, name, overrides, seed, extra) spec;
+        the records that exist, in order."""
+        out = []
+        for group, name, overrides, seed, extra in specs:
+            key = run_key(f"{group}:{name}", seed)
+            if key in self.done:
+                out.append(self.done[key])
+            elif active and not self.past_deadline():
+                out.append(self.run(group, name, overrides, seed, **extra))
+            else:
+                self.cut.append(f"{group}: {name}, seed {seed}")
+        return out
+
+    def reload(self) -> None:
+        if self.cache.is_file():
+            for line in self.cache.read_text().splitlines():
+                rec = json.loads(line)
+                self.done.setdefault(rec["key"], rec)
 
     def run(self, group: str, name: str, overrides: list[str], seed: int, untrained: bool = False, **info) -> dict:
         key = run_key(f"{group}:{name}", seed)

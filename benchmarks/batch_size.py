@@ -48,28 +48,29 @@ NAIVE = QUEUE + ["objective.queue_reproject=false", "model.key_encoder=ema", "ob
 
 
 def remedies(quick: bool) -> dict[str, tuple[str, list[str]]]:
-    """name -> (what it changes, overrides on top of the frozen_queue preset)."""
+    """name -> (what it changes, overrides), in order of priority (a deadline cuts the last ones).
+    The naive queue itself (K=4,096, m 0.99 / 0.999) is in the naive grid."""
+    R = QUEUE + ["objective.queue_size=4096"]  # re-projected feature queue
+    N = NAIVE + ["objective.queue_size=4096"]
     r = {
-        "naive K=4,096, m 0.999": ("the naive queue, for reference", NAIVE + ["objective.queue_size=4096", "model.momentum=0.999"]),
-        "no batch negatives, K=4,096, m 0.99": ("queued negatives only (batch_negatives off)",
-                                              NAIVE + ["objective.queue_size=4096", "model.momentum=0.99",
-                                                       "objective.batch_negatives=false"]),
-        "key encoder = query head, K=4,096": ("momentum 0: keys from the current head, queue still stale",
-                                             NAIVE + ["objective.queue_size=4096", "model.key_encoder=query"]),
-        "m 0.99, lr 3e-4, K=4,096": ("slower head: queued keys age less in head-space",
-                                     NAIVE + ["objective.queue_size=4096", "model.momentum=0.99", "optim.lr=3e-4"]),
-        "m 0.99, tau 0.1, K=4,096": ("temperature re-tuned up for more negatives",
-                                     NAIVE + ["objective.queue_size=4096", "model.momentum=0.99", "objective.temperature=0.1"]),
-        "re-projected, m 0.999, K=4,096": ("feature queue re-projected by the EMA key head",
-                                           QUEUE + ["objective.queue_size=4096", "model.key_encoder=ema", "model.momentum=0.999"]),
-        "re-projected, m 0.99, K=4,096": ("feature queue re-projected by the EMA key head",
-                                          QUEUE + ["objective.queue_size=4096", "model.key_encoder=ema", "model.momentum=0.99"]),
-        "re-projected, query head, K=4,096": ("feature queue re-projected by the current head", QUEUE + ["objective.queue_size=4096"]),
-        "re-projected, query head, K=16,384": ("feature queue re-projected by the current head", QUEUE + ["objective.queue_size=16384"]),
-        "re-projected, query head, K=16,384, tau 0.1": ("... and tau re-tuned", QUEUE + ["objective.queue_size=16384", "objective.temperature=0.1"]),
+        "re-projected, m 0.99, K=4,096": ("feature queue re-projected by the EMA key head each step (no stale keys)",
+                                          R + ["model.key_encoder=ema", "model.momentum=0.99"]),
+        "re-projected, query head, K=4,096": ("... by the current head (no EMA)", R + ["model.key_encoder=query"]),
+        "re-projected, m 0.999, K=4,096": ("... by a slow EMA key head", R + ["model.key_encoder=ema", "model.momentum=0.999"]),
+        "re-projected, m 0.99, K=4,096, tau 0.1": ("... and tau re-tuned for 4k negatives",
+                                                   R + ["model.key_encoder=ema", "model.momentum=0.99", "objective.temperature=0.1"]),
+        "naive, key encoder = query head, K=4,096": ("m = 0: keys from the current head, queue stale", N + ["model.key_encoder=query"]),
+        "naive, no batch negatives, m 0.99, K=4,096": ("queued negatives only (batch_negatives off)",
+                                                       N + ["model.momentum=0.99", "objective.batch_negatives=false"]),
+        "naive, m 0.99, lr 3e-4, K=4,096": ("slower head, so queued keys age less", N + ["model.momentum=0.99", "optim.lr=3e-4"]),
+        "naive, m 0.99, tau 0.1, K=4,096": ("tau re-tuned for 4k negatives", N + ["model.momentum=0.99", "objective.temperature=0.1"]),
+        "re-projected, m 0.99, lr 2e-3, K=4,096": ("lr up (the queue is never stale)",
+                                                   R + ["model.key_encoder=ema", "model.momentum=0.99", "optim.lr=2e-3"]),
+        "re-projected, m 0.99, K=16,384": ("more fresh negatives", QUEUE + ["objective.queue_size=16384", "model.key_encoder=ema",
+                                                                           "model.momentum=0.99"]),
     }
     if quick:
-        keep = ["naive K=4,096, m 0.999", "key encoder = query head, K=4,096", "re-projected, query head, K=4,096"]
+        keep = ["re-projected, m 0.99, K=4,096", "re-projected, query head, K=4,096", "naive, key encoder = query head, K=4,096"]
         r = {k: r[k] for k in keep}
     return r
 
@@ -96,7 +97,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=str, default=None, help="comma-separated in-batch batch sizes")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--fresh", action="store_true", help="ignore the cache of finished runs")
-    ap.add_argument("--skip", type=str, default="", help="comma-separated sections to skip: naive,remedies,winner")
+    ap.add_argument("--only", type=str, default="untrained,inbatch,naive,remedies,winner",
+                    help="sections to run now (finished runs of any section are read from the cache for the report)")
+    ap.add_argument("--deadline", type=str, default=None,
+                    help="UTC HH:MM: runs not started by then are skipped (and listed as cut in the report)")
     ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     args = ap.parse_args(argv)
     if args.threads:
@@ -106,7 +110,7 @@ def main(argv=None) -> int:
     queue_seeds = list(range(max(1, args.queue_seeds)))
     epochs = args.epochs or (1 if quick else 3)
     batches = [int(b) for b in args.batches.split(",")] if args.batches else ([4, 32, 256] if quick else [4, 8, 16, 32, 64, 128, 256])
-    skip = {s for s in args.skip.split(",") if s}
+    only = {s for s in args.only.split(",") if s}
     ks = [1024, 4096] if quick else [1024, 4096, 16384, 65536]
     moms = [0.99, 0.999]
     skip_frozen_ema_copies()
@@ -114,43 +118,44 @@ def main(argv=None) -> int:
     bench = Bench(max_train_examples=6000 if quick else None, max_eval_queries=None)
     mode = "quick" if quick else "full"
     runner = Runner(bench, [f"trainer.max_epochs={epochs}"], Path(f"/tmp/mr-bench-cache/{NAME}-{mode}-e{epochs}.jsonl"),
-                    args.fresh)
+                    args.fresh, deadline=args.deadline)
     log(f"B1 {mode}: {len(bench.train_pairs):,} train pairs, pool {len(bench.eval_set.corpus):,} docs / "
         f"{len(bench.eval_set.queries):,} queries; epochs {epochs}; seeds {seeds}")
 
     # 1-2. untrained head and in-batch negatives, batch sweep (each seed sweeps every batch, so a cut
     # run still has every batch size)
-    untrained = [runner.run("untrained", "untrained head", INBATCH, s, untrained=True) for s in seeds]
+    untrained = runner.runs("untrained" in only, [("untrained", "untrained head", INBATCH, s, {"untrained": True}) for s in seeds])
     inbatch: dict[int, list[dict]] = {b: [] for b in batches}
-    for s in seeds:
-        for b in sorted(batches, reverse=True):
-            inbatch[b].append(runner.run("inbatch", f"batch {b}", INBATCH + [f"data.batch_size={b}"], s))
+    # seed 0 over every batch first; then the other seeds, large batches first (batch 4 and 8 cost
+    # most: 9k and 4.5k steps an epoch), so a deadline cuts seeds of the small batches first
+    order = [(0, b) for b in sorted(batches, reverse=True)]
+    order += [(s, b) for s in seeds[1:] for b in sorted(batches, reverse=True) if b >= 16]
+    order += [(s, b) for b in sorted(batches, reverse=True) if b < 16 for s in seeds[1:]]
+    for s, b in order:
+        inbatch[b] += runner.runs("inbatch" in only, [("inbatch", f"batch {b}", INBATCH + [f"data.batch_size={b}"], s, {})])
 
     # 3. the naive queue at batch 32
-    naive: list[dict] = []
-    if "naive" not in skip:
-        for k in ks:
-            for m in moms:
-                for s in queue_seeds:
-                    naive.append(runner.run("naive", f"K={k:,}, m {m}", NAIVE + [f"objective.queue_size={k}", f"model.momentum={m}"], s))
-        kmask = ks[-1]
-        for s in queue_seeds:
-            naive.append(runner.run("naive", f"K={kmask:,}, m 0.999, masking off",
-                                    NAIVE + [f"objective.queue_size={kmask}", "model.momentum=0.999",
-                                             "objective.mask_false_negatives=false"], s))
+    specs = []
+    for k in ks:
+        for m in moms:
+            specs += [("naive", f"K={k:,}, m {m}", NAIVE + [f"objective.queue_size={k}", f"model.momentum={m}"], s, {})
+                      for s in queue_seeds]
+    specs += [("naive", f"K={ks[-1]:,}, m 0.999, masking off", NAIVE + [f"objective.queue_size={ks[-1]}", "model.momentum=0.999",
+                                                                       "objective.mask_false_negatives=false"], s, {})
+              for s in queue_seeds]
+    naive = runner.runs("naive" in only, specs)
 
     # 4. remedies
-    rem: list[dict] = []
-    if "remedies" not in skip:
-        for name, (what, ov) in remedies(quick).items():
-            for s in queue_seeds:
-                rem.append(runner.run("remedy", name, ov, s, what=what))
+    rem = runner.runs("remedies" in only, [("remedy", name, ov, s, {"what": what})
+                                          for name, (what, ov) in remedies(quick).items() for s in queue_seeds])
 
-    # 5. the winner preset over the in-batch seeds
-    winner: list[dict] = []
-    if "winner" not in skip:
-        for s in seeds:
-            winner.append(runner.run("winner", "frozen_queue preset", QUEUE, s))
+    # 5. the winner: the best queue configuration of seed 0 (naive or remedy), over the in-batch seeds
+    cands = [r for r in naive + rem if r["seed"] == 0]
+    winner = []
+    if cands:
+        best = max(cands, key=lambda r: r["metrics"]["recall@1"])
+        winner = runner.runs("winner" in only, [(best["group"], best["name"], best["overrides"], s,
+                                                 {"what": best["what"]} if "what" in best else {}) for s in seeds])
 
     # ------------------------------------------------------------------------------- report
     out_dir = args.out or Path(__file__).resolve().parent / "results"
@@ -169,12 +174,11 @@ def main(argv=None) -> int:
             "met": bool(gap >= -sd) if len(b256) > 1 else bool(gap >= 0),
             "beats": bool(gap > 0),
         }
-    wcfg = compose_cfg(FROZEN_BASE + QUEUE)
-    preset = {
-        "queue_size": wcfg.objective.queue_size, "queue_reproject": wcfg.objective.queue_reproject,
-        "key_encoder": wcfg.model.key_encoder, "momentum": wcfg.model.momentum, "temperature": wcfg.objective.temperature,
-        "batch_size": wcfg.data.batch_size, "lr": wcfg.optim.lr,
-    }
+    preset = None
+    if winner:
+        w0 = winner[0]
+        preset = {k: w0[k] for k in ("name", "overrides", "queue_size", "queue_reproject", "key_encoder", "momentum",
+                                     "temperature", "batch_size", "lr", "batch_negatives", "mask_false_negatives")}
     env = environment()
     data = {
         "benchmark": "B1 batch size and queue", "mode": mode, "epochs": epochs, "seeds": seeds, "queue_seeds": queue_seeds,
@@ -185,6 +189,7 @@ def main(argv=None) -> int:
         "inbatch": {str(b): {"recall@1": v, "median": median(v), "mean": mean(v), "std": std(v)} for b, v in ib.items()},
         "winner_preset": preset, "verdict": verdict,
         "runs": list(runner.done[k] for k in runner.done if k.split(":")[0] in ("untrained", "inbatch", "naive", "remedy", "winner")),
+        "cut": runner.cut,
         "wall_s": time.time() - t_start, "peak_rss_mb": peak_rss_mb(), "environment": env,
     }
     md = render(data, ib, untrained, naive, rem, winner, prefix)
@@ -220,9 +225,9 @@ def render(data, ib, untrained, naive, rem, winner, prefix) -> str:
     v = data["verdict"]
     if v:
         p = data["winner_preset"]
-        what = (f"K={p['queue_size']:,}, {'re-projected feature queue' if p['queue_reproject'] else 'key queue'}, "
-                f"key encoder {p['key_encoder']}{'' if p['key_encoder'] == 'query' else ' m ' + str(p['momentum'])}, "
-                f"tau {p['temperature']}")
+        what = (f"{p['name']}: K={p['queue_size']:,}, {'re-projected feature queue' if p['queue_reproject'] else 'key queue'}, "
+                f"key encoder {p['key_encoder']}{'' if p['key_encoder'] == 'query' else ', m ' + str(p['momentum'])}, "
+                f"tau {p['temperature']}, lr {p['lr']}")
         L.append("## The claim: batch 32 + queue vs in-batch at the largest batch")
         L.append("")
         L.append(md_table(["configuration", "recall@1 median", "± std", "seeds"], [
@@ -246,7 +251,7 @@ def render(data, ib, untrained, naive, rem, winner, prefix) -> str:
                           [_row(r) + [r.get("what", "")] for r in rem]))
         L.append("")
     if winner:
-        L.append("## The winner preset over seeds")
+        L.append("## The winner (best queue configuration of seed 0) over seeds")
         L.append("")
         L.append(md_table(["configuration", "seed", "negatives/query", "recall@1", "MRR@10", "pos cos", "unrel cos", "ms/step"],
                           [_row(r) for r in winner]))
@@ -256,6 +261,9 @@ def render(data, ib, untrained, naive, rem, winner, prefix) -> str:
     L.append(md_table(["configuration", "seed", "negatives/query", "recall@1", "MRR@10", "pos cos", "unrel cos", "ms/step"],
                       [_row(r) for b in sorted(ib) for r in data_runs(data, "inbatch", f"batch {b}")]))
     L.append("")
+    if data.get("cut"):
+        L.append("Cut for time (not run): " + "; ".join(data["cut"]) + ".")
+        L.append("")
     L.append(f"![recall@1 vs batch]({prefix}_vs_batch.png)")
     L.append("")
     L.append(f"![recall@1 vs negatives per query]({prefix}_vs_negatives.png)")
@@ -288,7 +296,7 @@ def plots(ib, untrained, naive, rem, winner, out_dir: Path, prefix: str) -> None
     if winner:
         w = r1(winner)
         ax.errorbar([32], [median(w)], yerr=[[median(w) - min(w)], [max(w) - median(w)]], fmt="*", markersize=13,
-                    color="#2ca02c", label="batch 32 + queue, frozen_queue preset")
+                    color="#2ca02c", label="batch 32 + queue, winner (median, min-max)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(bs)
     ax.set_xticklabels([str(b) for b in bs])
@@ -306,7 +314,7 @@ def plots(ib, untrained, naive, rem, winner, out_dir: Path, prefix: str) -> None
     ax.plot(xs, med, "o-", color="#1f77b4", label="in-batch (batch - 1 negatives)")
     for group, color, marker, label in ((naive, "#d62728", "s", "batch 32 + naive queue"),
                                         (rem, "#ff7f0e", "^", "batch 32 + queue, remedies"),
-                                        (winner, "#2ca02c", "*", "batch 32 + queue, preset")):
+                                        (winner, "#2ca02c", "*", "batch 32 + queue, winner over seeds")):
         if group:
             x = [negatives_per_query(r) for r in group]
             y = [r["metrics"]["recall@1"] for r in group]

@@ -114,6 +114,7 @@ def main() -> None:
     ap.add_argument("--objective", default="inbatch", choices=["inbatch", "moco"])
     ap.add_argument("--n-negatives", type=int, default=4)
     ap.add_argument("--range-max", type=int, default=50)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy machine)")
     ap.add_argument("--work-dir", default=None, help="runs and mined files (default: a temporary folder)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
@@ -126,7 +127,7 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     import torch
 
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    torch.set_num_threads(args.threads)
     from moco_retrieval.config import DataConfig
     from moco_retrieval.data.datamodule import RetrievalDataModule
 
@@ -173,9 +174,9 @@ def main() -> None:
     mined = mine_variants(work / "a_none-s0" / "checkpoints" / "last.ckpt", pairs, work, variants,
                           args.n_negatives, args.range_max)
     mine_seconds = time.perf_counter() - t0
-    common = mined.pop("common_keys")
+    common_keys = mined.pop("common_keys")
     subset_file = work / "train-common.jsonl"
-    write_pairs_jsonl(subset_file, [p for p in pairs if (p.query, p.doc_id) in common])
+    write_pairs_jsonl(subset_file, [p for p in pairs if (p.query, p.doc_id) in common_keys])
     n = f"data.n_negatives={args.n_negatives}"
     plan = {
         "a_none_common": [f"data.train_path={subset_file}"],

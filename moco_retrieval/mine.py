@@ -24,16 +24,21 @@ logging.getLogger("faiss.loader").setLevel(logging.WARNING)
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
 
 
-@hydra.main(config_path="pkg://moco_retrieval.conf", config_name="mine", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    from moco_retrieval.mining import run_mine
-
+def to_mine_config(cfg: DictConfig):
+    """The composed DictConfig as a MineConfig; a missing required value is an error naming it."""
     if OmegaConf.is_missing(cfg.data, "eval_dir"):  # data=jsonl asks for it; mining reads only train_path
         cfg.data.eval_dir = None
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise SystemExit("missing required config values: " + ", ".join(missing) + " (e.g. output=FILE)")
-    run_mine(OmegaConf.to_object(cfg))
+    return OmegaConf.to_object(cfg)
+
+
+@hydra.main(config_path="pkg://moco_retrieval.conf", config_name="mine", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from moco_retrieval.mining import run_mine
+
+    run_mine(to_mine_config(cfg))
 
 
 if __name__ == "__main__":

@@ -74,6 +74,20 @@ def trainer_kwargs(cfg: TrainerConfig) -> dict:
     return kw
 
 
+def ddp_strategy() -> DDPStrategy:
+    """DDP without the per-step broadcast of buffers from rank 0: every rank enqueues the same
+    all-gathered keys, so the queue (K x d buffers) stays identical without it (each checkpoint
+    records every rank's fingerprint, see preemption.py), and copying it every step costs
+    K x d x 4 bytes (200 MB at 65k x 768). The buffers are still synced once, at the start."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return DDPStrategy(forward_sync_buffers=False)  # torch >= 2.13: broadcast_buffers is deprecated
+    return DDPStrategy(broadcast_buffers=False)
+
+
 def build(cfg: TrainConfig, run_dir: Path) -> tuple[RetrievalModule, RetrievalDataModule, L.Trainer]:
     module = RetrievalModule.from_config(cfg)
     enc = module.encoder
@@ -108,9 +122,7 @@ def build(cfg: TrainConfig, run_dir: Path) -> tuple[RetrievalModule, RetrievalDa
         plugins.append(SLURMEnvironment(auto_requeue=True, requeue_signal=signal.SIGUSR1))
     kw = trainer_kwargs(cfg.trainer)
     if kw["strategy"] == "ddp":
-        # Every rank enqueues the same all-gathered keys, so the queue (K x d buffers) needs no
-        # broadcast from rank 0 before each forward, which DDP does by default.
-        kw["strategy"] = DDPStrategy(broadcast_buffers=False)
+        kw["strategy"] = ddp_strategy()
     trainer = L.Trainer(
         default_root_dir=str(run_dir),
         logger=loggers or False,

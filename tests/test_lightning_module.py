@@ -139,3 +139,34 @@ def test_two_gloo_ranks_share_one_queue(tiny_dir, tmp_path):
     assert torch.equal(r0["ids"], r1["ids"]) and torch.equal(r0["keys"], r1["keys"])
     ids = r0["ids"][:24].view(3, 2, 4)  # step, rank, row: each step's slots hold rank 0 then rank 1
     assert (ids[:, 0] < 100_000).all() and (ids[:, 1] >= 100_000).all()
+
+
+def test_bf16_mixed_precision_trains_with_fp32_logits(tiny_dir, tmp_path):
+    torch.manual_seed(0)
+    m = make_module(tiny_dir)
+    seen = []
+    orig = m.objective.forward
+
+    def spy(q, k, meta, step=0):
+        loss, stats = orig(q, k, meta, step=step)
+        seen.append(loss.dtype)
+        return loss, stats
+
+    m.objective.forward = spy
+    rec = RecordLosses()
+    t = trainer(tmp_path, max_steps=3, callbacks=[rec], precision="bf16-mixed")
+    t.fit(m, SyntheticData(m.encoder.tokenize, batch_size=4, batches=3))
+    assert seen == [torch.float32] * 3
+    assert all(torch.isfinite(torch.tensor(rec.losses)))
+    assert m.objective.queue.fill == 12
+
+
+def test_key_encoder_query_uses_no_momentum_copy(tiny_dir):
+    m = make_module(tiny_dir, key_encoder="query")
+    assert m.key_encoder is None
+    m.train()
+    batch = next(iter(SyntheticData(m.encoder.tokenize, batch_size=4).train_dataloader()))
+    keys = m.encode_keys(batch["doc"])
+    assert not keys.requires_grad  # keys from the query encoder, under no_grad
+    m.eval()
+    assert torch.allclose(m.encode_keys(batch["doc"]), m.encoder(batch["doc"], "doc"))

@@ -328,3 +328,31 @@ def test_training_sees_shared_hard_negatives(mined_dir, tmp_path, objective):
         seen = float(r["train/negatives_per_query"]) + float(r["train/masked_per_query"])
         queue = float(r.get("train/queue_fill") or 0)
         assert seen == pytest.approx(B + B * n + queue)  # own positive (masked) + B-1 + B*n (+ queue)
+
+
+def test_mine_command_config_and_outputs(tmp_path, capsys):
+    """conf/mine.yaml composed as the command does, run on a JSONL file with a tiny base encoder."""
+    from hydra import compose, initialize_config_module
+
+    from moco_retrieval.data.formats import write_pairs_jsonl
+    from moco_retrieval.mine import to_mine_config
+    from moco_retrieval.mining import run_mine
+
+    write_pairs_jsonl(tmp_path / "pairs.jsonl", make_pairs())
+    with initialize_config_module(config_module="moco_retrieval.conf", version_base="1.3"):
+        dcfg = compose("mine", overrides=[
+            "model=tiny", f"model.path={tmp_path / 'tiny'}", "data=jsonl", f"data.train_path={tmp_path / 'pairs.jsonl'}",
+            f"output={tmp_path / 'out' / 'mined.jsonl'}", "n_negatives=3", "range_max=5", "relative_margin=null",
+            "progress=false",
+        ])
+    cfg = to_mine_config(dcfg)
+    assert cfg.data.eval_dir is None and cfg.relative_margin is None and cfg.drop_group
+    res = run_mine(cfg)
+    rows = read_pairs_jsonl(tmp_path / "out" / "mined.jsonl")
+    assert len(rows) == len(res.pairs) == len(make_pairs()) and all(len(p.negatives) == 3 for p in rows)
+    stats = json.loads((tmp_path / "out" / "mined.stats.json").read_text())
+    assert stats["candidates"]["removed"]["positive"] > 0 and stats["model"]["source"] == "base"
+    assert "removed by group" in capsys.readouterr().out
+    with initialize_config_module(config_module="moco_retrieval.conf", version_base="1.3"):
+        with pytest.raises(SystemExit, match="output"):
+            to_mine_config(compose("mine", overrides=["data=jsonl"]))

@@ -99,3 +99,14 @@ def test_configs_found_from_the_editable_install(tmp_path):
     out = _cli(["--cfg", "job", "+experiment=smoke"], tmp_path)
     assert out.returncode == 0, out.stderr
     assert "queue_size: 256" in out.stdout
+
+
+def test_user_experiment_from_config_dir(tmp_path):
+    conf = tmp_path / "my_conf" / "experiment"
+    conf.mkdir(parents=True)
+    (conf / "mine.yaml").write_text("# @package _global_\ndefaults:\n  - override /objective: inbatch\n"
+                                    "data:\n  batch_size: 48\n")
+    out = _cli(["--config-dir", str(tmp_path / "my_conf"), "--cfg", "job", "+experiment=mine"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    job = OmegaConf.create(out.stdout)
+    assert job.objective.name == "inbatch" and job.data.batch_size == 48
