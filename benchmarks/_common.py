@@ -178,6 +178,8 @@ class Runner:
         out = []
         for group, name, overrides, seed, extra in specs:
             key = run_key(f"{group}:{name}", seed)
+            if key not in self.done:
+                self.reload()  # another process may have finished it meanwhile
             if key in self.done:
                 out.append(self.done[key])
             elif active and not self.past_deadline():

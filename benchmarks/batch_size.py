@@ -99,6 +99,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh", action="store_true", help="ignore the cache of finished runs")
     ap.add_argument("--only", type=str, default="untrained,inbatch,naive,remedies,winner",
                     help="sections to run now (finished runs of any section are read from the cache for the report)")
+    ap.add_argument("--winner", type=str, default=None,
+                    help="name of the remedy to run over every seed as the winner (default: the best of seed 0)")
     ap.add_argument("--deadline", type=str, default=None,
                     help="UTC HH:MM: runs not started by then are skipped (and listed as cut in the report)")
     ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
@@ -152,7 +154,12 @@ def main(argv=None) -> int:
     # 5. the winner: the best queue configuration of seed 0 (naive or remedy), over the in-batch seeds
     cands = [r for r in naive + rem if r["seed"] == 0]
     winner = []
-    if cands:
+    if args.winner:
+        what, ov = remedies(quick)[args.winner]
+        # seed 0 last: the remedies section runs it too (whichever process gets there first)
+        winner = runner.runs("winner" in only, [("remedy", args.winner, ov, s, {"what": what}) for s in seeds[1:] + seeds[:1]])
+        winner.sort(key=lambda r: r["seed"])
+    elif cands:
         best = max(cands, key=lambda r: r["metrics"]["recall@1"])
         winner = runner.runs("winner" in only, [(best["group"], best["name"], best["overrides"], s,
                                                  {"what": best["what"]} if "what" in best else {}) for s in seeds])

@@ -17,7 +17,8 @@ backward, optimizer step; our runs through Lightning, so its per-step overhead i
 
 CPU budget: batch 32, 150 steps each by default (``--steps``, ``--batch-size``): a short budget, far
 from convergence; the 65,536-key queue holds at most steps x batch keys (4,800 at 150 x 32).
-``--quick``: 12 steps, a 400-document slice of the pool.
+Pool: 1,000 held-out queries against 2,400 documents (every relevant one kept) by default
+(``--max-queries 0 --max-docs 0``: all 3,283 / 3,283). ``--quick``: 12 steps, 200 / 400.
 
     python benchmarks/peer.py [--quick] [--steps 150] [--batch-size 32]
 """
@@ -158,7 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 150; quick 12)")
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--max-pool", type=int, default=None, help="cap the pool's queries and documents (default all; quick 400)")
+    ap.add_argument("--max-queries", type=int, default=1000, help="queries of the pool (0: all 3,283); quick 200")
+    ap.add_argument("--max-docs", type=int, default=2400, help="documents of the pool (0: all; every relevant one kept); quick 400")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--only", default="moco,inbatch,mnrl")
     ap.add_argument("--out", type=Path, default=None)
@@ -170,10 +172,11 @@ def main(argv=None) -> int:
     quick = args.quick
     steps = args.steps or (12 if quick else 150)
     batch = args.batch_size
-    cap = args.max_pool or (400 if quick else None)
+    mq = (200 if quick else args.max_queries) or None
+    md_ = (400 if quick else args.max_docs) or None
     t0 = time.time()
     bench = Bench()
-    pool = cap_eval_set(bench.eval_set, cap, cap, seed=0) if cap else bench.eval_set
+    pool = cap_eval_set(bench.eval_set, mq, md_, seed=0)
     base = compose_cfg(BASE + ["+experiment=queue65k"])
     q_len, d_len, lr, warm = base.model.query_max_len, base.model.doc_max_len, base.optim.lr, base.optim.warmup_ratio
     only = set(args.only.split(","))

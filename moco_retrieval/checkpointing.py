@@ -20,10 +20,17 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a checkpoint is as readable as any file
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

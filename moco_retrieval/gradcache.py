@@ -34,6 +34,13 @@ with its gradient clipping, accumulation, schedulers and hooks unchanged) stops 
 that of reentrant activation checkpointing (``torch.utils.checkpoint``); autocast settings of the
 forward are re-entered for the re-run.
 
+Objectives: the in-batch objective (documents and hard negatives are re-run too) and MoCo (the
+query side is re-run; keys come from the momentum encoder without a graph and are only embedded
+in chunks). Under DDP the chunks' re-runs fire every parameter's gradient hook once per chunk
+inside one backward; plain DDP then averages wrong gradients without any error (checked by
+hand: off by O(1) on two gloo ranks), so ``RetrievalModule.on_fit_start`` switches DDP to its static graph (``static_graph=True``
+semantics: hooks counted in the first iteration, one all-reduce when all have fired).
+
 Exactness: with the random states replayed, the parameter gradients equal those of the same loss
 computed in one graph over the same chunks (identical dropout masks), to float rounding. Without
 dropout they equal those of one full-batch forward (chunks are trimmed to their own longest text;
@@ -95,7 +102,7 @@ class RandState:
 
     def __init__(self, device: torch.device):
         self.cpu = torch.get_rng_state()
-        self.cuda_device = device.index if device.type == "cuda" else None
+        self.cuda_device: Optional[int] = None
         if device.type == "cuda":
             self.cuda_device = torch.cuda.current_device() if device.index is None else device.index
             self.cuda = torch.cuda.get_rng_state(self.cuda_device)

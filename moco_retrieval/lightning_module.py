@@ -172,11 +172,19 @@ class RetrievalModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         if self.grad_cache is not None and self.trainer.world_size > 1:
-            # the chunks' re-runs inside one backward would each fire DDP's gradient hooks
-            raise ValueError(
-                "objective.grad_cache_chunk is not supported with more than one process (DDP) yet: "
-                "run on one device, or unset objective.grad_cache_chunk"
-            )
+            # Each chunk's re-run inside the one backward fires every parameter's DDP hook again
+            # (reentrant backward, as in activation checkpointing); DDP supports that with a static
+            # graph: it counts the hooks of the first iteration and all-reduces once they all fired.
+            from torch.nn.parallel import DistributedDataParallel
+
+            model = getattr(self.trainer.strategy, "model", None)
+            if not isinstance(model, DistributedDataParallel):
+                raise ValueError(
+                    "objective.grad_cache_chunk with several processes needs trainer.strategy=ddp "
+                    f"(got {type(model).__name__}); or unset objective.grad_cache_chunk"
+                )
+            if not model.static_graph:
+                model._set_static_graph()  # what DDP(static_graph=True) calls; before the first step
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         # after backward: the queue logits' backward needed the queue as it was

@@ -13,10 +13,22 @@ from moco_retrieval.cluster import wandb_mode, wandb_settings
 from moco_retrieval.config import LoggerConfig
 
 
+def csv_version(run_dir: Path) -> str:
+    """``csv/metrics.csv`` for a run's first attempt, ``csv/resume-N/metrics.csv`` for the N-th
+    resumed one: Lightning's CSV logger would otherwise overwrite the earlier attempt's history."""
+    csv_dir = Path(run_dir) / "csv"
+    if not (csv_dir / "metrics.csv").exists():
+        return ""
+    n = 1
+    while (csv_dir / f"resume-{n}").exists():
+        n += 1
+    return f"resume-{n}"
+
+
 def build_loggers(cfg: LoggerConfig, run_dir: Path) -> list[Logger]:
     loggers: list[Logger] = []
     if cfg.csv:
-        loggers.append(CSVLogger(save_dir=str(run_dir), name="csv", version=""))
+        loggers.append(CSVLogger(save_dir=str(run_dir), name="csv", version=csv_version(run_dir)))
     if cfg.wandb:
         mode, reason = wandb_mode(cfg)
         if mode != "disabled":

@@ -34,6 +34,12 @@ What :class:`PreemptionCheckpoint` does (one per trainer, added by ``train.build
    ``restartPolicy: OnFailure`` and Job ``backoffLimit`` retry any non-zero status;
    ``docker/slurm.sbatch`` requeues a run that stopped unfinished with a status above 128.
    No final validation runs and ``metrics.json`` is not written (the sign of an unfinished run).
+   Under ``torchrun`` the workers exit 143 but torchrun itself exits 1 (``SignalException`` when
+   it got the SIGTERM, ``ChildFailedError`` when a worker did): with torchrun, use a restart
+   policy that retries any failure (``OnFailure``, as docker/k8s-pytorchjob.yaml does).
+   A SIGTERM that Lightning handles itself (outside the training steps, e.g. during the final
+   validation) raises its ``SIGTERMException``, status 0; ``train.main`` turns that into 143
+   (:func:`sigterm_exit_status`).
 
 Resume: the same command line with ``ckpt_path=last`` and the same ``run_dir`` (see
 ``checkpointing.resolve_ckpt_path``; with no ``last.ckpt`` yet the run starts fresh). A validation
@@ -53,13 +59,15 @@ import signal
 import subprocess
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +89,17 @@ class Preempted(SystemExit):
     def __str__(self) -> str:
         return (f"stopped by {signal.Signals(self.signum).name} after step {self.step}; "
                 f"checkpoint {self.ckpt_path}; exit status {self.code}")
+
+
+@contextmanager
+def sigterm_exit_status() -> Iterator[None]:
+    """Lightning's own ``SIGTERMException`` (a SIGTERM outside the training steps, e.g. during the
+    final validation, or one Lightning saw before ``on_train_start``) is a ``SystemExit`` with
+    status 0, which a scheduler takes for success; make it 143 like :class:`Preempted`."""
+    try:
+        yield
+    except SIGTERMException as e:
+        raise SystemExit(exit_code(signal.SIGTERM)) from e
 
 
 def slurm_job_id(env: Optional[dict] = None) -> Optional[str]:
@@ -239,7 +258,7 @@ class PreemptionCheckpoint(Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._exit_if_stopped()
         if self.save_at_end:
-            # The final state. (ModelCheckpoint's last.ckpt is only written along with a new best.)
+            # The final state (the ModelCheckpoints write at validations only).
             trainer.save_checkpoint(self.ckpt_path)
         self._restore()
 
@@ -256,5 +275,5 @@ class PreemptionCheckpoint(Callback):
         checkpoint["rank_fingerprints"] = everyone
 
 
-__all__ = ["PreemptionCheckpoint", "Preempted", "exit_code", "rank_fingerprints", "slurm_job_id",
-           "slurm_requeue", "STOP_SIGNALS"]
+__all__ = ["PreemptionCheckpoint", "Preempted", "exit_code", "rank_fingerprints", "sigterm_exit_status",
+           "slurm_job_id", "slurm_requeue", "STOP_SIGNALS"]

@@ -19,6 +19,10 @@ class LogLineProgress(ProgressBar):
     def enable(self) -> None:
         self._enabled = True
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        # also here: a run resumed mid-epoch gets no on_train_epoch_start for that epoch
+        self._t0, self._step0 = time.monotonic(), trainer.global_step
+
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._t0, self._step0 = time.monotonic(), trainer.global_step
 

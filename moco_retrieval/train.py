@@ -36,13 +36,15 @@ from moco_retrieval.data.datamodule import RetrievalDataModule
 from moco_retrieval.evaluation.callback import ValidationReport
 from moco_retrieval.lightning_module import RetrievalModule
 from moco_retrieval.loggers import build_loggers
-from moco_retrieval.preemption import Preempted, PreemptionCheckpoint
+from moco_retrieval.preemption import Preempted, PreemptionCheckpoint, sigterm_exit_status
 from moco_retrieval.progress import progress_callback
 
 register_configs()
 # The key encoder is in eval mode on purpose (no dropout in keys); faiss announces each CPU
 # instruction set it tries. Neither is news to a user.
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+# validation metrics are computed on the whole pool by every rank, identical: nothing to sync
+warnings.filterwarnings("ignore", message=r".*sync_dist=True.*when logging on epoch level")
 logging.getLogger("faiss.loader").setLevel(logging.WARNING)
 
 
@@ -168,7 +170,8 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
 @hydra.main(config_path="pkg://moco_retrieval.conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir)
-    train(OmegaConf.to_object(cfg), run_dir)
+    with sigterm_exit_status():  # a SIGTERM Lightning handles itself exits 143 too, not 0
+        train(OmegaConf.to_object(cfg), run_dir)
 
 
 if __name__ == "__main__":

@@ -168,6 +168,6 @@ def test_chunking_and_arguments(tiny_dir):
     with pytest.raises(ValueError, match="grad_cache_chunk"):
         GradCache(0)
     m = make_module(tiny_dir)
-    m._trainer = SimpleNamespace(world_size=2)
-    with pytest.raises(ValueError, match="not supported with more than one process"):
+    m._trainer = SimpleNamespace(world_size=2, strategy=SimpleNamespace(model=m))
+    with pytest.raises(ValueError, match="needs trainer.strategy=ddp"):
         m.on_fit_start()

@@ -329,6 +329,18 @@ def test_training_sees_shared_hard_negatives(mined_dir, tmp_path, objective):
         queue = float(r.get("train/queue_fill") or 0)
         assert seen == pytest.approx(B + B * n + queue)  # own positive (masked) + B-1 + B*n (+ queue)
 
+    # and the trained checkpoint mines again (checkpoint=PATH; a MoCo checkpoint's key encoder too)
+    from moco_retrieval.config import MineConfig
+    from moco_retrieval.mining import run_mine
+
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    for encoder in ["query"] + (["key"] if objective == "moco" else []):
+        mcfg = MineConfig(data=cfg.data, checkpoint=str(ckpt), encoder=encoder, output=str(tmp_path / f"again-{encoder}.jsonl"),
+                          n_negatives=2, range_max=6, relative_margin=None, progress=False)
+        res = run_mine(mcfg)
+        assert res.stats["model"]["source"] == "checkpoint" and res.stats["model"]["encoder"] == encoder
+        assert len(read_pairs_jsonl(tmp_path / f"again-{encoder}.jsonl")) == len(res.pairs) > 0
+
 
 def test_mine_command_config_and_outputs(tmp_path, capsys):
     """conf/mine.yaml composed as the command does, run on a JSONL file with a tiny base encoder."""

@@ -117,7 +117,7 @@ def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_e
     assert 2 <= stop < STEPS, f"SIGTERM came too late to test a resume mid-epoch (stopped at {stop})"
     # the position in the epoch: the data module's sampler state, through the resumable loader
     assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 0, "batches_done": stop}]
-    part1 = losses(run_dir / "csv" / "metrics.csv")  # the CSV logger starts a new file on resume
+    part1 = losses(run_dir / "csv" / "metrics.csv")
     assert sorted(part1) == list(range(stop)), part1
 
     resumed = subprocess.run(cli(run_dir, "ckpt_path=last"), cwd=tmp_path, env=cli_env,
@@ -126,7 +126,9 @@ def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_e
     assert "Restoring states from the checkpoint path at" in resumed.stdout + resumed.stderr
     assert (run_dir / "metrics.json").exists()
 
-    ref_losses, part2 = losses(ref_dir / "csv" / "metrics.csv"), losses(run_dir / "csv" / "metrics.csv")
+    # the resumed attempt logs to csv/resume-1/ and leaves the first attempt's history as it was
+    ref_losses, part2 = losses(ref_dir / "csv" / "metrics.csv"), losses(run_dir / "csv" / "resume-1" / "metrics.csv")
+    assert losses(run_dir / "csv" / "metrics.csv") == part1
     assert sorted(ref_losses) == list(range(STEPS))
     assert sorted(part2) == list(range(stop, STEPS))  # no batch trained twice, none skipped
     for step in range(STEPS):
@@ -239,6 +241,19 @@ def test_requeue_on_the_requeue_signal_only(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "77")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
     assert preemption.slurm_job_id() == "77_3"
+
+
+def test_lightnings_own_sigterm_stop_exits_143_not_0():
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    assert SIGTERMException().code is None  # what Lightning raises: status 0
+    with pytest.raises(SystemExit) as stop:
+        with preemption.sigterm_exit_status():
+            raise SIGTERMException()
+    assert stop.value.code == 143
+    with pytest.raises(Preempted):  # ours passes through unchanged
+        with preemption.sigterm_exit_status():
+            raise Preempted(signal.SIGUSR1, "x", 1)
 
 
 def test_requeue_without_scontrol_is_reported_not_fatal(monkeypatch, caplog):

@@ -110,3 +110,28 @@ def test_user_experiment_from_config_dir(tmp_path):
     assert out.returncode == 0, out.stderr
     job = OmegaConf.create(out.stdout)
     assert job.objective.name == "inbatch" and job.data.batch_size == 48
+
+
+def test_resumed_attempt_keeps_earlier_csv_history(tmp_path):
+    from moco_retrieval.loggers import csv_version
+
+    assert csv_version(tmp_path) == ""
+    (tmp_path / "csv").mkdir()
+    (tmp_path / "csv" / "metrics.csv").write_text("step\n1\n")
+    assert csv_version(tmp_path) == "resume-1"
+    (tmp_path / "csv" / "resume-1").mkdir()
+    assert csv_version(tmp_path) == "resume-2"
+
+
+def test_checkpoint_files_are_readable_like_other_files(tmp_path):
+    import stat
+
+    from moco_retrieval.checkpointing import atomic_torch_save
+
+    old = os.umask(0o022)
+    try:
+        atomic_torch_save({"a": 1}, tmp_path / "x.ckpt")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "x.ckpt").stat().st_mode) == 0o644
+    assert [p.name for p in tmp_path.iterdir()] == ["x.ckpt"]  # no temporary left behind
