@@ -198,7 +198,7 @@ class Runner:
         key = run_key(f"{group}:{name}", seed)
         if key in self.done:
             return self.done[key]
-        cfg = compose_cfg(FROZEN_BASE + overrides + self.base + [f"seed={seed}", f"data.seed={seed}"])
+        cfg = compose_cfg(FROZEN_BASE + self.base + overrides + [f"seed={seed}", f"data.seed={seed}"])
         t0 = time.perf_counter()
         r = self.bench.eval_untrained(cfg) if untrained else self.bench.fit_eval(cfg)
         o = cfg.objective

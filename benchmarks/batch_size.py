@@ -64,6 +64,8 @@ def remedies(quick: bool) -> dict[str, tuple[str, list[str]]]:
                                                        N + ["model.momentum=0.99", "objective.batch_negatives=false"]),
         "naive, m 0.99, lr 3e-4, K=4,096": ("slower head, so queued keys age less", N + ["model.momentum=0.99", "optim.lr=3e-4"]),
         "naive, m 0.99, tau 0.1, K=4,096": ("tau re-tuned for 4k negatives", N + ["model.momentum=0.99", "objective.temperature=0.1"]),
+        "re-projected, m 0.99, lr 3e-4, K=4,096": ("lr matched to 8x the steps of batch 256",
+                                                   R + ["model.key_encoder=ema", "model.momentum=0.99", "optim.lr=3e-4"]),
         "re-projected, m 0.99, lr 2e-3, K=4,096": ("lr up (the queue is never stale)",
                                                    R + ["model.key_encoder=ema", "model.momentum=0.99", "optim.lr=2e-3"]),
         "re-projected, m 0.99, K=16,384": ("more fresh negatives", QUEUE + ["objective.queue_size=16384", "model.key_encoder=ema",
@@ -99,6 +101,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh", action="store_true", help="ignore the cache of finished runs")
     ap.add_argument("--only", type=str, default="untrained,inbatch,naive,remedies,winner",
                     help="sections to run now (finished runs of any section are read from the cache for the report)")
+    ap.add_argument("--queue-ks", type=str, default=None, help="comma-separated K of the naive grid (default 1024,4096,16384,65536)")
+    ap.add_argument("--remedies", type=str, default=None, help="';'-separated remedy names to run now (default: all, in order)")
+    ap.add_argument("--winner-seeds", type=str, default=None, help="comma-separated seeds to run now for --winner")
     ap.add_argument("--winner", type=str, default=None,
                     help="name of the remedy to run over every seed as the winner (default: the best of seed 0)")
     ap.add_argument("--deadline", type=str, default=None,
@@ -113,7 +118,7 @@ def main(argv=None) -> int:
     epochs = args.epochs or (1 if quick else 3)
     batches = [int(b) for b in args.batches.split(",")] if args.batches else ([4, 32, 256] if quick else [4, 8, 16, 32, 64, 128, 256])
     only = {s for s in args.only.split(",") if s}
-    ks = [1024, 4096] if quick else [1024, 4096, 16384, 65536]
+    ks = [int(k) for k in args.queue_ks.split(",")] if args.queue_ks else ([1024, 4096] if quick else [1024, 4096, 16384, 65536])
     moms = [0.99, 0.999]
     skip_frozen_ema_copies()
     t_start = time.time()
@@ -148,8 +153,13 @@ def main(argv=None) -> int:
     naive = runner.runs("naive" in only, specs)
 
     # 4. remedies
+    chosen = set(args.remedies.split(";")) if args.remedies else None
     rem = runner.runs("remedies" in only, [("remedy", name, ov, s, {"what": what})
-                                          for name, (what, ov) in remedies(quick).items() for s in queue_seeds])
+                                          for name, (what, ov) in remedies(quick).items() for s in queue_seeds
+                                          if chosen is None or name in chosen])
+    if chosen is not None:  # the others, from the cache only (for the report)
+        rem += runner.runs(False, [("remedy", name, ov, s, {"what": what}) for name, (what, ov) in remedies(quick).items()
+                                   for s in queue_seeds if name not in chosen])
 
     # 5. the winner: the best queue configuration of seed 0 (naive or remedy), over the in-batch seeds
     cands = [r for r in naive + rem if r["seed"] == 0]
@@ -157,7 +167,9 @@ def main(argv=None) -> int:
     if args.winner:
         what, ov = remedies(quick)[args.winner]
         # seed 0 last: the remedies section runs it too (whichever process gets there first)
-        winner = runner.runs("winner" in only, [("remedy", args.winner, ov, s, {"what": what}) for s in seeds[1:] + seeds[:1]])
+        now = [int(x) for x in args.winner_seeds.split(",")] if args.winner_seeds else seeds[1:] + seeds[:1]
+        winner = runner.runs("winner" in only, [("remedy", args.winner, ov, s, {"what": what}) for s in now])
+        winner += runner.runs(False, [("remedy", args.winner, ov, s, {"what": what}) for s in seeds if s not in now])
         winner.sort(key=lambda r: r["seed"])
     elif cands:
         best = max(cands, key=lambda r: r["metrics"]["recall@1"])

@@ -182,15 +182,17 @@ def main(argv=None) -> int:
     only = set(args.only.split(","))
     log(f"B4: {steps} steps at batch {batch}, lr {lr}, max lengths {q_len}/{d_len}, pool {len(pool.corpus):,} docs")
     runs = {}
+    # the peer first (its code path is the one this script owns end to end), then ours
+    if "mnrl" in only:
+        runs["sentence-transformers MNRL"] = run_peer(bench, steps, batch, pool, lr, warm, q_len, d_len)
+        log(f"mnrl: {runs['sentence-transformers MNRL']['metrics']['recall@1']:.3f}")
     if "moco" in only:
         runs["ours: MoCo queue K=65,536"] = run_ours(bench, "queue65k", steps, batch, pool)
         log(f"moco: {runs['ours: MoCo queue K=65,536']['metrics']['recall@1']:.3f}")
     if "inbatch" in only:
         runs["ours: in-batch negatives"] = run_ours(bench, "inbatch256", steps, batch, pool)
         log(f"inbatch: {runs['ours: in-batch negatives']['metrics']['recall@1']:.3f}")
-    if "mnrl" in only:
-        runs["sentence-transformers MNRL"] = run_peer(bench, steps, batch, pool, lr, warm, q_len, d_len)
-        log(f"mnrl: {runs['sentence-transformers MNRL']['metrics']['recall@1']:.3f}")
+    runs = {k: runs[k] for k in ("ours: MoCo queue K=65,536", "ours: in-batch negatives", "sentence-transformers MNRL") if k in runs}
     from moco_retrieval.config import ModelConfig
     from moco_retrieval.evaluation.encode import evaluate_encoder
     from moco_retrieval.model.encoder import build_encoder

@@ -4,10 +4,8 @@ validation. The flow of one step is in docs/design.md.
 from __future__ import annotations
 
 import math
-import random
 from typing import Any
 
-import numpy as np
 import lightning as L
 import torch
 from omegaconf import OmegaConf
@@ -45,25 +43,6 @@ def lr_lambda(schedule: str, warmup: int, total: int):
     return f
 
 
-def rng_states() -> dict:
-    # numpy's state as a tensor and plain numbers, so checkpoints load with weights_only=True
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    numpy_state = {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)}
-    states = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def set_rng_states(states: dict) -> None:
-    torch.set_rng_state(states["torch"])
-    random.setstate(states["python"])
-    n = states["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-
-
 class RetrievalModule(L.LightningModule):
     """Trains a text encoder with a contrastive objective.
 
@@ -71,8 +50,9 @@ class RetrievalModule(L.LightningModule):
         model, objective, optim, eval: configs (dataclasses, DictConfigs or dicts); see config.py.
     """
 
-    def __init__(self, model: Any, objective: Any, optim: Any, eval: Any = None):
+    def __init__(self, model: Any, objective: Any, optim: Any, eval: Any = None, seed: int = 0):
         super().__init__()
+        self.seed = seed
         self.model_cfg: ModelConfig = _as(ModelConfig, model)
         self.objective_cfg: ObjectiveConfig = _as(ObjectiveConfig, objective)
         self.optim_cfg: OptimConfig = _as(OptimConfig, optim)
@@ -81,6 +61,7 @@ class RetrievalModule(L.LightningModule):
         self.save_hyperparameters(
             {k: OmegaConf.to_container(OmegaConf.structured(v)) for k, v in
              dict(model=self.model_cfg, objective=self.objective_cfg, optim=self.optim_cfg, eval=self.eval_cfg).items()}
+            | {"seed": seed}
         )
         self.encoder = build_encoder(self.model_cfg)
         self.objective = build_objective(self.objective_cfg, self.encoder.dim)
@@ -106,10 +87,14 @@ class RetrievalModule(L.LightningModule):
         self._val_outputs: dict[str, list] = {}
         self.last_val_result = None
         self.last_val_step = -1
+        # Hugging Face loads models in eval mode and Lightning (>= 2.2) keeps each submodule's mode
+        # at fit start: without this the query encoder would train with dropout off. Frozen
+        # backbones and the key encoder keep eval mode through their own train() overrides.
+        self.train()
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> "RetrievalModule":
-        return cls(cfg.model, cfg.objective, cfg.optim, cfg.eval)
+        return cls(cfg.model, cfg.objective, cfg.optim, cfg.eval, seed=cfg.seed)
 
     # ---- training -------------------------------------------------------------------------
     def momentum(self) -> float:
@@ -186,8 +171,9 @@ class RetrievalModule(L.LightningModule):
             if not model.static_graph:
                 model._set_static_graph()  # what DDP(static_graph=True) calls; before the first step
 
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        # after backward: the queue logits' backward needed the queue as it was
+    def on_after_backward(self) -> None:
+        # right after backward (the queue logits' backward needed the queue as it was), before any
+        # callback's end-of-step checkpoint, so checkpoints hold this step's keys
         if hasattr(self.objective, "commit"):
             self.objective.commit()
 
@@ -215,13 +201,15 @@ class RetrievalModule(L.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o.schedule, warmup, total))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-    # ---- checkpoints carry the random state, so a resumed run draws the same dropout masks ----
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["rng_states"] = rng_states()
+    # ---- dropout masks that depend on the batch, not on the history of the generator ---------
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        # Seeded from (seed, epoch, batch, rank): a run resumed from any checkpoint draws exactly
+        # the masks the uninterrupted run drew, whatever else used the global generator meanwhile.
+        self._reseed(self.current_epoch, batch_idx)
 
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        if "rng_states" in checkpoint:
-            set_rng_states(checkpoint["rng_states"])
+    def _reseed(self, epoch: int, batch_idx: int) -> None:
+        mix = ((self.seed * 1_000_003 + epoch) * 1_000_003 + batch_idx) * 1009 + self.global_rank
+        torch.manual_seed(mix % (2**63 - 1))
 
     # ---- validation: the whole held-out pool on every rank, metrics computed once ----------
     def on_validation_epoch_start(self) -> None:

@@ -227,11 +227,7 @@ class PreemptionCheckpoint(Callback):
         signum = self._agreed_signal(trainer)
         if not signum:
             return
-        # This callback runs before the module's own on_train_batch_end, which enqueues the step's
-        # keys; enqueue them now so the checkpoint has them (commit() is a no-op the second time).
-        commit = getattr(getattr(pl_module, "objective", None), "commit", None)
-        if callable(commit):
-            commit()
+        # the step's keys are already in the queue: the module enqueues them in on_after_backward
         trainer.save_checkpoint(self.ckpt_path)  # every rank; rank 0 writes; ends with a barrier
         self._stop = Preempted(signum, str(self.ckpt_path), trainer.global_step)
         if trainer.is_global_zero:

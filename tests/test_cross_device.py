@@ -144,9 +144,9 @@ def test_two_gloo_ranks_equal_one_process_on_the_concatenated_batch(tmp_path):
             assert float(res["loss"]) == pytest.approx(float(rows(per_row, r, B).mean()), abs=1e-5)
             # local gradients = W x the global loss's gradient w.r.t. this rank's rows
             for key, per in (("q", B), ("k", B), ("h", B * N)):
-                torch.testing.assert_close(res[key], W * rows(single[key], r, per), atol=1e-6, rtol=1e-5)
+                torch.testing.assert_close(res[key], W * rows(single[key], r, per), atol=1e-5, rtol=1e-4)
             # after DDP's average, the parameter gradient is the single process's
-            torch.testing.assert_close(res["weight"], single["weight"], atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(res["weight"], single["weight"], atol=1e-5, rtol=1e-4)
         assert float(sum(res[sym]["loss"] for res in ranks)) / W == pytest.approx(float(single["loss"]), abs=1e-6)
         # the hard-negative gradient is not trivially zero (masking and gathering are exercised)
         assert single["h"].abs().sum() > 0

@@ -170,3 +170,18 @@ def test_key_encoder_query_uses_no_momentum_copy(tiny_dir):
     assert not keys.requires_grad  # keys from the query encoder, under no_grad
     m.eval()
     assert torch.allclose(m.encode_keys(batch["doc"]), m.encoder(batch["doc"], "doc"))
+
+
+def test_query_encoder_trains_with_dropout_key_encoder_without(tiny_dir, tmp_path):
+    """HF models load in eval mode and Lightning keeps submodule modes: dropout must be on where it trains."""
+    m = make_module(tiny_dir)
+    modes = {}
+
+    class Spy(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            modes["query"] = [mod.training for mod in pl_module.encoder.modules() if isinstance(mod, torch.nn.Dropout)]
+            modes["key"] = [mod.training for mod in pl_module.key_encoder.modules() if isinstance(mod, torch.nn.Dropout)]
+
+    trainer(tmp_path, max_steps=1, callbacks=[Spy()]).fit(m, SyntheticData(m.encoder.tokenize, batch_size=4, batches=1))
+    assert modes["query"] and all(modes["query"])
+    assert modes["key"] and not any(modes["key"])
