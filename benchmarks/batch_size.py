@@ -41,6 +41,17 @@ REFERENCE_UNTRAINED = .174
 # the issue's quick reference on a similar split (linear head on bag-of-wordpieces, 3 epochs, 1 seed)
 REFERENCE_QUICK = {"inbatch": {32: .624, 64: .645, 128: .660, 256: .670}, "queue_best": .649}
 
+# Exploration before the full runs (1 epoch, seed 0, same pool; the harness of this script): what
+# pointed the remedies. Not re-run by this script.
+EXPLORATION_1EPOCH = [
+    ("in-batch, batch 32", .625), ("in-batch, batch 256", .634),
+    ("naive queue K=4,096, m 0.999", .569), ("naive queue K=4,096, m 0.99", .605),
+    ("naive queue K=4,096, keys from the current head (m = 0)", .090),
+    ("re-projected K=4,096, m 0.999", .576), ("re-projected K=4,096, m 0.99", .632),
+    ("re-projected K=4,096, current head", .626), ("re-projected K=16,384, current head", .628),
+    ("re-projected K=4,096, current head, batch keys WITH gradient (in-batch + queue, XBM-like)", .492),
+]
+
 INBATCH = ["+experiment=frozen_inbatch"]
 QUEUE = ["+experiment=frozen_queue"]
 # the naive queue: keys stored as made by the EMA key encoder (what MoCo does)
@@ -50,7 +61,7 @@ NAIVE = QUEUE + ["objective.queue_reproject=false", "model.key_encoder=ema", "ob
 def remedies(quick: bool) -> dict[str, tuple[str, list[str]]]:
     """name -> (what it changes, overrides), in order of priority (a deadline cuts the last ones).
     The naive queue itself (K=4,096, m 0.99 / 0.999) is in the naive grid."""
-    R = QUEUE + ["objective.queue_size=4096"]  # re-projected feature queue
+    R = QUEUE + ["objective.queue_size=4096", "objective.temperature=0.05"]  # re-projected feature queue, tau 0.05
     N = NAIVE + ["objective.queue_size=4096"]
     r = {
         "re-projected, m 0.99, K=4,096": ("feature queue re-projected by the EMA key head each step (no stale keys)",
@@ -59,6 +70,8 @@ def remedies(quick: bool) -> dict[str, tuple[str, list[str]]]:
         "re-projected, m 0.999, K=4,096": ("... by a slow EMA key head", R + ["model.key_encoder=ema", "model.momentum=0.999"]),
         "re-projected, m 0.99, K=4,096, tau 0.1": ("... and tau re-tuned for 4k negatives",
                                                    R + ["model.key_encoder=ema", "model.momentum=0.99", "objective.temperature=0.1"]),
+        "re-projected, m 0.99, K=4,096, tau 0.02": ("... and tau re-tuned down (B2: 0.02 is best for both setups)",
+                                                    R + ["model.key_encoder=ema", "model.momentum=0.99", "objective.temperature=0.02"]),
         "naive, key encoder = query head, K=4,096": ("m = 0: keys from the current head, queue stale", N + ["model.key_encoder=query"]),
         "naive, no batch negatives, m 0.99, K=4,096": ("queued negatives only (batch_negatives off)",
                                                        N + ["model.momentum=0.99", "objective.batch_negatives=false"]),
@@ -68,7 +81,8 @@ def remedies(quick: bool) -> dict[str, tuple[str, list[str]]]:
                                                    R + ["model.key_encoder=ema", "model.momentum=0.99", "optim.lr=3e-4"]),
         "re-projected, m 0.99, lr 2e-3, K=4,096": ("lr up (the queue is never stale)",
                                                    R + ["model.key_encoder=ema", "model.momentum=0.99", "optim.lr=2e-3"]),
-        "re-projected, m 0.99, K=16,384": ("more fresh negatives", QUEUE + ["objective.queue_size=16384", "model.key_encoder=ema",
+        "re-projected, m 0.99, K=16,384": ("more fresh negatives", QUEUE + ["objective.queue_size=16384", "objective.temperature=0.05",
+                                                                           "model.key_encoder=ema",
                                                                            "model.momentum=0.99"]),
     }
     if quick:
@@ -279,6 +293,10 @@ def render(data, ib, untrained, naive, rem, winner, prefix) -> str:
     L.append("")
     L.append(md_table(["configuration", "seed", "negatives/query", "recall@1", "MRR@10", "pos cos", "unrel cos", "ms/step"],
                       [_row(r) for b in sorted(ib) for r in data_runs(data, "inbatch", f"batch {b}")]))
+    L.append("")
+    L.append("## Exploration (1 epoch, seed 0; before the full runs)")
+    L.append("")
+    L.append(md_table(["configuration (batch 32 unless said)", "recall@1"], [[n, f3(v)] for n, v in EXPLORATION_1EPOCH]))
     L.append("")
     if data.get("cut"):
         L.append("Cut for time (not run): " + "; ".join(data["cut"]) + ".")

@@ -25,6 +25,7 @@ Pool: 1,000 held-out queries against 2,400 documents (every relevant one kept) b
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -32,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    Bench, compose_cfg, environment, f3, figure, log, md_table, peak_rss_mb, quiet_trainer, write_results,
+    Bench, _json_default, compose_cfg, environment, f3, figure, log, md_table, peak_rss_mb, quiet_trainer, write_results,
 )
 
 import torch  # noqa: E402
@@ -162,12 +163,15 @@ def main(argv=None) -> int:
     ap.add_argument("--max-queries", type=int, default=1000, help="queries of the pool (0: all 3,283); quick 200")
     ap.add_argument("--max-docs", type=int, default=2400, help="documents of the pool (0: all; every relevant one kept); quick 400")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--only", default="moco,inbatch,mnrl")
+    ap.add_argument("--only", default="moco,inbatch,mnrl,base", help="runs to do now (others: from the cache)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from moco_retrieval.config import ModelConfig
     from moco_retrieval.data.datamodule import cap_eval_set
+    from moco_retrieval.evaluation.encode import evaluate_encoder
+    from moco_retrieval.model.encoder import build_encoder
 
     quick = args.quick
     steps = args.steps or (12 if quick else 150)
@@ -182,29 +186,39 @@ def main(argv=None) -> int:
     only = set(args.only.split(","))
     log(f"B4: {steps} steps at batch {batch}, lr {lr}, max lengths {q_len}/{d_len}, pool {len(pool.corpus):,} docs")
     runs = {}
-    # the peer first (its code path is the one this script owns end to end), then ours
-    if "mnrl" in only:
-        runs["sentence-transformers MNRL"] = run_peer(bench, steps, batch, pool, lr, warm, q_len, d_len)
-        log(f"mnrl: {runs['sentence-transformers MNRL']['metrics']['recall@1']:.3f}")
-    if "moco" in only:
-        runs["ours: MoCo queue K=65,536"] = run_ours(bench, "queue65k", steps, batch, pool)
-        log(f"moco: {runs['ours: MoCo queue K=65,536']['metrics']['recall@1']:.3f}")
-    if "inbatch" in only:
-        runs["ours: in-batch negatives"] = run_ours(bench, "inbatch256", steps, batch, pool)
-        log(f"inbatch: {runs['ours: in-batch negatives']['metrics']['recall@1']:.3f}")
-    runs = {k: runs[k] for k in ("ours: MoCo queue K=65,536", "ours: in-batch negatives", "sentence-transformers MNRL") if k in runs}
-    from moco_retrieval.config import ModelConfig
-    from moco_retrieval.evaluation.encode import evaluate_encoder
-    from moco_retrieval.model.encoder import build_encoder
-
-    base_enc = evaluate_encoder(build_encoder(ModelConfig(backbone="minilm", head="none")), pool, base.eval,
-                                batch_size=64, show_progress=False)
+    # finished runs are cached (JSONL), so the runs can go in parallel processes (--only) and a last
+    # invocation writes the report from all of them
+    cache = Path(f"/tmp/mr-bench-cache/peer-{'quick' if quick else 'full'}-s{steps}-b{batch}-q{mq}-d{md_}.jsonl")
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    done = {}
+    if cache.is_file():
+        for line in cache.read_text().splitlines():
+            rec = json.loads(line)
+            done[rec["name"]] = rec["run"]
+    todo = {
+        "ours: MoCo queue K=65,536": lambda: run_ours(bench, "queue65k", steps, batch, pool),
+        "ours: in-batch negatives": lambda: run_ours(bench, "inbatch256", steps, batch, pool),
+        "sentence-transformers MNRL": lambda: run_peer(bench, steps, batch, pool, lr, warm, q_len, d_len),
+        "base": lambda: {"metrics": evaluate_encoder(build_encoder(ModelConfig(backbone="minilm", head="none")), pool,
+                                                     base.eval, batch_size=64, show_progress=False).metrics},
+    }
+    short = {"ours: MoCo queue K=65,536": "moco", "ours: in-batch negatives": "inbatch", "sentence-transformers MNRL": "mnrl",
+             "base": "base"}
+    for name, fn in todo.items():
+        if name in done or short[name] not in only:
+            continue
+        done[name] = fn()
+        with cache.open("a") as f:
+            f.write(json.dumps({"name": name, "run": done[name]}, default=_json_default) + "\n")
+        log(f"{name}: recall@1 {done[name]['metrics']['recall@1']:.3f}")
+    runs = {k: done[k] for k in ("ours: MoCo queue K=65,536", "ours: in-batch negatives", "sentence-transformers MNRL") if k in done}
+    base_metrics = done.get("base", {}).get("metrics")
     for r in runs.values():
         ts = r["step_times"][3:] or r["step_times"]
         r["s_per_step_median"] = statistics.median(ts)
     rows = []
-    if base_enc is not None:
-        m = base_enc.metrics
+    if base_metrics is not None:
+        m = base_metrics
         rows.append(["all-MiniLM-L6-v2, not fine-tuned", "-", f3(m["recall@1"]), f3(m["mrr@10"]), f3(m["ndcg@10"]), "-", "-"])
     ref = runs.get("sentence-transformers MNRL", {}).get("s_per_step_median")
     for name, r in runs.items():
@@ -215,7 +229,7 @@ def main(argv=None) -> int:
         "benchmark": "B4 full fine-tune vs peer", "mode": "quick" if quick else "full", "steps": steps, "batch_size": batch,
         "lr": lr, "warmup_ratio": warm, "temperature": 0.05, "query_max_len": q_len, "doc_max_len": d_len,
         "pool": {"docs": len(pool.corpus), "queries": len(pool.queries)},
-        "base_model": None if base_enc is None else base_enc.metrics,
+        "base_model": base_metrics,
         "runs": runs, "wall_s": time.time() - t0, "peak_rss_mb": peak_rss_mb(), "environment": environment(),
     }
     prefix = NAME if not quick else f"{NAME}_quick"

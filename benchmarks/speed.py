@@ -335,7 +335,15 @@ def main(argv=None) -> int:
         return child(args)
 
     t0 = time.time()
+    prefix = NAME if not q else f"{NAME}_quick"
+    out_dir = args.out or HERE / "results"
     results = {}
+    prev = out_dir / f"{prefix}.json"
+    if prev.is_file():  # sections not re-run now keep their last measurement
+        try:
+            results = dict(json.loads(prev.read_text()).get("sections", {}))
+        except ValueError:
+            results = {}
     passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
     for s in [s for s in args.sections.split(",") if s]:
         out_file = Path(f"/tmp/mr-bench-speed-{s}-{os.getpid()}.json")
@@ -349,12 +357,11 @@ def main(argv=None) -> int:
             continue
         results[s] = json.loads(out_file.read_text())
         results[s]["wall_s"] = time.time() - t
+        results[s]["measured_at_utc"] = time.strftime("%H:%M", time.gmtime())
         out_file.unlink()
     memory = other_benchmarks_memory()
     data = {"benchmark": "B5 speed and memory", "mode": "quick" if q else "full", "sections": results,
             "other_benchmarks_peak_rss_mb": memory, "wall_s": time.time() - t0, "environment": environment()}
-    prefix = NAME if not q else f"{NAME}_quick"
-    out_dir = args.out or HERE / "results"
     write_results(prefix, render(data), data, out_dir)
     plots(data, out_dir, prefix)
     log(f"wrote {out_dir / (prefix + '.md')}")
