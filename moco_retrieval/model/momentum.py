@@ -47,9 +47,9 @@ class MomentumEncoder(nn.Module):
 
     @torch.no_grad()
     def update(self, encoder: nn.Module, m: float) -> None:
-        """k <- m*k + (1-m)*q for trained parameters; frozen parameters and buffers are copied
-        (averaging equal values would still round, and a frozen backbone must stay bit-identical
-        so its cached features stay valid)."""
+        """k <- m*k + (1-m)*q for trained parameters; buffers are copied. Frozen parameters are
+        left alone: they never change, and averaging equal values would still round (a frozen
+        backbone must stay bit-identical so its cached features stay valid)."""
         k_params = list(self.key_encoder.parameters())
         q_params = list(encoder.parameters())
         if len(k_params) != len(q_params):
@@ -59,9 +59,6 @@ class MomentumEncoder(nn.Module):
             ks, qs = map(list, zip(*trained))
             torch._foreach_mul_(ks, m)
             torch._foreach_add_(ks, qs, alpha=1.0 - m)
-        for k, q in zip(k_params, q_params):
-            if not q.requires_grad:
-                k.copy_(q)
         for kb, qb in zip(self.key_encoder.buffers(), encoder.buffers()):
             kb.copy_(qb)
 
