@@ -320,32 +320,3 @@ def figure(w: float = 6.4, h: float = 4.2):
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def skip_frozen_ema_copies() -> None:
-    """Benchmark-only speed patch: ``MomentumEncoder.update`` copies every *frozen* parameter into
-    the key encoder after each step (for the bag-of-wordpieces backbone a 30,522 x 384 embedding,
-    ~15 ms per step on this CPU, more than the whole head step). Frozen parameters never change
-    after the deep copy, so the EMA of the trained parameters and the buffer copy are all that is
-    left to do; the result is bit-identical. Applied by the frozen-head benchmarks (B1, B2)."""
-    from moco_retrieval.model import momentum
-
-    if getattr(momentum.MomentumEncoder.update, "_bench_patched", False):
-        return
-
-    @torch.no_grad()
-    def update(self, encoder, m: float) -> None:
-        k_params = list(self.key_encoder.parameters())
-        q_params = list(encoder.parameters())
-        if len(k_params) != len(q_params):
-            raise RuntimeError("key encoder and query encoder have different parameter lists")
-        trained = [(k, q.detach()) for k, q in zip(k_params, q_params) if q.requires_grad]
-        if trained:
-            ks, qs = map(list, zip(*trained))
-            torch._foreach_mul_(ks, m)
-            torch._foreach_add_(ks, qs, alpha=1.0 - m)
-        for kb, qb in zip(self.key_encoder.buffers(), encoder.buffers()):
-            kb.copy_(qb)
-
-    update._bench_patched = True
-    momentum.MomentumEncoder.update = update

@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     FROZEN_BASE, Bench, Runner, compose_cfg, environment, f3, figure, log, md_table, mean, median, peak_rss_mb, std,
-    skip_frozen_ema_copies, write_results,
+    write_results,
 )
 
 import torch  # noqa: E402
@@ -134,7 +134,6 @@ def main(argv=None) -> int:
     only = {s for s in args.only.split(",") if s}
     ks = [int(k) for k in args.queue_ks.split(",")] if args.queue_ks else ([1024, 4096] if quick else [1024, 4096, 16384, 65536])
     moms = [0.99, 0.999]
-    skip_frozen_ema_copies()
     t_start = time.time()
     bench = Bench(max_train_examples=6000 if quick else None, max_eval_queries=None)
     mode = "quick" if quick else "full"

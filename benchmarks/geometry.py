@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    FROZEN_BASE, Bench, compose_cfg, environment, f3, log, md_table, peak_rss_mb, skip_frozen_ema_copies, write_results,
+    FROZEN_BASE, Bench, compose_cfg, environment, f3, log, md_table, peak_rss_mb, write_results,
 )
 
 import torch  # noqa: E402
@@ -78,7 +78,6 @@ def main(argv=None) -> int:
     from moco_retrieval.evaluation.report import plot_cosine_histograms, plot_recall_curves
     from moco_retrieval.model.encoder import build_encoder
 
-    skip_frozen_ema_copies()
     quick = args.quick
     t0 = time.time()
     mq = (300 if quick else args.max_queries) or None

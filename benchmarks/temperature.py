@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    Bench, Runner, environment, f3, figure, log, md_table, median, peak_rss_mb, skip_frozen_ema_copies, write_results,
+    Bench, Runner, environment, f3, figure, log, md_table, median, peak_rss_mb, write_results,
 )
 
 import torch  # noqa: E402
@@ -63,7 +63,6 @@ def main(argv=None) -> int:
     epochs = args.epochs or (1 if quick else 3)
     taus = [float(t) for t in args.taus.split(",")] if args.taus else ([0.01, 0.05, 1.0] if quick else TAUS)
     seeds = list(range(args.seeds))
-    skip_frozen_ema_copies()
     t0 = time.time()
     bench = Bench(max_train_examples=6000 if quick else None)
     mode = "quick" if quick else "full"
