@@ -32,3 +32,12 @@ def debian_dir():
     if not SHARED_DEBIAN.exists():
         pytest.skip(f"the shared Debian snapshot is not at {SHARED_DEBIAN}")
     return SHARED_DEBIAN
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models on a shared machine: one intra-op thread is many times faster than two busy ones."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -19,13 +19,7 @@ from synthetic import WORDS, SyntheticData
 B, N_NEG, CHUNK = 8, 2, 3  # 3 does not divide 8 or 16: a short last chunk
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared machine: one intra-op thread is many times faster than two busy ones."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
 
 @pytest.fixture(scope="module")

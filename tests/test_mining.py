@@ -29,13 +29,7 @@ from moco_retrieval.mining import (
 POS_SCORE = 0.80
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared machine: one intra-op thread is many times faster than two busy ones."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 TABLE = [  # search order (best first)
     (0, 0.95, 7),  # the positive itself
     (1, 0.90, -1),  # rank 0: above the positive

@@ -76,9 +76,11 @@ class NegativeQueue(nn.Module):
 
     def mean_age(self, step: int) -> float:
         """Mean age, in optimizer steps, of the keys in the filled slots."""
-        if self.fill == 0:
+        fill = self.fill
+        if fill == 0:
             return 0.0
-        return float(step - self.queue_steps[: self.fill].float().mean())
+        # an integer sum: no K-sized float copy of the steps on the per-step path
+        return step - int(self.queue_steps[:fill].sum()) / fill
 
     @torch.no_grad()
     def enqueue(self, keys: Tensor, ids: Tensor, groups: Tensor, step: int, gather: bool = True) -> None:
