@@ -208,6 +208,7 @@ class Runner:
             "momentum": cfg.model.momentum if o.name == "moco" and cfg.model.key_encoder == "ema" else None,
             "key_encoder": cfg.model.key_encoder if o.name == "moco" else None,
             "queue_reproject": bool(o.queue_reproject) if o.name == "moco" else False,
+            "key_grad": bool(o.key_grad) if o.name == "moco" else False,
             "mask_false_negatives": o.mask_false_negatives, "batch_negatives": o.batch_negatives if o.name == "moco" else True,
             "temperature": o.temperature, "lr": cfg.optim.lr, "epochs": cfg.trainer.max_epochs,
             "steps": r["steps"], "train_s": r.get("train_s", 0.0),

@@ -12,7 +12,9 @@ documents and queries), every run the same number of epochs, lr and temperature:
    head (no EMA lag), a lower momentum, the queue of frozen backbone *features* re-projected by the
    current key head every step (``objective.queue_reproject``), and temperature re-tuned for K;
 5. the winner (``conf/experiment/frozen_queue.yaml``) against in-batch batch 256
-   (``conf/experiment/frozen_inbatch.yaml`` with data.batch_size=256) over the same seeds.
+   (``conf/experiment/frozen_inbatch.yaml`` with data.batch_size=256) over the same seeds;
+6. a control: in-batch negatives at the winner's temperature (batch 256 over the seeds, batch 32
+   once), and the claim is judged against the stronger of the two batch-256 baselines.
 
 Writes benchmarks/results/batch_size.{md,json} and batch_size_vs_batch.png,
 batch_size_vs_negatives.png. ``--quick``: a 6,000-pair slice, 1 epoch, fewer points (minutes).
@@ -53,9 +55,13 @@ EXPLORATION_1EPOCH = [
 ]
 
 INBATCH = ["+experiment=frozen_inbatch"]
-QUEUE = ["+experiment=frozen_queue"]
+# batch 32 + a re-projected feature queue with an EMA key head and constant keys (the preset before
+# key_grad won); every queue configuration below starts from it and says what it changes
+QUEUE = ["+experiment=frozen_queue", "objective.key_grad=false", "model.key_encoder=ema", "model.momentum=0.99"]
 # the naive queue: keys stored as made by the EMA key encoder (what MoCo does)
-NAIVE = QUEUE + ["objective.queue_reproject=false", "model.key_encoder=ema", "objective.temperature=0.05"]
+NAIVE = QUEUE + ["objective.queue_reproject=false", "objective.temperature=0.05"]
+# the winner, as conf/experiment/frozen_queue.yaml now holds it
+KEY_GRAD = QUEUE + ["model.key_encoder=query", "objective.key_grad=true", "objective.temperature=0.02"]
 
 
 def remedies(quick: bool) -> dict[str, tuple[str, list[str]]]:
@@ -72,6 +78,17 @@ def remedies(quick: bool) -> dict[str, tuple[str, list[str]]]:
                                                    R + ["model.key_encoder=ema", "model.momentum=0.99", "objective.temperature=0.1"]),
         "re-projected, m 0.99, K=4,096, tau 0.02": ("... and tau re-tuned down (B2: 0.02 is best for both setups)",
                                                     R + ["model.key_encoder=ema", "model.momentum=0.99", "objective.temperature=0.02"]),
+        "re-projected, m 0.99, K=16,384, tau 0.02": ("more fresh negatives, at the best tau",
+                                                     QUEUE + ["objective.queue_size=16384", "model.key_encoder=ema",
+                                                              "model.momentum=0.99", "objective.temperature=0.02"]),
+        "re-projected, m 0.99, K=4,096, tau 0.02, lr 2e-3": ("lr up at the best tau (the queue is never stale)",
+                                                             QUEUE + ["objective.queue_size=4096", "model.key_encoder=ema",
+                                                                      "model.momentum=0.99", "objective.temperature=0.02",
+                                                                      "optim.lr=2e-3"]),
+        "re-projected, key grad, K=4,096, tau 0.02": ("queued and batch keys from the trained head, with gradient "
+                                                      "(both sides trained, as in-batch)",
+                                                      KEY_GRAD + ["objective.queue_size=4096"]),
+        "re-projected, key grad, K=16,384, tau 0.02": ("... with 16k queued documents", KEY_GRAD + ["objective.queue_size=16384"]),
         "naive, key encoder = query head, K=4,096": ("m = 0: keys from the current head, queue stale", N + ["model.key_encoder=query"]),
         "naive, no batch negatives, m 0.99, K=4,096": ("queued negatives only (batch_negatives off)",
                                                        N + ["model.momentum=0.99", "objective.batch_negatives=false"]),
@@ -86,7 +103,8 @@ def remedies(quick: bool) -> dict[str, tuple[str, list[str]]]:
                                                                            "model.momentum=0.99"]),
     }
     if quick:
-        keep = ["re-projected, m 0.99, K=4,096", "re-projected, query head, K=4,096", "naive, key encoder = query head, K=4,096"]
+        keep = ["re-projected, m 0.99, K=4,096", "re-projected, query head, K=4,096", "re-projected, key grad, K=4,096, tau 0.02",
+                "naive, key encoder = query head, K=4,096"]
         r = {k: r[k] for k in keep}
     return r
 
@@ -113,7 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=str, default=None, help="comma-separated in-batch batch sizes")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--fresh", action="store_true", help="ignore the cache of finished runs")
-    ap.add_argument("--only", type=str, default="untrained,inbatch,naive,remedies,winner",
+    ap.add_argument("--only", type=str, default="untrained,inbatch,naive,remedies,winner,controls",
                     help="sections to run now (finished runs of any section are read from the cache for the report)")
     ap.add_argument("--queue-ks", type=str, default=None, help="comma-separated K of the naive grid (default 1024,4096,16384,65536)")
     ap.add_argument("--remedies", type=str, default=None, help="';'-separated remedy names to run now (default: all, in order)")
@@ -189,6 +207,17 @@ def main(argv=None) -> int:
         winner = runner.runs("winner" in only, [(best["group"], best["name"], best["overrides"], s,
                                                  {"what": best["what"]} if "what" in best else {}) for s in seeds])
 
+    # 6. control: in-batch negatives at the winner's temperature, so the claim does not rest on tau
+    # (frozen_inbatch keeps tau 0.05; B2 found 0.02 about as good for batch 256)
+    controls: dict[int, list[dict]] = {}
+    win_tau = winner[0]["temperature"] if winner else None
+    if win_tau is not None and win_tau != compose_cfg(FROZEN_BASE + INBATCH).objective.temperature:
+        for b in (max(batches), 32):
+            controls[b] = runner.runs("controls" in only, [
+                ("control", f"in-batch, batch {b}, tau {win_tau}",
+                 INBATCH + [f"data.batch_size={b}", f"objective.temperature={win_tau}"], s, {})
+                for s in (seeds if b == max(batches) else seeds[:1])])
+
     # ------------------------------------------------------------------------------- report
     out_dir = args.out or Path(__file__).resolve().parent / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -198,19 +227,26 @@ def main(argv=None) -> int:
     win = r1(winner)
     verdict = None
     if win and b256:
+        # against the stronger of in-batch at its preset tau and at the winner's tau
+        ctl = r1(controls.get(max(ib), []))
+        base_tau = None
+        if len(ctl) == len(b256) and median(ctl) > median(b256):
+            b256, base_tau = ctl, win_tau
         gap = median(win) - median(b256)
         sd = std(b256)
         verdict = {
             "winner_median": median(win), "winner_std": std(win), "inbatch_max_batch": max(ib),
             "inbatch_max_median": median(b256), "inbatch_max_std": sd, "difference": gap,
+            "inbatch_tau": base_tau,
             "met": bool(gap >= -sd) if len(b256) > 1 else bool(gap >= 0),
             "beats": bool(gap > 0),
         }
     preset = None
     if winner:
         w0 = winner[0]
-        preset = {k: w0[k] for k in ("name", "overrides", "queue_size", "queue_reproject", "key_encoder", "momentum",
-                                     "temperature", "batch_size", "lr", "batch_negatives", "mask_false_negatives")}
+        preset = {k: w0.get(k) for k in ("name", "overrides", "queue_size", "queue_reproject", "key_encoder", "momentum",
+                                         "temperature", "batch_size", "lr", "batch_negatives", "mask_false_negatives")}
+        preset["key_grad"] = "objective.key_grad=true" in w0["overrides"]  # older records lack the field
     env = environment()
     data = {
         "benchmark": "B1 batch size and queue", "mode": mode, "epochs": epochs, "seeds": seeds, "queue_seeds": queue_seeds,
@@ -220,11 +256,13 @@ def main(argv=None) -> int:
         "untrained": {"recall@1": r1(untrained), "median": median(r1(untrained))},
         "inbatch": {str(b): {"recall@1": v, "median": median(v), "mean": mean(v), "std": std(v)} for b, v in ib.items()},
         "winner_preset": preset, "verdict": verdict,
-        "runs": list(runner.done[k] for k in runner.done if k.split(":")[0] in ("untrained", "inbatch", "naive", "remedy", "winner")),
+        "controls": {str(b): {"recall@1": r1(v), "median": median(r1(v)), "std": std(r1(v))} for b, v in controls.items() if v},
+        "runs": list(runner.done[k] for k in runner.done
+                     if k.split(":")[0] in ("untrained", "inbatch", "naive", "remedy", "winner", "control")),
         "cut": runner.cut,
         "wall_s": time.time() - t_start, "peak_rss_mb": peak_rss_mb(), "environment": env,
     }
-    md = render(data, ib, untrained, naive, rem, winner, prefix)
+    md = render(data, ib, untrained, naive, rem, winner, controls, prefix)
     write_results(prefix, md, data, out_dir)
     plots(ib, untrained, naive, rem, winner, out_dir, prefix)
     log(f"wrote {out_dir / (prefix + '.md')} ({time.time() - t_start:.0f}s, peak RSS {peak_rss_mb():.0f} MB)")
@@ -237,7 +275,7 @@ def _row(rec: dict) -> list:
             f"{rec['ms_per_step']:.1f}" if rec.get("ms_per_step") else "-"]
 
 
-def render(data, ib, untrained, naive, rem, winner, prefix) -> str:
+def render(data, ib, untrained, naive, rem, winner, controls, prefix) -> str:
     L = [f"# B1: batch size, and batch 32 + queue ({data['mode']})", ""]
     L.append(f"Frozen bag-of-wordpieces backbone + random linear head (384 -> 384), Debian set: "
              f"{data['train_pairs']:,} training pairs, held-out pool of {data['eval_docs']:,} documents and "
@@ -259,16 +297,23 @@ def render(data, ib, untrained, naive, rem, winner, prefix) -> str:
         p = data["winner_preset"]
         what = (f"{p['name']}: K={p['queue_size']:,}, {'re-projected feature queue' if p['queue_reproject'] else 'key queue'}, "
                 f"key encoder {p['key_encoder']}{'' if p['key_encoder'] == 'query' else ', m ' + str(p['momentum'])}, "
+                f"{'keys with gradient, ' if p.get('key_grad') else ''}"
                 f"tau {p['temperature']}, lr {p['lr']}")
         L.append("## The claim: batch 32 + queue vs in-batch at the largest batch")
         L.append("")
-        L.append(md_table(["configuration", "recall@1 median", "± std", "seeds"], [
-            [f"in-batch, batch {v['inbatch_max_batch']}", f3(v["inbatch_max_median"]), f3(v["inbatch_max_std"]), len(ib[v['inbatch_max_batch']])],
-            [f"batch {p['batch_size']} + queue ({what})", f3(v["winner_median"]), f3(v["winner_std"]), len(winner)],
-        ]))
+        bmax = v["inbatch_max_batch"]
+        rows = [[f"in-batch, batch {bmax}, preset tau", f3(median(ib[bmax])), f3(std(ib[bmax])), len(ib[bmax])]]
+        for b, recs in sorted(controls.items(), reverse=True):
+            if recs:
+                rows.append([f"in-batch, batch {b}, tau {recs[0]['temperature']} (the winner's)", f3(median(r1(recs))),
+                             f3(std(r1(recs))) if len(recs) > 1 else "-", len(recs)])
+        rows.append([f"batch {p['batch_size']} + queue ({what})", f3(v["winner_median"]), f3(v["winner_std"]), len(winner)])
+        L.append(md_table(["configuration", "recall@1 median", "± std", "seeds"], rows))
         L.append("")
         verdict = ("**met, and beaten**" if v["beats"] else "**met** (within one std)") if v["met"] else "**not met**"
-        L.append(f"Difference {v['difference']:+.3f}: {verdict}.")
+        against = f"in-batch batch {bmax}" + (f" at tau {v['inbatch_tau']}" if v.get("inbatch_tau") else " at its preset tau")
+        L.append(f"Difference from the stronger baseline ({against}): {v['difference']:+.3f}, its std {v['inbatch_max_std']:.3f}: "
+                 f"{verdict}.")
         L.append("")
     if naive:
         L.append("## Batch 32 + naive MoCo queue (keys stored as the key encoder made them)")

@@ -3,8 +3,9 @@ for tau in {0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0}, for two setups (frozen bag-of
 backbone + random linear head, the Debian set, the same epochs and lr for every tau):
 
 * in-batch negatives at batch 256 (``+experiment=frozen_inbatch``);
-* batch 32 + a 16,384-key MoCo queue (``+experiment=frozen_queue objective.queue_size=16384``
-  by default; ``--queue-variant naive`` uses the plain key queue with an EMA key encoder, m 0.99).
+* batch 32 + a 16,384-document queue (``+experiment=frozen_queue objective.queue_size=16384``, the
+  B1 winner, by default; ``--queue-variant naive`` uses the plain key queue with an EMA key
+  encoder, m 0.99, and writes temperature_naive.*).
 
 The expected shape, to confirm or refute: a recall peak near tau 0.05-0.1; a partial re-collapse at
 0.01 (positive and unrelated cosines both high); the positive-unrelated gap growing toward tau = 1
@@ -36,7 +37,7 @@ TAUS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
 def setups(variant: str, queue_epochs: int | None) -> dict[str, list[str]]:
     queue = ["+experiment=frozen_queue", "objective.queue_size=16384"]
     if variant == "naive":
-        queue += ["objective.queue_reproject=false", "model.key_encoder=ema", "model.momentum=0.99"]
+        queue += ["objective.queue_reproject=false", "objective.key_grad=false", "model.key_encoder=ema", "model.momentum=0.99"]
     if queue_epochs:
         queue += [f"trainer.max_epochs={queue_epochs}"]
     return {
@@ -99,13 +100,13 @@ def main(argv=None) -> int:
         "train_pairs": len(bench.train_pairs), "eval_docs": len(bench.eval_set.corpus),
         "wall_s": time.time() - t0, "peak_rss_mb": peak_rss_mb(), "environment": environment(),
     }
-    prefix = NAME if not quick else f"{NAME}_quick"
+    prefix = (NAME if not quick else f"{NAME}_quick") + ("" if args.queue_variant == "preset" else f"_{args.queue_variant}")
     out_dir = args.out or Path(__file__).resolve().parent / "results"
     md = [f"# B2: temperature ({mode})", "",
           f"Frozen bag-of-wordpieces + random linear head, Debian set ({data['train_pairs']:,} pairs; pool "
           f"{data['eval_docs']:,} documents). {epochs} epoch(s) (queue runs: {data['queue_epochs']}), lr and warmup "
           f"of the presets, {len(seeds)} seed(s) (median). Queue: {args.queue_variant} "
-          f"({'re-projected feature queue, keys from the current head' if args.queue_variant == 'preset' else 'key queue, EMA m 0.99'}). "
+          f"({'re-projected feature queue, keys from the current head with gradient (the B1 winner)' if args.queue_variant == 'preset' else 'key queue, EMA m 0.99'}). "
           "Cosines are over the held-out pool: positive = (query, its document), unrelated = random (query, other document). "
           "Best recall@1 per setup in bold.", "",
           md_table(["setup", "tau", "epochs", "recall@1", "MRR@10", "mean positive cos", "mean unrelated cos", "gap"], rows), "",

@@ -63,6 +63,9 @@ class ObjectiveConfig:
     # frozen backbone only: the queue holds backbone features, re-projected by the current key head
     # every step (no stale keys; costs one queue_size x hidden x d projection per step)
     queue_reproject: bool = False
+    # with queue_reproject and model.key_encoder=query: keys, queued ones included, carry gradient,
+    # so the document side is trained too (in-batch InfoNCE over batch + K documents)
+    key_grad: bool = False
 
 
 @dataclass

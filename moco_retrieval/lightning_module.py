@@ -83,7 +83,14 @@ class RetrievalModule(L.LightningModule):
                     "objective.queue_reproject=true needs model.frozen_backbone=true: only a frozen backbone's "
                     "features stay valid, so the queue can hold features and re-project them every step"
                 )
-            self.objective.reproject_features(self._key_side().hidden_size)
+            if self.objective_cfg.key_grad and self.key_encoder is not None:
+                raise ValueError("objective.key_grad=true needs model.key_encoder=query: an EMA key encoder is not trained")
+            self.objective.reproject_features(self._key_side().hidden_size, key_grad=self.objective_cfg.key_grad)
+        elif self.objective_cfg.key_grad:
+            raise ValueError(
+                "objective.key_grad=true needs objective.queue_reproject=true: stored queue keys cannot carry "
+                "gradient, and gradient through the batch's keys alone is unbalanced by the queue"
+            )
         self._val_outputs: dict[str, list] = {}
         self.last_val_result = None
         self.last_val_step = -1
@@ -113,6 +120,8 @@ class RetrievalModule(L.LightningModule):
             return self._encode(self.encoder, side, "doc")  # in-batch: the trained tower, with gradient
         if self.key_encoder is not None:
             return self._encode(self.key_encoder, side, "doc", grad=False)
+        if getattr(self.objective, "key_grad", False):  # keys train the tower too (objective.key_grad)
+            return self._encode(self.encoder, side, "doc")
         with torch.no_grad():  # key_encoder=query: the query encoder without a momentum copy
             return self._encode(self.encoder, side, "doc", grad=False)
 
@@ -127,9 +136,9 @@ class RetrievalModule(L.LightningModule):
         enc._fill_cache(tower, side["texts"], "doc", batch_size=256, progress=False)
         return tower.feature_cache.gather(side["texts"], enc.max_len("doc")).to(tower.special_ids.device)
 
-    @torch.no_grad()
     def project_keys(self, feats: torch.Tensor) -> torch.Tensor:
-        """Keys from frozen features with the *current* key head (queue_reproject)."""
+        """Keys from frozen features with the *current* key head (queue_reproject). Differentiable:
+        the objective calls it under no_grad unless objective.key_grad."""
         enc = self._key_side()
         out = enc.tower_for("doc").project(feats).float()
         return torch.nn.functional.normalize(out, dim=-1) if enc.normalize else out

@@ -21,12 +21,13 @@ def tiny_dir(tmp_path_factory):
 
 
 def make_module(tiny_dir, *, key_encoder="ema", frozen=True, objective="moco", queue_size=64, reproject=True,
-                backbone_kind="bag_of_wordpieces", head_dim=16):
+                backbone_kind="bag_of_wordpieces", head_dim=16, key_grad=False):
     model = ModelConfig(
         backbone="tiny", path=tiny_dir, backbone_kind=backbone_kind, frozen_backbone=frozen, head="linear",
         head_dim=head_dim, momentum=0.5, key_encoder=key_encoder,
     )
-    obj = ObjectiveConfig(name=objective, queue_size=queue_size, temperature=TAU, queue_reproject=reproject)
+    obj = ObjectiveConfig(name=objective, queue_size=queue_size, temperature=TAU, queue_reproject=reproject,
+                          key_grad=key_grad)
     return RetrievalModule(model, obj, OptimConfig(lr=5e-2, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
 
 
@@ -46,8 +47,9 @@ def batch_of(seed=123, n=4):
     return next(iter(dm.train_dataloader()))
 
 
-def reference_loss(m: RetrievalModule, batch: dict) -> torch.Tensor:
-    """InfoNCE with the stored queue features projected by the current key head, from scratch."""
+def reference_loss(m: RetrievalModule, batch: dict, grad: bool = False) -> torch.Tensor:
+    """InfoNCE with the stored queue features projected by the current key head, from scratch
+    (``grad``: keep the graph through queries and keys, as objective.key_grad should)."""
     key_enc = m.key_encoder.key_encoder if m.key_encoder is not None else m.encoder
     tower = key_enc.tower_for("doc")
     head = tower.head
@@ -55,7 +57,7 @@ def reference_loss(m: RetrievalModule, batch: dict) -> torch.Tensor:
     def keys_of(feats):
         return F.normalize(head(feats.float()), dim=-1)
 
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         q = m.encoder(batch["query"], "query")
         doc_feats = tower.feature_cache.gather(batch["doc"]["texts"], key_enc.max_len("doc"))
         k = keys_of(doc_feats)
@@ -63,11 +65,9 @@ def reference_loss(m: RetrievalModule, batch: dict) -> torch.Tensor:
         qk = keys_of(queue.keys())
         ids = batch["doc_id"]
         pos = (q * k).sum(1, keepdim=True)
-        batch_logits = q @ k.T
         own = torch.eye(len(ids), dtype=torch.bool) | (ids[None, :] == ids[:, None])
-        batch_logits[own] = -float("inf")
-        queue_logits = q @ qk.T
-        queue_logits[queue.ids()[None, :] == ids[:, None]] = -float("inf")
+        batch_logits = (q @ k.T).masked_fill(own, -float("inf"))
+        queue_logits = (q @ qk.T).masked_fill(queue.ids()[None, :] == ids[:, None], -float("inf"))
         logits = torch.cat([pos, batch_logits, queue_logits], dim=1) / TAU
         return F.cross_entropy(logits, torch.zeros(len(ids), dtype=torch.long))
 
@@ -143,3 +143,36 @@ def test_needs_frozen_backbone_and_a_queue(tiny_dir):
 def test_off_by_default_keeps_key_queue(tiny_dir):
     m = make_module(tiny_dir, reproject=False)
     assert not m.objective.reproject and m.objective.queue.queue_keys.shape[1] == m.encoder.dim
+
+
+def test_key_grad_trains_the_document_side_through_queued_keys(tiny_dir, tmp_path):
+    """objective.key_grad: the loss is in-batch InfoNCE over batch + queued documents with every key
+    made by the trained head, and its gradient flows through the queued keys too."""
+    torch.manual_seed(0)
+    m = make_module(tiny_dir, key_encoder="query", key_grad=True)
+    fit(m, tmp_path, steps=6)
+    assert m.objective.key_grad and m.objective.queue.fill == 24
+    batch = batch_of(seed=9)
+    m.train()
+    head = [p for p in m.encoder.parameters() if p.requires_grad]
+    loss, _ = m.shared_step(batch)
+    got = torch.autograd.grad(loss, head)
+    m.objective._pending = None
+    ref = reference_loss(m, batch, grad=True)
+    want = torch.autograd.grad(ref, head)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    # without key gradient the same loss has a different gradient (query side only)
+    m.objective.key_grad = False
+    loss_q, _ = m.shared_step(batch)
+    torch.testing.assert_close(loss_q, ref, rtol=1e-5, atol=1e-5)
+    got_q = torch.autograd.grad(loss_q, head)
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got_q, want))
+
+
+def test_key_grad_needs_query_key_encoder_and_reprojected_queue(tiny_dir):
+    with pytest.raises(ValueError, match="key_encoder=query"):
+        make_module(tiny_dir, key_encoder="ema", key_grad=True)
+    with pytest.raises(ValueError, match="queue_reproject=true"):
+        make_module(tiny_dir, key_encoder="query", reproject=False, key_grad=True)

@@ -52,6 +52,20 @@ def test_experiment_presets_compose():
     assert (b.objective.name, b.data.batch_size) == ("inbatch", 256)
 
 
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "experiment").glob("*.yaml")))
+def test_every_preset_builds_its_module(preset, tmp_path, monkeypatch):
+    """A preset whose options contradict each other (e.g. key_grad with an EMA key encoder) fails here,
+    not an hour into a user's job."""
+    from moco_retrieval.lightning_module import RetrievalModule
+
+    monkeypatch.setenv("MOCO_RETRIEVAL_CACHE", str(tmp_path))
+    cfg = OmegaConf.to_object(compose_train([f"+experiment={preset}"]))
+    module = RetrievalModule.from_config(cfg)
+    assert module.objective_cfg.name == cfg.objective.name
+    if preset == "frozen_queue":  # the B1 winner: re-projected feature queue, keys with gradient
+        assert module.objective.reproject and module.objective.key_grad and module.key_encoder is None
+
+
 @pytest.mark.parametrize("override", ["objective.queue_sise=10", "model.pooling_mode=cls", "data=parquet"])
 def test_typo_in_override_is_an_error(override):
     with pytest.raises(Exception) as err:

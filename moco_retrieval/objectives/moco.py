@@ -24,13 +24,21 @@ and every step they are projected by the current key head (``meta["project_keys"
 Lightning module) before scoring. With a frozen backbone a key is a function of (feature, key
 head) only, so a re-projected queue holds exactly the keys the current key encoder would give:
 no stale keys, whatever the queue's age. The cost is one K x hidden x d projection per step.
+
+Keys with gradient (``key_grad``; config ``objective.key_grad``, with a re-projected queue and
+``model.key_encoder=query``): the batch's keys and the queue's projections keep their graph, so the
+loss is in-batch InfoNCE over the batch's queries against batch + K documents with both sides
+trained: a cross-batch memory (Wang et al., "Cross-Batch Memory for Embedding Learning", CVPR
+2020) made exact, since XBM stores embeddings and relies on their slow drift. Without re-projection
+only the batch's keys could carry gradient; the pull on positives would then not be balanced by the
+queue's push (a 1-epoch try collapsed to recall@1 .49), so the Lightning module refuses it.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
-from moco_retrieval.distributed import all_gather_no_grad, rank
+from moco_retrieval.distributed import all_gather_no_grad, all_gather_with_grad, rank
 from moco_retrieval.model.queue import _DTYPES as _QUEUE_DTYPES, NegativeQueue
 from moco_retrieval.objectives.contrastive import Block, Temperature, info_nce
 from moco_retrieval.objectives.masking import false_negative_pairs, merge_pairs, own_pairs
@@ -47,6 +55,8 @@ class MoCoObjective(nn.Module):
     mask_false_negatives: mask candidates sharing the positive's id or group (default True).
     enqueue_hard_negatives: also enqueue the batch's hard-negative keys (default False: they are
         chosen per query and would make the queue less representative of the corpus).
+    key_grad: keys (batch and, with a re-projected queue, queued) carry gradient into the trained
+        tower (default False: MoCo's keys are constants). Set by ``reproject_features(..., key_grad=True)``.
     """
 
     keys_from_key_encoder = True
@@ -78,14 +88,17 @@ class MoCoObjective(nn.Module):
         self.mask_false_negatives = mask_false_negatives
         self.enqueue_hard_negatives = enqueue_hard_negatives
         self.reproject = False
+        self.key_grad = False
 
-    def reproject_features(self, feature_dim: int) -> None:
+    def reproject_features(self, feature_dim: int, key_grad: bool = False) -> None:
         """Make the queue hold backbone features of dimension ``feature_dim`` (re-projected by the
-        current key head every step) instead of keys. Call before training; the queue restarts empty."""
+        current key head every step) instead of keys. Call before training; the queue restarts empty.
+        ``key_grad``: the keys, queued ones included, carry gradient (see the module docstring)."""
         q = self.queue
         dtype = {v: k for k, v in _QUEUE_DTYPES.items()}[q.queue_keys.dtype]
         self.queue = NegativeQueue(q.size, int(feature_dim), dtype, logits_chunk=q.logits_chunk)
         self.reproject = True
+        self.key_grad = bool(key_grad)
 
     def _queue_logits(self, q: Tensor, meta: dict) -> Tensor:
         if not self.reproject:
@@ -96,6 +109,8 @@ class MoCoObjective(nn.Module):
                 "objective.queue_reproject: meta needs 'project_keys' (features -> keys with the current key "
                 "head) and 'key_features'; the Lightning module provides them in frozen-backbone mode"
             )
+        if self.key_grad:  # the trained head: gradient flows into it through every queued key
+            return q @ project(self.queue.keys()).float().T
         with torch.no_grad():
             keys = project(self.queue.keys()).detach().float()  # the current key head: nothing stale
         return q @ keys.T
@@ -108,17 +123,19 @@ class MoCoObjective(nn.Module):
     def forward(self, q: Tensor, k: Tensor, meta: dict, *, step: int = 0) -> tuple[Tensor, dict]:
         with torch.autocast(device_type=q.device.type, enabled=False):  # logits in fp32
             tau = self.temperature()
-            q, k = q.float() / tau, k.detach().float()  # q scaled once: every block arrives as logits
+            # q scaled once: every block arrives as logits
+            q, k = q.float() / tau, (k.float() if self.key_grad else k.detach().float())
             pos = (q * k).sum(dim=1)
             blocks, gathered = [], None
             if self.batch_negatives:
-                gathered = (all_gather_no_grad(k), all_gather_no_grad(meta["doc_id"]), all_gather_no_grad(meta["group"]))
+                gather_k = all_gather_with_grad if self.key_grad else all_gather_no_grad
+                gathered = (gather_k(k), all_gather_no_grad(meta["doc_id"]), all_gather_no_grad(meta["group"]))
                 keys, ids, groups = gathered
                 masked = own_pairs(q.shape[0], rank() * q.shape[0], q.device)
                 fn = self._mask(meta, ids, groups)
                 blocks.append(Block(q @ keys.T, masked if fn is None else merge_pairs(masked, fn, keys.shape[0])))
             if meta.get("neg") is not None:
-                h = meta["neg"].detach().float()
+                h = meta["neg"].float() if self.key_grad else meta["neg"].detach().float()
                 blocks.append(Block(q @ h.T, self._mask(meta, meta["neg_id"], meta["neg_group"])))
             if self.queue.fill > 0:
                 blocks.append(Block(self._queue_logits(q, meta), self._mask(meta, self.queue.ids(), self.queue.groups())))
@@ -139,7 +156,8 @@ class MoCoObjective(nn.Module):
         keys, ids, groups = k, meta["doc_id"], meta["group"]
         plain = not self.reproject and not (self.enqueue_hard_negatives and meta.get("neg") is not None)
         if plain and getattr(self, "_gathered", None) is not None:  # forward already all-gathered them
-            self.queue.enqueue(*self._gathered, step, gather=False)
+            g = self._gathered
+            self.queue.enqueue(g[0].detach(), g[1], g[2], step, gather=False)
             return
         if self.reproject:  # store what the keys are projected from
             keys = meta["key_features"]
