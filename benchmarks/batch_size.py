@@ -329,6 +329,19 @@ def render(data, ib, untrained, naive, rem, winner, controls, prefix) -> str:
         L.append(md_table(["configuration", "seed", "negatives/query", "recall@1", "MRR@10", "pos cos", "unrel cos", "ms/step"],
                           [_row(r) for r in winner]))
         L.append("")
+    # other queue configurations that were also run over several seeds (e.g. as ``--winner`` candidates)
+    multi: dict[str, list[dict]] = {}
+    for r in data["runs"]:
+        if r["group"] == "remedy" and (not winner or r["name"] != winner[0]["name"]):
+            multi.setdefault(r["name"], []).append(r)
+    multi = {n: sorted(v, key=lambda r: r["seed"]) for n, v in multi.items() if len(v) > 1}
+    if multi:
+        L.append("## Other queue configurations over seeds")
+        L.append("")
+        L.append(md_table(["configuration", "seeds", "recall@1 per seed", "median", "± std"],
+                          [[n, len(v), " / ".join(f3(x) for x in r1(v)), f3(median(r1(v))), f3(std(r1(v)))]
+                           for n, v in multi.items()]))
+        L.append("")
     L.append("## In-batch runs")
     L.append("")
     L.append(md_table(["configuration", "seed", "negatives/query", "recall@1", "MRR@10", "pos cos", "unrel cos", "ms/step"],

@@ -7,9 +7,9 @@ reference, all from ``moco_retrieval.evaluation`` (``evaluate_encoder`` -> ``com
 * a randomly initialised MiniLM (all-MiniLM-L6-v2's architecture, ``AutoConfig`` + random init);
 * the bag-of-wordpieces encoder (mean of MiniLM's input word embeddings, no head);
 * all-MiniLM-L6-v2 as released (contrastively trained by its authors);
-* our trained head: the frozen bag-of-wordpieces backbone + linear head trained here with the
-  B1 winner preset (``+experiment=frozen_queue``; ``--head-preset frozen_inbatch`` for batch 256
-  in-batch negatives);
+* our trained heads: the frozen bag-of-wordpieces backbone + linear head trained here with the
+  B1 winner preset (``+experiment=frozen_queue``, tau 0.02) and with in-batch negatives at batch
+  256 (``+experiment=frozen_inbatch``, tau 0.05) (``--head-presets``);
 * the MiniLM fine-tuned by the main job (``--checkpoint``, default
   /work/runs/queue65k/checkpoints/last.ckpt), when it exists.
 
@@ -63,7 +63,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--checkpoint", default=DEFAULT_CKPT)
-    ap.add_argument("--head-preset", default="frozen_queue", choices=["frozen_queue", "frozen_inbatch"])
+    ap.add_argument("--head-presets", default="frozen_queue,frozen_inbatch",
+                    help="comma-separated presets to train a head with (frozen_queue: tau 0.02; frozen_inbatch: tau 0.05)")
     ap.add_argument("--head-epochs", type=int, default=None, help="epochs of the trained head (default: the preset's; quick 1)")
     ap.add_argument("--max-queries", type=int, default=1000, help="queries of the pool (0: all 3,283); quick 300")
     ap.add_argument("--max-docs", type=int, default=2400, help="documents of the pool (0: all 3,283; every relevant one kept); quick 600")
@@ -106,19 +107,20 @@ def main(argv=None) -> int:
         del bow
         measure("all-MiniLM-L6-v2", build_encoder(ModelConfig(backbone="minilm", head="none")), "as released, mean pooling")
 
-    overrides = [f"+experiment={args.head_preset}"]
-    epochs = args.head_epochs or (1 if quick else None)
-    if epochs:
-        overrides.append(f"trainer.max_epochs={epochs}")
-    hcfg = compose_cfg(FROZEN_BASE + overrides)
-    t = time.perf_counter()
-    run = bench.fit_eval(hcfg, evaluate=False)
-    head_train_s = time.perf_counter() - t
-    with torch.no_grad():
-        measure(f"our head ({args.head_preset})", run["module"].encoder,
-                f"bag-of-wordpieces + linear head trained with +experiment={args.head_preset}, "
-                f"{hcfg.trainer.max_epochs} epoch(s), {run['steps']} steps ({head_train_s:.0f}s)")
-    del run
+    for preset in [p for p in args.head_presets.split(",") if p]:
+        overrides = [f"+experiment={preset}"]
+        epochs = args.head_epochs or (1 if quick else None)
+        if epochs:
+            overrides.append(f"trainer.max_epochs={epochs}")
+        hcfg = compose_cfg(FROZEN_BASE + overrides)
+        t = time.perf_counter()
+        run = bench.fit_eval(hcfg, evaluate=False)
+        head_train_s = time.perf_counter() - t
+        with torch.no_grad():
+            measure(f"our head ({preset}, tau {hcfg.objective.temperature})", run["module"].encoder,
+                    f"bag-of-wordpieces + linear head trained with +experiment={preset}, batch {hcfg.data.batch_size}, "
+                    f"{hcfg.trainer.max_epochs} epoch(s), {run['steps']} steps ({head_train_s:.0f}s)")
+        del run
 
     ckpt = Path(args.checkpoint) if args.checkpoint else None
     ckpt_note = None
