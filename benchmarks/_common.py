@@ -153,6 +153,17 @@ def run_key(name: str, seed: int) -> str:
     return f"{name}|seed={seed}"
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL results cache (none while it does not exist)."""
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def append_jsonl(path: Path, rec: dict) -> None:
+    """Appends one record: parallel benchmark processes share a cache file, one whole line each."""
+    with path.open("a") as f:
+        f.write(json.dumps(rec, default=_json_default) + "\n")
+
+
 class Runner:
     """Runs configs once each (results cached in a JSONL file, so a restarted benchmark resumes)."""
 
@@ -161,10 +172,9 @@ class Runner:
         self.deadline = deadline  # UTC "HH:MM": runs not started by then are cut
         self.cut: list[str] = []
         self.done: dict[str, dict] = {}
-        if cache.is_file() and not fresh:
-            for line in cache.read_text().splitlines():
-                rec = json.loads(line)
-                self.done[rec["key"]] = rec
+        if fresh and cache.is_file():  # start a new cache (runs() re-reads it); keep the old one aside
+            cache.replace(cache.with_suffix(cache.suffix + ".old"))
+        self.reload()
         cache.parent.mkdir(parents=True, exist_ok=True)
 
     def past_deadline(self) -> bool:
@@ -189,10 +199,8 @@ class Runner:
         return out
 
     def reload(self) -> None:
-        if self.cache.is_file():
-            for line in self.cache.read_text().splitlines():
-                rec = json.loads(line)
-                self.done.setdefault(rec["key"], rec)
+        for rec in read_jsonl(self.cache):
+            self.done.setdefault(rec["key"], rec)
 
     def run(self, group: str, name: str, overrides: list[str], seed: int, untrained: bool = False, **info) -> dict:
         key = run_key(f"{group}:{name}", seed)
@@ -219,8 +227,7 @@ class Runner:
             "wall_s": time.perf_counter() - t0, **info,
         }
         self.done[key] = rec
-        with self.cache.open("a") as f:
-            f.write(json.dumps(rec) + "\n")
+        append_jsonl(self.cache, rec)
         log(f"{group}: {name} seed {seed}: recall@1 {rec['metrics']['recall@1']:.3f} "
             f"({rec['steps']} steps, {rec['train_s']:.0f}s)")
         return rec

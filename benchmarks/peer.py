@@ -25,7 +25,6 @@ Pool: 1,000 held-out queries against 2,400 documents (every relevant one kept) b
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    Bench, _json_default, compose_cfg, environment, f3, figure, log, md_table, peak_rss_mb, quiet_trainer, write_results,
+    Bench, append_jsonl, compose_cfg, environment, f3, figure, log, md_table, peak_rss_mb, quiet_trainer, read_jsonl, write_results,
 )
 
 import torch  # noqa: E402
@@ -185,16 +184,11 @@ def main(argv=None) -> int:
     q_len, d_len, lr, warm = base.model.query_max_len, base.model.doc_max_len, base.optim.lr, base.optim.warmup_ratio
     only = set(args.only.split(","))
     log(f"B4: {steps} steps at batch {batch}, lr {lr}, max lengths {q_len}/{d_len}, pool {len(pool.corpus):,} docs")
-    runs = {}
     # finished runs are cached (JSONL), so the runs can go in parallel processes (--only) and a last
     # invocation writes the report from all of them
     cache = Path(f"/tmp/mr-bench-cache/peer-{'quick' if quick else 'full'}-s{steps}-b{batch}-q{mq}-d{md_}.jsonl")
     cache.parent.mkdir(parents=True, exist_ok=True)
-    done = {}
-    if cache.is_file():
-        for line in cache.read_text().splitlines():
-            rec = json.loads(line)
-            done[rec["name"]] = rec["run"]
+    done = {rec["name"]: rec["run"] for rec in read_jsonl(cache)}
     todo = {
         "ours: MoCo queue K=65,536": lambda: run_ours(bench, "queue65k", steps, batch, pool),
         "ours: in-batch negatives": lambda: run_ours(bench, "inbatch256", steps, batch, pool),
@@ -208,8 +202,7 @@ def main(argv=None) -> int:
         if name in done or short[name] not in only:
             continue
         done[name] = fn()
-        with cache.open("a") as f:
-            f.write(json.dumps({"name": name, "run": done[name]}, default=_json_default) + "\n")
+        append_jsonl(cache, {"name": name, "run": done[name]})
         log(f"{name}: recall@1 {done[name]['metrics']['recall@1']:.3f}")
     runs = {k: done[k] for k in ("ours: MoCo queue K=65,536", "ours: in-batch negatives", "sentence-transformers MNRL") if k in done}
     base_metrics = done.get("base", {}).get("metrics")

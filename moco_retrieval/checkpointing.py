@@ -3,7 +3,7 @@ kill at any moment leaves either the old checkpoint or the new one, never half o
 from __future__ import annotations
 
 import os
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
@@ -14,23 +14,19 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+    # created with mode 0666 so the kernel applies the umask: a checkpoint is as readable as any
+    # file (mkstemp would make it 0600; reading the umask means setting it, racing other threads)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a checkpoint is as readable as any file
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

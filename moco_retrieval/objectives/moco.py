@@ -31,7 +31,8 @@ loss is in-batch InfoNCE over the batch's queries against batch + K documents wi
 trained: a cross-batch memory (Wang et al., "Cross-Batch Memory for Embedding Learning", CVPR
 2020) made exact, since XBM stores embeddings and relies on their slow drift. Without re-projection
 only the batch's keys could carry gradient; the pull on positives would then not be balanced by the
-queue's push (a 1-epoch try collapsed to recall@1 .49), so the Lightning module refuses it.
+queue's push, so the Lightning module refuses it (B1's exploration, 1 epoch: gradient through the
+batch's keys but not the queue's gave recall@1 .49, against .63 with neither).
 """
 from __future__ import annotations
 
@@ -109,10 +110,9 @@ class MoCoObjective(nn.Module):
                 "objective.queue_reproject: meta needs 'project_keys' (features -> keys with the current key "
                 "head) and 'key_features'; the Lightning module provides them in frozen-backbone mode"
             )
-        if self.key_grad:  # the trained head: gradient flows into it through every queued key
-            return q @ project(self.queue.keys()).float().T
-        with torch.no_grad():
-            keys = project(self.queue.keys()).detach().float()  # the current key head: nothing stale
+        # the current key head, so nothing is stale; with key_grad its gradient flows through every queued key
+        with torch.set_grad_enabled(self.key_grad and torch.is_grad_enabled()):
+            keys = project(self.queue.keys()).float()
         return q @ keys.T
 
     def _mask(self, meta: dict, ids: Tensor, groups: Tensor):
@@ -140,10 +140,9 @@ class MoCoObjective(nn.Module):
             if self.queue.fill > 0:
                 blocks.append(Block(self._queue_logits(q, meta), self._mask(meta, self.queue.ids(), self.queue.groups())))
             loss, stats = info_nce(pos, blocks, tau, self.label_smoothing)
-        self._gathered = gathered
         stats["queue_fill"] = torch.tensor(float(self.queue.fill))
         stats["queue_age"] = torch.tensor(self.queue.mean_age(step))
-        self._pending = (k, meta, step) if self.training else None
+        self._pending = (k, meta, step, gathered) if self.training else None
         return loss, stats
 
     @torch.no_grad()
@@ -151,13 +150,12 @@ class MoCoObjective(nn.Module):
         """Enqueue the keys of the last training ``forward`` (call after backward)."""
         if getattr(self, "_pending", None) is None:
             return
-        k, meta, step = self._pending
+        k, meta, step, gathered = self._pending
         self._pending = None
         keys, ids, groups = k, meta["doc_id"], meta["group"]
         plain = not self.reproject and not (self.enqueue_hard_negatives and meta.get("neg") is not None)
-        if plain and getattr(self, "_gathered", None) is not None:  # forward already all-gathered them
-            g = self._gathered
-            self.queue.enqueue(g[0].detach(), g[1], g[2], step, gather=False)
+        if plain and gathered is not None:  # forward already all-gathered them
+            self.queue.enqueue(*gathered, step, gather=False)
             return
         if self.reproject:  # store what the keys are projected from
             keys = meta["key_features"]
