@@ -528,24 +528,29 @@ class TextEncoder(nn.Module):
 
     # -- forward
 
-    def forward(self, side: dict, kind: str) -> torch.Tensor:
+    def features(self, side: dict, kind: str) -> torch.Tensor:
+        """Pooled backbone features [B, hidden] of one side of a batch, before the head. Frozen
+        backbones: from the feature cache (missing texts are computed and cached first)."""
         tower = self.tower_for(kind)
         device = tower.special_ids.device
         if self.frozen:
             texts = side["texts"]
             self._fill_cache(tower, texts, kind, batch_size=256, progress=False)
-            feats = tower.feature_cache.gather(texts, self.max_len(kind)).to(device, non_blocking=True)
+            return tower.feature_cache.gather(texts, self.max_len(kind)).to(device, non_blocking=True)
+        if side.get("input_ids") is not None:
+            ids, mask = side["input_ids"], side["attention_mask"]
         else:
-            if side.get("input_ids") is not None:
-                ids, mask = side["input_ids"], side["attention_mask"]
-            else:
-                tok = self.tokenize(side["texts"], kind)
-                ids, mask = tok["input_ids"], tok["attention_mask"]
-            feats = tower.features(ids.to(device), mask.to(device))
-        out = tower.project(feats).float()
-        if self.normalize:
-            out = F.normalize(out, dim=-1)
-        return out
+            tok = self.tokenize(side["texts"], kind)
+            ids, mask = tok["input_ids"], tok["attention_mask"]
+        return tower.features(ids.to(device), mask.to(device))
+
+    def embed_features(self, feats: torch.Tensor, kind: str) -> torch.Tensor:
+        """Embeddings from backbone features: the kind's head, then L2 normalization (when on)."""
+        out = self.tower_for(kind).project(feats).float()
+        return F.normalize(out, dim=-1) if self.normalize else out
+
+    def forward(self, side: dict, kind: str) -> torch.Tensor:
+        return self.embed_features(self.features(side, kind), kind)
 
 
 def build_encoder(cfg: ModelConfig) -> TextEncoder:
