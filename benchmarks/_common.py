@@ -128,9 +128,10 @@ class Bench:
         out = {"train_s": train_s, "steps": int(trainer.global_step), "module": module}
         # the last step's logged stats (negatives_per_query, masked_per_query, queue_age, ...)
         out["last_step"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
-        if hasattr(module.objective, "queue"):
-            out["queue_fill"] = module.objective.queue.fill
-            out["queue_age_end"] = module.objective.queue.mean_age(trainer.global_step)
+        queue = module.objective.stats(trainer.global_step)
+        if queue:
+            out["queue_fill"] = queue["queue_fill"]
+            out["queue_age_end"] = queue["queue_age"]
         if evaluate:
             res = evaluate_encoder(module.encoder, self.eval_set, module.eval_cfg, show_progress=False)
             out.update(metrics=dict(res.metrics), geometry=dict(res.geometry), result=res)
@@ -212,12 +213,12 @@ class Runner:
         o = cfg.objective
         rec = {
             "key": key, "group": group, "name": name, "seed": seed, "overrides": overrides,
-            "batch_size": cfg.data.batch_size, "objective": o.name, "queue_size": o.queue_size if o.name == "moco" else 0,
-            "momentum": cfg.model.momentum if o.name == "moco" and cfg.model.key_encoder == "ema" else None,
-            "key_encoder": cfg.model.key_encoder if o.name == "moco" else None,
-            "queue_reproject": bool(o.queue_reproject) if o.name == "moco" else False,
-            "key_grad": bool(o.key_grad) if o.name == "moco" else False,
-            "mask_false_negatives": o.mask_false_negatives, "batch_negatives": o.batch_negatives if o.name == "moco" else True,
+            "batch_size": cfg.data.batch_size, "objective": o.name, "queue_size": getattr(o, "queue_size", 0),
+            "momentum": getattr(o, "momentum", None),
+            "key_encoder": "ema" if hasattr(o, "momentum") else ("query" if o.name == "feature_memory" else None),
+            "queue_reproject": o.name == "feature_memory",
+            "key_grad": o.name == "feature_memory",
+            "mask_false_negatives": o.mask_false_negatives, "batch_negatives": getattr(o, "batch_negatives", True),
             "temperature": o.temperature, "lr": cfg.optim.lr, "epochs": cfg.trainer.max_epochs,
             "steps": r["steps"], "train_s": r.get("train_s", 0.0),
             "ms_per_step": 1000 * r["train_s"] / r["steps"] if r["steps"] else None,

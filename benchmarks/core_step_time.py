@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from moco_retrieval.config import ModelConfig, ObjectiveConfig, OptimConfig
+from moco_retrieval.config import MoCoConfig, ModelConfig, OptimConfig
 from moco_retrieval.lightning_module import RetrievalModule
 from moco_retrieval.model.tiny import build_tiny_bert
 
@@ -27,7 +27,7 @@ RESULTS = Path(__file__).parent / "results"
 
 def make(model: str, K: int, tiny_dir: str) -> RetrievalModule:
     mcfg = ModelConfig(backbone="tiny", path=tiny_dir) if model == "tiny" else ModelConfig(backbone="minilm")
-    m = RetrievalModule(mcfg, ObjectiveConfig(name="moco", queue_size=max(K, 1)), OptimConfig())
+    m = RetrievalModule(mcfg, MoCoConfig(queue_size=max(K, 1)), OptimConfig())
     if K:  # fill the queue: every slot takes part in the loss
         keys = torch.nn.functional.normalize(torch.randn(K, m.encoder.dim), dim=1)
         m.objective.queue.enqueue(keys, torch.arange(K) + 10**9, torch.full((K,), -1), step=0)
@@ -52,7 +52,7 @@ def step(m: RetrievalModule, opt, b: dict) -> float:
     loss.backward()
     opt.step()
     m.key_encoder.update(m.encoder, 0.999)
-    m.objective.commit()
+    m.objective.after_backward()
     return time.perf_counter() - t0
 
 
@@ -74,7 +74,8 @@ def main() -> None:
         for r in range(warmup + repeats):
             b = batch(mods[0], args.batch, 32, 128, g)
             for K in mods:  # interleaved, same batch
-                mods[K].objective.queue.queue_fill.fill_(min(K, mods[K].objective.queue.size) if K else 0)
+                if K == 0:  # the K = 0 module's queue stays empty
+                    mods[K].objective.queue.reset()
                 t = step(mods[K], opts[K], b)
                 if r >= warmup:
                     times[K].append(t)

@@ -150,7 +150,7 @@ def main() -> None:
         "optim.warmup_ratio=0.05", "data.eval_batch_size=1024",
     ]
     if args.objective == "moco":
-        common += ["objective.queue_size=4096", "model.momentum=0.99"]
+        common += ["objective.queue_size=4096", "objective.momentum=0.99"]
     seeds = list(range(args.seeds))
     runs: dict[str, list] = {}
 

@@ -82,9 +82,10 @@ def run_ours(bench: Bench, preset: str, steps: int, batch: int, pool, extra=()) 
     res = evaluate_encoder(module.encoder, pool, module.eval_cfg, batch_size=64, show_progress=False)
     info = {"steps": trainer.global_step, "train_s": train_s, "step_times": timer.times, "metrics": res.metrics,
             "geometry": res.geometry, "preset": preset, "lr": cfg.optim.lr, "temperature": cfg.objective.temperature}
-    if hasattr(module.objective, "queue"):
-        info["queue_fill"] = module.objective.queue.fill
-        info["queue_size"] = module.objective.queue.size
+    queue = module.objective.stats(trainer.global_step)
+    if queue:
+        info["queue_fill"] = queue["queue_fill"]
+        info["queue_size"] = cfg.objective.queue_size
     return info
 
 

@@ -5,7 +5,7 @@ logits memory, and the measured step-time share of the queue logits on this mach
     python benchmarks/scaling_numbers.py --no-timing  # the arithmetic only (instant)
 
 Writes benchmarks/results/scaling_numbers.md and benchmarks/results/scaling_numbers.json.
-The arithmetic follows the queue layout of moco_retrieval/model/queue.py: per slot one key
+The arithmetic follows the queue layout of moco_retrieval.objectives.queue.py: per slot one key
 (d values in the queue dtype) plus three int64 values (document id, group id, enqueue step).
 """
 from __future__ import annotations

@@ -82,8 +82,6 @@ def section_step(args) -> dict:
                 ids = torch.randint(2**40, 2**62, (n,), generator=g).to(dev)
                 q.enqueue(keys, ids, torch.full((n,), -1, device=dev), 0, gather=False)
             assert q.fill == k
-        else:
-            m.objective.commit = lambda: setattr(m.objective, "_pending", None)  # the queue stays empty
         params = [p for p in m.encoder.parameters() if p.requires_grad]
         modules[k], opts[k] = m, (torch.optim.AdamW(params, lr=1e-6, weight_decay=0.01), params)
     dm.tokenize = modules[ks[0]].encoder.tokenize
@@ -109,7 +107,9 @@ def section_step(args) -> dict:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         m.key_encoder.update(m.encoder, 0.999)
-        m.objective.commit()
+        m.objective.after_backward()
+        if k == 0:  # the queue stays empty
+            m.objective.queue.reset()
         sync(dev)
         return time.perf_counter() - t
 
@@ -178,7 +178,7 @@ def import_lightly_memory_bank():
 
 
 def section_queue(args) -> dict:
-    from moco_retrieval.model.queue import NegativeQueue
+    from moco_retrieval.objectives.queue import NegativeQueue
 
     dev = device_of(args.device)
     ks = [int(k) for k in args.queue_ks.split(",")]

@@ -37,7 +37,7 @@ TAUS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
 def setups(variant: str, queue_epochs: int | None) -> dict[str, list[str]]:
     queue = ["+experiment=frozen_queue", "objective.queue_size=16384"]
     if variant == "naive":
-        queue += ["objective.queue_reproject=false", "objective.key_grad=false", "model.key_encoder=ema", "model.momentum=0.99"]
+        queue += ["objective=moco", "objective.momentum=0.99"]
     if queue_epochs:
         queue += [f"trainer.max_epochs={queue_epochs}"]
     return {

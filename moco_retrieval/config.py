@@ -35,37 +35,77 @@ class ModelConfig:
     # tiny random encoder (tests): written into `path` when missing
     tiny_hidden: int = 32
     tiny_layers: int = 2
-    # key encoder
-    key_encoder: str = "ema"  # ema | query (keys from the query encoder under no_grad)
-    momentum: float = 0.999
-    momentum_schedule: str = "constant"  # constant | cosine (from `momentum` to 1 over training)
-    key_encoder_dropout: bool = False  # False: key encoder kept in eval mode (no dropout)
+    # GradCache (gradcache.py): texts encoded with gradient go through the encoder this many at a
+    # time and are re-run during backward, so a large batch fits in memory (None: all at once)
+    grad_cache_chunk: Optional[int] = None
+
+
+# ---- objectives: one schema per objective, so an option the chosen one does not use is an error
 
 
 @dataclass
 class ObjectiveConfig:
-    name: str = "moco"  # moco | inbatch
+    """What every objective shares: InfoNCE's temperature, label smoothing and false-negative masking."""
+
+    name: str = MISSING
     temperature: float = 0.05
     learn_temperature: bool = False
     temperature_min: float = 0.01
     temperature_max: float = 1.0
     label_smoothing: float = 0.0
-    mask_false_negatives: bool = True
-    # inbatch
-    symmetric: bool = False
-    cross_device: bool = True  # all-gather keys with gradient under DDP
-    grad_cache_chunk: Optional[int] = None  # GradCache: sub-batch size for the in-batch objective
-    # moco
+    mask_false_negatives: bool = True  # mask candidates sharing the positive's document id or group
+
+
+@dataclass
+class InBatchConfig(ObjectiveConfig):
+    """``objective=inbatch``: every other document of the (global) batch is a negative."""
+
+    name: str = "inbatch"
+    symmetric: bool = False  # also document -> query, losses averaged
+    cross_device: bool = True  # all-gather documents with gradient under DDP
+
+
+@dataclass
+class QueueConfig(ObjectiveConfig):
+    """What the objectives that remember past documents in a FIFO queue share."""
+
+    name: str = MISSING
     queue_size: int = 65536
-    queue_dtype: str = "float32"  # float32 | bfloat16 | float16
-    batch_negatives: bool = True  # other keys of the current batch are negatives too
+    queue_dtype: str = "float32"  # float32 | bfloat16 | float16 (storage; logits stay fp32)
+    batch_negatives: bool = True  # the other documents of the current batch are negatives too
+
+
+@dataclass
+class MoCoConfig(QueueConfig):
+    """``objective=moco``: queries against an EMA key encoder's keys and a queue of its past keys."""
+
+    name: str = "moco"
     enqueue_hard_negatives: bool = False
-    # frozen backbone only: the queue holds backbone features, re-projected by the current key head
-    # every step (no stale keys; costs one queue_size x hidden x d projection per step)
-    queue_reproject: bool = False
-    # with queue_reproject and model.key_encoder=query: keys, queued ones included, carry gradient,
-    # so the document side is trained too (in-batch InfoNCE over batch + K documents)
-    key_grad: bool = False
+    momentum: float = 0.999  # EMA of the key encoder, per optimizer step
+    momentum_schedule: str = "constant"  # constant | cosine (from `momentum` to 1 over training)
+    key_encoder_dropout: bool = False  # False: the key encoder stays in eval mode (no dropout)
+
+
+@dataclass
+class TwoQueueConfig(MoCoConfig):
+    """``objective=two_queue``: query->document against EMA document keys + a document queue, and
+    document->query against EMA query keys + a query queue (objectives/two_queue.py)."""
+
+    name: str = "two_queue"
+    doc_to_query_weight: float = 1.0  # weight of the document->query loss (query->document: 1)
+    queue_warmup_steps: int = 0  # optimizer steps before queued keys count as negatives
+
+
+@dataclass
+class FeatureMemoryConfig(QueueConfig):
+    """``objective=feature_memory`` (frozen backbones): a queue of backbone features, projected by
+    the trained head every step, with gradient (objectives/feature_memory.py)."""
+
+    name: str = "feature_memory"
+    queue_size: int = 16384
+
+
+OBJECTIVE_CONFIGS: dict[str, type] = {c.name: c for c in (InBatchConfig, MoCoConfig, TwoQueueConfig, FeatureMemoryConfig)}
 
 
 @dataclass
@@ -147,7 +187,7 @@ class EvalConfig:
 @dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
-    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    objective: Any = MISSING  # one of OBJECTIVE_CONFIGS, chosen by the `objective` group
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -190,6 +230,19 @@ class MineConfig:
     progress: bool = True
 
 
+def objective_config(node: Any) -> ObjectiveConfig:
+    """The objective's own schema from a dataclass, DictConfig or dict (as saved in a checkpoint),
+    chosen by its ``name``; an unknown name or a field that objective does not use is an error."""
+    if isinstance(node, ObjectiveConfig):
+        return node
+    if not isinstance(node, dict):
+        node = OmegaConf.to_container(node, resolve=True)
+    name = node.get("name")
+    if name not in OBJECTIVE_CONFIGS:
+        raise ValueError(f"objective.name={name!r}: expected one of {', '.join(OBJECTIVE_CONFIGS)}")
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OBJECTIVE_CONFIGS[name]), node))
+
+
 def cache_root() -> Path:
     """Where built data sets, tiny models and frozen features go: $MOCO_RETRIEVAL_CACHE or
     ~/.cache/moco_retrieval."""
@@ -200,6 +253,8 @@ def register_configs() -> None:
     """Register the schema with Hydra (idempotent) and the ``${mr_cache:NAME}`` resolver."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
     ConfigStore.instance().store(name="mine_schema", node=MineConfig)
+    for name, schema in OBJECTIVE_CONFIGS.items():
+        ConfigStore.instance().store(group="objective", name=f"{name}_schema", node=schema)
     if not OmegaConf.has_resolver("mr_cache"):
         OmegaConf.register_new_resolver("mr_cache", lambda name: str(cache_root() / name))
 
@@ -207,6 +262,13 @@ def register_configs() -> None:
 __all__ = [
     "ModelConfig",
     "ObjectiveConfig",
+    "InBatchConfig",
+    "QueueConfig",
+    "MoCoConfig",
+    "TwoQueueConfig",
+    "FeatureMemoryConfig",
+    "OBJECTIVE_CONFIGS",
+    "objective_config",
     "OptimConfig",
     "DataConfig",
     "TrainerConfig",

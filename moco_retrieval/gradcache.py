@@ -8,10 +8,10 @@ Setup" (RepL4NLP 2021; github.com/luyug/GradCache).
 * The *contrastive batch* is ``data.batch_size`` (per rank): the rows whose documents (and hard
   negatives) every query is scored against. It alone decides the loss and its gradient; grad
   cache does not change either.
-* The *chunk* is ``objective.grad_cache_chunk``: how many texts go through the encoder at once.
+* The *chunk* is ``model.grad_cache_chunk``: how many texts go through the encoder at once.
   It decides the peak activation memory (one chunk's graph at a time), not the loss.
 
-So ``data.batch_size=512 objective.grad_cache_chunk=32`` trains with 511 in-batch negatives per
+So ``data.batch_size=512 model.grad_cache_chunk=32`` trains with 511 in-batch negatives per
 query on the activation memory of 32 texts, at the cost of a second forward pass (about a third
 more compute). ``trainer.accumulate_grad_batches`` is a third, unrelated thing: it sums the
 gradients of several contrastive batches, each with its own negatives, and does not enlarge the
@@ -174,7 +174,7 @@ class GradCache:
 
     def __init__(self, chunk_size: int, replay_random_state: bool = True):
         if int(chunk_size) < 1:
-            raise ValueError(f"objective.grad_cache_chunk must be >= 1, got {chunk_size}")
+            raise ValueError(f"model.grad_cache_chunk must be >= 1, got {chunk_size}")
         self.chunk_size = int(chunk_size)
         self.replay_random_state = replay_random_state
 

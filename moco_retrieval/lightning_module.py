@@ -10,12 +10,12 @@ import lightning as L
 import torch
 from omegaconf import OmegaConf
 
-from moco_retrieval.config import EvalConfig, ModelConfig, ObjectiveConfig, OptimConfig, TrainConfig
+from moco_retrieval.config import EvalConfig, ModelConfig, ObjectiveConfig, OptimConfig, TrainConfig, objective_config
 from moco_retrieval.evaluation.encode import evaluate_embeddings
 from moco_retrieval.gradcache import GradCache
 from moco_retrieval.model.encoder import build_encoder
-from moco_retrieval.model.momentum import MomentumEncoder, momentum_at
-from moco_retrieval.objectives import build_objective
+from moco_retrieval.model.momentum import MomentumEncoder, state_dict_prefix
+from moco_retrieval.objectives import TRAINED, View, build_objective
 
 
 def _as(cls, node):
@@ -46,6 +46,10 @@ def lr_lambda(schedule: str, warmup: int, total: int):
 class RetrievalModule(L.LightningModule):
     """Trains a text encoder with a contrastive objective.
 
+    The objective declares the embeddings it needs (``objective.views``); this module makes them
+    (trained encoder with or without gradient, or the EMA key encoder when a view asks for it),
+    calls the objective, and after backward lets it enqueue. It never asks which objective it holds.
+
     Args:
         model, objective, optim, eval: configs (dataclasses, DictConfigs or dicts); see config.py.
     """
@@ -54,7 +58,7 @@ class RetrievalModule(L.LightningModule):
         super().__init__()
         self.seed = seed
         self.model_cfg: ModelConfig = _as(ModelConfig, model)
-        self.objective_cfg: ObjectiveConfig = _as(ObjectiveConfig, objective)
+        self.objective_cfg: ObjectiveConfig = objective_config(objective)
         self.optim_cfg: OptimConfig = _as(OptimConfig, optim)
         self.eval_cfg: EvalConfig = _as(EvalConfig, eval or {})
         # plain containers, so checkpoints reload without this package's classes pickled in
@@ -64,33 +68,15 @@ class RetrievalModule(L.LightningModule):
             | {"seed": seed}
         )
         self.encoder = build_encoder(self.model_cfg)
-        self.objective = build_objective(self.objective_cfg, self.encoder.dim)
-        use_ema = self.objective.keys_from_key_encoder and self.model_cfg.key_encoder == "ema"
-        if self.model_cfg.key_encoder not in ("ema", "query"):
-            raise ValueError(f"model.key_encoder must be 'ema' or 'query', got {self.model_cfg.key_encoder!r}")
-        self.key_encoder = MomentumEncoder(self.encoder, self.model_cfg.key_encoder_dropout) if use_ema else None
-        # GradCache (objective.grad_cache_chunk, see gradcache.py): the trained side is embedded in
-        # chunks and re-run during backward; key-encoder sides are embedded in chunks (no graph).
+        self.objective = build_objective(self.objective_cfg, self.encoder)
+        uses_ema = self.objective.uses_momentum_encoder
+        self.key_encoder = MomentumEncoder(self.encoder, self.objective.key_encoder_dropout) if uses_ema else None
+        # GradCache (model.grad_cache_chunk, see gradcache.py): sides embedded with gradient go through
+        # the encoder in chunks and are re-run during backward; the others are embedded in chunks.
         # Automatic optimization is kept: clipping, accumulation, schedules and the EMA/queue hooks
         # see an ordinary loss.backward().
-        chunk = self.objective_cfg.grad_cache_chunk
+        chunk = self.model_cfg.grad_cache_chunk
         self.grad_cache = GradCache(chunk) if chunk is not None else None
-        if self.objective_cfg.queue_reproject:
-            if not (self.objective.keys_from_key_encoder and hasattr(self.objective, "reproject_features")):
-                raise ValueError("objective.queue_reproject=true needs objective=moco (a queue)")
-            if not self.encoder.frozen:
-                raise ValueError(
-                    "objective.queue_reproject=true needs model.frozen_backbone=true: only a frozen backbone's "
-                    "features stay valid, so the queue can hold features and re-project them every step"
-                )
-            if self.objective_cfg.key_grad and self.key_encoder is not None:
-                raise ValueError("objective.key_grad=true needs model.key_encoder=query: an EMA key encoder is not trained")
-            self.objective.reproject_features(self._key_side().hidden_size, key_grad=self.objective_cfg.key_grad)
-        elif self.objective_cfg.key_grad:
-            raise ValueError(
-                "objective.key_grad=true needs objective.queue_reproject=true: stored queue keys cannot carry "
-                "gradient, and gradient through the batch's keys alone is unbalanced by the queue"
-            )
         self._val_outputs: dict[str, list] = {}
         self.last_val_result = None
         self.last_val_step = -1
@@ -103,65 +89,55 @@ class RetrievalModule(L.LightningModule):
     def from_config(cls, cfg: TrainConfig) -> "RetrievalModule":
         return cls(cfg.model, cfg.objective, cfg.optim, cfg.eval, seed=cfg.seed)
 
+    @staticmethod
+    def state_dict_prefix(encoder: str) -> str:
+        """Where an encoder's weights sit in this module's state dict: "query" (the trained
+        encoder) or "key" (the EMA key encoder's copy)."""
+        return state_dict_prefix(encoder)
+
     # ---- training -------------------------------------------------------------------------
     def momentum(self) -> float:
         total = self.trainer.estimated_stepping_batches if self._trainer is not None else 0
-        return momentum_at(self.global_step, int(total), self.model_cfg.momentum, self.model_cfg.momentum_schedule)
+        return self.objective.momentum(self.global_step, int(total))
+
+    def _embed(self, view: View, batch: dict) -> torch.Tensor:
+        """The embedding one view of the objective asks for."""
+        encoder = self.encoder if view.encoder == TRAINED else self.key_encoder.key_encoder
+        if view.side == "memory":  # the objective's stored features through the encoder's head now
+            with torch.set_grad_enabled(view.grad and torch.is_grad_enabled()):
+                return encoder.embed_features(self.objective.memory_features(), "doc")
+        side, kind = batch[view.side], "query" if view.side == "query" else "doc"
+        if view.features:
+            with torch.no_grad():
+                return encoder.features(side, kind)
+        if not view.grad:
+            with torch.no_grad():
+                return self._encode(encoder, side, kind, grad=False)
+        return self._encode(encoder, side, kind)
 
     def _encode(self, encoder, side: dict, kind: str, grad: bool = True) -> torch.Tensor:
-        """``encoder(side, kind)``; through GradCache when ``objective.grad_cache_chunk`` is set."""
+        """``encoder(side, kind)``; through GradCache when ``model.grad_cache_chunk`` is set."""
         if self.grad_cache is None:
             return encoder(side, kind)
         return self.grad_cache.embed(lambda part: encoder(part, kind), side, device=self.device, grad=grad)
 
-    def encode_keys(self, side: dict) -> torch.Tensor:
-        """Document-side vectors that play the role of keys in the objective."""
-        if not self.objective.keys_from_key_encoder:
-            return self._encode(self.encoder, side, "doc")  # in-batch: the trained tower, with gradient
-        if self.key_encoder is not None:
-            return self._encode(self.key_encoder, side, "doc", grad=False)
-        if getattr(self.objective, "key_grad", False):  # keys train the tower too (objective.key_grad)
-            return self._encode(self.encoder, side, "doc")
-        with torch.no_grad():  # key_encoder=query: the query encoder without a momentum copy
-            return self._encode(self.encoder, side, "doc", grad=False)
-
-    def _key_side(self):
-        """The encoder that makes keys: the EMA copy, else the query encoder."""
-        return self.key_encoder.key_encoder if self.key_encoder is not None else self.encoder
-
-    def key_features(self, side: dict) -> torch.Tensor:
-        """Frozen backbone features of documents (queue_reproject; cached by the key encoding)."""
-        enc = self._key_side()
-        tower = enc.tower_for("doc")
-        enc._fill_cache(tower, side["texts"], "doc", batch_size=256, progress=False)
-        return tower.feature_cache.gather(side["texts"], enc.max_len("doc")).to(tower.special_ids.device)
-
-    def project_keys(self, feats: torch.Tensor) -> torch.Tensor:
-        """Keys from frozen features with the *current* key head (queue_reproject). Differentiable:
-        the objective calls it under no_grad unless objective.key_grad."""
-        enc = self._key_side()
-        out = enc.tower_for("doc").project(feats).float()
-        return torch.nn.functional.normalize(out, dim=-1) if enc.normalize else out
-
     def shared_step(self, batch: dict) -> tuple[torch.Tensor, dict]:
-        q = self._encode(self.encoder, batch["query"], "query")
-        k = self.encode_keys(batch["doc"])
-        meta = {"doc_id": batch["doc_id"], "group": batch["group"]}
-        if "neg" in batch:
-            meta.update(neg=self.encode_keys(batch["neg"]), neg_id=batch["neg_id"], neg_group=batch["neg_group"])
-        if getattr(self.objective, "reproject", False):
-            meta.update(key_features=self.key_features(batch["doc"]), project_keys=self.project_keys)
-            if "neg" in batch:
-                meta["neg_features"] = self.key_features(batch["neg"])
-        return self.objective(q, k, meta, step=self.global_step)
+        has_neg = "neg" in batch
+        emb = {name: self._embed(view, batch) for name, view in self.objective.views.items()
+               if view.side != "neg" or has_neg}
+        meta = {"doc_id": batch["doc_id"], "group": batch["group"], **emb}
+        if has_neg:
+            meta.update(neg_id=batch["neg_id"], neg_group=batch["neg_group"])
+        return self.objective(meta.pop("q"), meta.pop("k"), meta, step=self.global_step)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss, stats = self.shared_step(batch)
         if self.key_encoder is not None:
-            stats["momentum"] = torch.tensor(self.momentum())
+            stats["momentum"] = self.momentum()
+        stats.update(self.objective.stats(self.global_step))
         bs = batch["doc_id"].shape[0]
         self.log("train/loss", stats.pop("loss"), prog_bar=True, batch_size=bs)
-        self.log_dict({f"train/{k}": v.float() for k, v in stats.items()}, batch_size=bs)
+        self.log_dict({f"train/{k}": torch.as_tensor(v).float() for k, v in stats.items()}, batch_size=bs)
         return loss
 
     def on_fit_start(self) -> None:
@@ -174,8 +150,8 @@ class RetrievalModule(L.LightningModule):
             model = getattr(self.trainer.strategy, "model", None)
             if not isinstance(model, DistributedDataParallel):
                 raise ValueError(
-                    "objective.grad_cache_chunk with several processes needs trainer.strategy=ddp "
-                    f"(got {type(model).__name__}); or unset objective.grad_cache_chunk"
+                    "model.grad_cache_chunk with several processes needs trainer.strategy=ddp "
+                    f"(got {type(model).__name__}); or unset model.grad_cache_chunk"
                 )
             if not model.static_graph:
                 model._set_static_graph()  # what DDP(static_graph=True) calls; before the first step
@@ -183,8 +159,7 @@ class RetrievalModule(L.LightningModule):
     def on_after_backward(self) -> None:
         # right after backward (the queue logits' backward needed the queue as it was), before any
         # callback's end-of-step checkpoint, so checkpoints hold this step's keys
-        if hasattr(self.objective, "commit"):
-            self.objective.commit()
+        self.objective.after_backward()
 
     def optimizer_step(self, *args, **kwargs) -> None:
         # Lightning calls this once per optimizer step (not per micro-batch under accumulation),
@@ -242,9 +217,7 @@ class RetrievalModule(L.LightningModule):
         self.last_val_result, self.last_val_step = result, self.global_step
         logged = {f"val/{k}": float(v) for k, v in result.metrics.items()}
         logged.update({f"val/{k}": float(v) for k, v in result.geometry.items() if isinstance(v, (int, float))})
-        if hasattr(self.objective, "queue"):
-            logged["val/queue_fill"] = float(self.objective.queue.fill)
-            logged["val/queue_age"] = self.objective.queue.mean_age(self.global_step)
+        logged.update({f"val/{k}": v for k, v in self.objective.stats(self.global_step).items()})
         # identical on every rank (each encodes the whole pool), so no reduction is needed
         self.log_dict(logged, sync_dist=False)
         self._val_outputs = {}

@@ -16,7 +16,7 @@ import torch
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 
-from moco_retrieval.config import ModelConfig, ObjectiveConfig, OptimConfig
+from moco_retrieval.config import MoCoConfig, ModelConfig, OptimConfig
 from moco_retrieval.data.formats import EvalSet, read_beir, write_beir
 from moco_retrieval.evaluate import run_evaluate
 from moco_retrieval.evaluation.encode import encode_texts
@@ -59,8 +59,8 @@ def beir_dir(tmp_path_factory):
 def checkpoint(tiny_dir, tmp_path_factory):
     """A real Lightning checkpoint of 2 MoCo steps (query and key encoders differ)."""
     L.seed_everything(0)
-    model = ModelConfig(backbone="tiny", path=tiny_dir, momentum=0.5)
-    m = RetrievalModule(model, ObjectiveConfig(name="moco", queue_size=16, temperature=0.1),
+    model = ModelConfig(backbone="tiny", path=tiny_dir)
+    m = RetrievalModule(model, MoCoConfig(queue_size=16, temperature=0.1, momentum=0.5),
                         OptimConfig(lr=1e-2, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
     folder = tmp_path_factory.mktemp("run")
     t = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,

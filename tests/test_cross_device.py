@@ -61,12 +61,13 @@ def rows(t, rank, per):
 def run(data, rank, symmetric, world, ddp=False):
     """Loss, gradients w.r.t. q, k, h (as leaves) and the tower's parameter gradient on this process's
     rows (all rows when world == 1)."""
+    from moco_retrieval.config import InBatchConfig
     from moco_retrieval.objectives.inbatch import InBatchObjective
 
     per = B if world > 1 else W * B
     meta = {key: rows(data[key], rank, per) for key in ("doc_id", "group")}
     meta.update(neg_id=rows(data["neg_id"], rank, per * N), neg_group=rows(data["neg_group"], rank, per * N))
-    obj = InBatchObjective(temperature=TAU, symmetric=symmetric)
+    obj = InBatchObjective(InBatchConfig(temperature=TAU, symmetric=symmetric))
     xs = [rows(data["x"][k], rank, per * (N if k == "h" else 1)) for k in ("q", "k", "h")]
     # (1) embeddings as leaves
     tower = Tower(data["weight"])
@@ -168,11 +169,11 @@ def _gc_texts():
 
 
 def _gc_module(tiny_dir, chunk):
-    from moco_retrieval.config import ModelConfig, ObjectiveConfig, OptimConfig
+    from moco_retrieval.config import InBatchConfig, ModelConfig, OptimConfig
     from moco_retrieval.lightning_module import RetrievalModule
 
     torch.manual_seed(0)
-    m = RetrievalModule(ModelConfig(backbone="tiny", path=tiny_dir), ObjectiveConfig(name="inbatch", grad_cache_chunk=chunk),
+    m = RetrievalModule(ModelConfig(backbone="tiny", path=tiny_dir, grad_cache_chunk=chunk), InBatchConfig(),
                         OptimConfig())
     for mod in m.modules():
         if isinstance(mod, torch.nn.Dropout):

@@ -93,7 +93,7 @@ def test_dockerfile_copies_exist_and_are_not_ignored():
         if src != "README.md":  # the lead's README; required by pyproject's `readme`
             assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
         assert not _ignored(src, patterns), f"COPY {src} is excluded by .dockerignore"
-    for inside in ("moco_retrieval/data/datamodule.py", "moco_retrieval/model/queue.py", "conf/train.yaml"):
+    for inside in ("moco_retrieval/data/datamodule.py", "moco_retrieval.objectives.queue.py", "conf/train.yaml"):
         assert not _ignored(inside, patterns), inside
     for outside in (".venv", ".git", "outputs", "moco_retrieval/__pycache__", "wandb"):
         assert _ignored(outside, patterns), outside

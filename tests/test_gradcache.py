@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 import torch
 
-from moco_retrieval.config import ModelConfig, ObjectiveConfig, OptimConfig
+from moco_retrieval.config import InBatchConfig, MoCoConfig, ModelConfig, OptimConfig
 from moco_retrieval.gradcache import GradCache, split_side
 from moco_retrieval.lightning_module import RetrievalModule
 from moco_retrieval.model.tiny import build_tiny_bert
@@ -29,8 +29,9 @@ def tiny_dir(tmp_path_factory):
 
 def make_module(tiny_dir, objective="inbatch", chunk=CHUNK, symmetric=False):
     torch.manual_seed(0)
-    model = ModelConfig(backbone="tiny", path=tiny_dir, momentum=0.9)
-    obj = ObjectiveConfig(name=objective, temperature=0.1, queue_size=16, grad_cache_chunk=chunk, symmetric=symmetric)
+    model = ModelConfig(backbone="tiny", path=tiny_dir, grad_cache_chunk=chunk)
+    obj = (InBatchConfig(temperature=0.1, symmetric=symmetric) if objective == "inbatch"
+           else MoCoConfig(temperature=0.1, queue_size=16, momentum=0.9))
     return RetrievalModule(model, obj, OptimConfig(lr=1e-3, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
 
 

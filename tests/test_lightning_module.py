@@ -7,7 +7,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from moco_retrieval.config import ModelConfig, ObjectiveConfig, OptimConfig
+from moco_retrieval.config import InBatchConfig, MoCoConfig, ModelConfig, OptimConfig
 from moco_retrieval.lightning_module import RetrievalModule
 from moco_retrieval.model.tiny import build_tiny_bert
 from synthetic import SyntheticData
@@ -19,8 +19,8 @@ def tiny_dir(tmp_path_factory):
 
 
 def make_module(tiny_dir, queue_size=32, objective="moco", **model_kw):
-    model = ModelConfig(backbone="tiny", path=tiny_dir, momentum=0.9, **model_kw)
-    obj = ObjectiveConfig(name=objective, queue_size=queue_size, temperature=0.1)
+    model = ModelConfig(backbone="tiny", path=tiny_dir, **model_kw)
+    obj = MoCoConfig(queue_size=queue_size, temperature=0.1, momentum=0.9) if objective == "moco" else InBatchConfig(temperature=0.1)
     return RetrievalModule(model, obj, OptimConfig(lr=1e-3, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
 
 
@@ -161,15 +161,27 @@ def test_bf16_mixed_precision_trains_with_fp32_logits(tiny_dir, tmp_path):
     assert m.objective.queue.fill == 12
 
 
-def test_key_encoder_query_uses_no_momentum_copy(tiny_dir):
-    m = make_module(tiny_dir, key_encoder="query")
-    assert m.key_encoder is None
-    m.train()
-    batch = next(iter(SyntheticData(m.encoder.tokenize, batch_size=4).train_dataloader()))
-    keys = m.encode_keys(batch["doc"])
-    assert not keys.requires_grad  # keys from the query encoder, under no_grad
-    m.eval()
-    assert torch.allclose(m.encode_keys(batch["doc"]), m.encoder(batch["doc"], "doc"))
+def test_views_decide_which_encoder_embeds_what(tiny_dir, monkeypatch):
+    """The module serves the objective's declared views: in-batch gets gradient-carrying documents
+    from the trained encoder and no EMA copy; MoCo gets constant keys from the EMA copy."""
+    inbatch, moco = make_module(tiny_dir, objective="inbatch"), make_module(tiny_dir)
+    assert inbatch.key_encoder is None and moco.key_encoder is not None
+    batch = next(iter(SyntheticData(inbatch.encoder.tokenize, batch_size=4).train_dataloader()))
+    seen = {}
+    for name, m in (("inbatch", inbatch), ("moco", moco)):
+        m.eval()
+        monkeypatch.setattr(m.objective, "forward", lambda q, k, meta, step=0, name=name: (seen.__setitem__(name, (q, k)), (q.sum(), {}))[1])
+        m.shared_step(batch)
+    q, k = seen["inbatch"]
+    assert q.requires_grad and k.requires_grad
+    assert torch.allclose(k, inbatch.encoder(batch["doc"], "doc"))
+    q, k = seen["moco"]
+    assert q.requires_grad and not k.requires_grad
+    with torch.no_grad():  # move the trained encoder: the keys still come from the EMA copy
+        for p in moco.encoder.parameters():
+            p.add_(0.1)
+    assert torch.allclose(k, moco.key_encoder(batch["doc"], "doc"))
+    assert not torch.allclose(k, moco.encoder(batch["doc"], "doc"))
 
 
 def test_query_encoder_trains_with_dropout_key_encoder_without(tiny_dir, tmp_path):

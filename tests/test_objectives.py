@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moco_retrieval.config import InBatchConfig, MoCoConfig
 from moco_retrieval.objectives.inbatch import InBatchObjective
 from moco_retrieval.objectives.moco import MoCoObjective
 
@@ -46,7 +47,7 @@ def batch():
 @pytest.mark.parametrize("mask", [True, False])
 def test_inbatch_matches_loops(batch, mask):
     q, k, ids, groups = batch
-    obj = InBatchObjective(temperature=TAU, mask_false_negatives=mask)
+    obj = InBatchObjective(InBatchConfig(temperature=TAU, mask_false_negatives=mask))
     loss, stats = obj(q, k, {"doc_id": ids, "group": groups})
     cands = []
     for i in range(len(q)):
@@ -57,7 +58,7 @@ def test_inbatch_matches_loops(batch, mask):
 
 def test_inbatch_symmetric_matches_loops(batch):
     q, k, ids, groups = batch
-    obj = InBatchObjective(temperature=TAU, symmetric=True)
+    obj = InBatchObjective(InBatchConfig(temperature=TAU, symmetric=True))
     loss, _ = obj(q, k, {"doc_id": ids, "group": groups})
     n = len(q)
     fwd = ref_loss(q, k, [[k[j] for j in range(n) if j != i and not excluded(i, ids, groups, ids[j], groups[j])] for i in range(n)])
@@ -67,7 +68,7 @@ def test_inbatch_symmetric_matches_loops(batch):
 
 def test_label_smoothing_matches_loops(batch):
     q, k, ids, groups = batch
-    obj = InBatchObjective(temperature=TAU, label_smoothing=0.1, mask_false_negatives=False)
+    obj = InBatchObjective(InBatchConfig(temperature=TAU, label_smoothing=0.1, mask_false_negatives=False))
     loss, _ = obj(q, k, {"doc_id": ids, "group": groups})
     cands = [[k[j] for j in range(len(q)) if j != i] for i in range(len(q))]
     assert loss.item() == pytest.approx(ref_loss(q, k, cands, smoothing=0.1), abs=1e-5)
@@ -77,7 +78,7 @@ def test_label_smoothing_matches_loops(batch):
 
 
 def _moco(batch_negatives, mask, K=20, d=8):
-    obj = MoCoObjective(d, queue_size=K, temperature=TAU, batch_negatives=batch_negatives, mask_false_negatives=mask)
+    obj = MoCoObjective(MoCoConfig(queue_size=K, temperature=TAU, batch_negatives=batch_negatives, mask_false_negatives=mask), d)
     obj.train()
     return obj
 
@@ -119,7 +120,7 @@ def test_moco_matches_loops(batch, batch_negatives, mask, with_hard):
     assert stats["negatives_per_query"].item() == pytest.approx(sum(map(len, cands)) / len(q))
     # the loss is computed before the batch's keys are enqueued; they are there afterwards
     assert obj.queue.fill == 12
-    obj.commit()
+    obj.after_backward()
     assert obj.queue.fill == 18
     assert torch.equal(obj.queue.ids()[12:], ids)
 
@@ -152,7 +153,7 @@ def test_gradients_reach_query_only(batch):
     _fill_queue(obj, 10, 5, torch.arange(100, 110), torch.full((10,), -1))
     loss, _ = obj(q, k, {"doc_id": ids, "group": groups})
     loss.backward()
-    obj.commit()  # after backward, as the Lightning module does
+    obj.after_backward()  # after backward, as the Lightning module does
     assert q.grad is not None and q.grad.abs().sum() > 0
     assert k.grad is None
     assert obj.queue.fill == 16
@@ -160,7 +161,7 @@ def test_gradients_reach_query_only(batch):
 
 def test_learnable_temperature_is_clamped_and_trained(batch):
     q, k, ids, groups = batch
-    obj = InBatchObjective(temperature=0.5, learn_temperature=True, temperature_min=0.1, temperature_max=1.0)
+    obj = InBatchObjective(InBatchConfig(temperature=0.5, learn_temperature=True, temperature_min=0.1, temperature_max=1.0))
     loss, stats = obj(q, k, {"doc_id": ids, "group": groups})
     loss.backward()
     assert obj.temperature.log_tau.grad is not None and obj.temperature.log_tau.grad.abs() > 0
@@ -171,12 +172,12 @@ def test_learnable_temperature_is_clamped_and_trained(batch):
 
 def test_moco_rejects_empty_queue():
     with pytest.raises(ValueError, match="queue_size must be > 0"):
-        MoCoObjective(8, queue_size=0)
+        MoCoObjective(MoCoConfig(queue_size=0), 8)
 
 
 def test_logits_fp32_under_bf16_autocast(batch):
     q, k, ids, groups = batch
-    obj = InBatchObjective(temperature=TAU)
+    obj = InBatchObjective(InBatchConfig(temperature=TAU))
     ref, _ = obj(q, k, {"doc_id": ids, "group": groups})
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss, _ = obj(q, k, {"doc_id": ids, "group": groups})

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from moco_retrieval.model.queue import NegativeQueue
+from moco_retrieval.objectives.queue import NegativeQueue
 
 
 def test_fifo_order_with_wrap():

@@ -161,11 +161,11 @@ def tiny_dir(tmp_path_factory):
 
 
 def make_module(tiny_dir):
-    from moco_retrieval.config import ModelConfig, ObjectiveConfig, OptimConfig
+    from moco_retrieval.config import MoCoConfig, ModelConfig, OptimConfig
     from moco_retrieval.lightning_module import RetrievalModule
 
-    return RetrievalModule(ModelConfig(backbone="tiny", path=tiny_dir, momentum=0.9),
-                           ObjectiveConfig(name="moco", queue_size=32, temperature=0.1),
+    return RetrievalModule(ModelConfig(backbone="tiny", path=tiny_dir),
+                           MoCoConfig(queue_size=32, temperature=0.1, momentum=0.9),
                            OptimConfig(lr=1e-3, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
 
 

@@ -17,7 +17,7 @@ def momentum_at(step: int, total_steps: int, m0: float, schedule: str = "constan
     if schedule == "constant" or total_steps <= 0:
         return m0
     if schedule != "cosine":
-        raise ValueError(f"model.momentum_schedule must be 'constant' or 'cosine', got {schedule!r}")
+        raise ValueError(f"objective.momentum_schedule must be 'constant' or 'cosine', got {schedule!r}")
     t = min(max(step, 0), total_steps) / total_steps
     return 1.0 - (1.0 - m0) * (math.cos(math.pi * t) + 1.0) / 2.0
 
@@ -65,3 +65,12 @@ class MomentumEncoder(nn.Module):
     def forward(self, *args, **kwargs):
         with torch.no_grad():
             return self.key_encoder(*args, **kwargs)
+
+
+def state_dict_prefix(encoder: str) -> str:
+    """Where an encoder's weights sit in a RetrievalModule's state dict: "query" is the trained
+    encoder (attribute ``encoder``), "key" the EMA copy (``key_encoder``, a MomentumEncoder)."""
+    prefixes = {"query": "encoder.", "key": "key_encoder.key_encoder."}
+    if encoder not in prefixes:
+        raise ValueError(f"encoder={encoder!r}: expected 'query' or 'key'")
+    return prefixes[encoder]

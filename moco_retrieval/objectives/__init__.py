@@ -1,32 +1,40 @@
-"""Swappable contrastive objectives: same call ``objective(q, k, meta, step=...) -> (loss, stats)``."""
+"""Swappable contrastive objectives, one per file, one protocol (objectives/base.py):
+``objective(q, k, meta, step=...) -> (loss, stats)``, with the embeddings it needs declared in
+``views`` and its queues written in ``after_backward()``."""
 from __future__ import annotations
 
-from moco_retrieval.config import ObjectiveConfig
+from moco_retrieval.config import (
+    FeatureMemoryConfig, InBatchConfig, MoCoConfig, ObjectiveConfig, TwoQueueConfig, objective_config,
+)
+from moco_retrieval.objectives.base import MOMENTUM, TRAINED, Objective, View
+from moco_retrieval.objectives.feature_memory import FeatureMemoryObjective
 from moco_retrieval.objectives.inbatch import InBatchObjective
 from moco_retrieval.objectives.moco import MoCoObjective
+from moco_retrieval.objectives.two_queue import TwoQueueObjective
 
 
-def build_objective(cfg: ObjectiveConfig, dim: int):
-    temp = dict(
-        temperature=cfg.temperature,
-        learn_temperature=cfg.learn_temperature,
-        temperature_min=cfg.temperature_min,
-        temperature_max=cfg.temperature_max,
-        label_smoothing=cfg.label_smoothing,
-        mask_false_negatives=cfg.mask_false_negatives,
-    )
-    if cfg.name == "moco":
-        return MoCoObjective(
-            dim,
-            queue_size=cfg.queue_size,
-            queue_dtype=cfg.queue_dtype,
-            batch_negatives=cfg.batch_negatives,
-            enqueue_hard_negatives=cfg.enqueue_hard_negatives,
-            **temp,
-        )
-    if cfg.name == "inbatch":
-        return InBatchObjective(symmetric=cfg.symmetric, cross_device=cfg.cross_device, **temp)
-    raise ValueError(f"objective.name must be 'moco' or 'inbatch', got {cfg.name!r}")
+def build_objective(cfg: ObjectiveConfig, encoder) -> Objective:
+    """The objective ``cfg`` describes, sized for ``encoder`` (its ``dim``; its ``hidden_size`` and
+    ``frozen`` for the feature memory)."""
+    cfg = objective_config(cfg)
+    if isinstance(cfg, InBatchConfig):
+        return InBatchObjective(cfg)
+    if isinstance(cfg, TwoQueueConfig):  # before MoCoConfig, its base
+        return TwoQueueObjective(cfg, encoder.dim)
+    if isinstance(cfg, MoCoConfig):
+        return MoCoObjective(cfg, encoder.dim)
+    if isinstance(cfg, FeatureMemoryConfig):
+        if not encoder.frozen:
+            raise ValueError(
+                "objective=feature_memory needs model.frozen_backbone=true: only a frozen backbone's features stay "
+                "valid, so the queue can hold features and re-project them every step; use objective=moco or "
+                "objective=two_queue to fine-tune the backbone"
+            )
+        return FeatureMemoryObjective(cfg, encoder.hidden_size)
+    raise ValueError(f"no objective for {type(cfg).__name__}")
 
 
-__all__ = ["build_objective", "InBatchObjective", "MoCoObjective"]
+__all__ = [
+    "build_objective", "Objective", "View", "TRAINED", "MOMENTUM",
+    "InBatchObjective", "MoCoObjective", "TwoQueueObjective", "FeatureMemoryObjective",
+]

@@ -38,9 +38,3 @@ def merge_pairs(a: Pairs, b: Pairs, ncols: int) -> Pairs:
     key = torch.unique(torch.cat([a[0] * ncols + a[1], b[0] * ncols + b[1]]))
     return key // ncols, key % ncols
 
-
-def dense(pairs: Pairs, rows: int, cols: int) -> Tensor:
-    """Bool [rows, cols] of a sparse mask (for tests and inspection)."""
-    m = torch.zeros(rows, cols, dtype=torch.bool, device=pairs[0].device)
-    m[pairs] = True
-    return m

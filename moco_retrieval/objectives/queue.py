@@ -11,8 +11,10 @@ After lightly's ``MemoryBankModule`` (a small module of its own) and MoCo's queu
   is full (no random initial vectors), and any batch size works (writes wrap around).
 
 Everything lives in persistent buffers whose names contain ``queue``, so checkpoints carry and
-restore it. Under DDP keys are all-gathered from every rank in rank order before they are
-written, so every rank holds the identical queue.
+restore it. The fill and write pointer are mirrored in Python ints, so reading them (every step,
+for the filled prefix and the logged stats) never waits for the device. Under DDP keys are
+all-gathered from every rank in rank order before they are written, so every rank holds the
+identical queue.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from torch import Tensor, nn
 
 from moco_retrieval.distributed import all_gather_no_grad
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class NegativeQueue(nn.Module):
@@ -40,21 +42,23 @@ class NegativeQueue(nn.Module):
         super().__init__()
         if size <= 0:
             raise ValueError(f"objective.queue_size must be > 0 for the queue, got {size}")
-        if dtype not in _DTYPES:
-            raise ValueError(f"objective.queue_dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"objective.queue_dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.size, self.dim, self.logits_chunk = size, dim, logits_chunk
-        self.register_buffer("queue_keys", torch.zeros(size, dim, dtype=_DTYPES[dtype]))
+        self.register_buffer("queue_keys", torch.zeros(size, dim, dtype=DTYPES[dtype]))
         self.register_buffer("queue_ids", torch.full((size,), -1, dtype=torch.long))
         self.register_buffer("queue_groups", torch.full((size,), -1, dtype=torch.long))
         self.register_buffer("queue_steps", torch.full((size,), -1, dtype=torch.long))
         self.register_buffer("queue_ptr", torch.zeros((), dtype=torch.long))
         self.register_buffer("queue_fill", torch.zeros((), dtype=torch.long))
+        self._fill = self._ptr = 0  # host mirrors of queue_fill / queue_ptr
+        self.register_load_state_dict_post_hook(_sync_counters)
 
     # The filled slots are always the prefix [0, fill): the ring is written from slot 0 and only
     # wraps once full. So these are views, never copies.
     @property
     def fill(self) -> int:
-        return int(self.queue_fill)
+        return self._fill
 
     def keys(self) -> Tensor:
         return self.queue_keys[: self.fill]
@@ -94,14 +98,34 @@ class NegativeQueue(nn.Module):
         n = keys.shape[0]
         if n > self.size:  # only the newest `size` keys can survive anyway
             keys, ids, groups, n = keys[-self.size :], ids[-self.size :], groups[-self.size :], self.size
-        ptr = int(self.queue_ptr)
+        ptr = self._ptr
         slots = (torch.arange(n, device=keys.device) + ptr) % self.size
         self.queue_keys[slots] = keys.to(self.queue_keys.dtype)
         self.queue_ids[slots] = ids.to(torch.long)
         self.queue_groups[slots] = groups.to(torch.long)
         self.queue_steps[slots] = step
-        self.queue_ptr.fill_((ptr + n) % self.size)
-        self.queue_fill.fill_(min(self.size, self.fill + n))
+        self._ptr, self._fill = (ptr + n) % self.size, min(self.size, self._fill + n)
+        self.queue_ptr.fill_(self._ptr)
+        self.queue_fill.fill_(self._fill)
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Empty the queue: no slot is a negative until written again."""
+        self._fill = self._ptr = 0
+        self.queue_fill.zero_()
+        self.queue_ptr.zero_()
+        self.queue_ids.fill_(-1)
+        self.queue_groups.fill_(-1)
+        self.queue_steps.fill_(-1)
+
+    def stats(self, step: int, prefix: str = "queue") -> dict[str, float]:
+        """``{prefix}_fill`` (filled slots) and ``{prefix}_age`` (mean age in steps), for logging."""
+        return {f"{prefix}_fill": float(self.fill), f"{prefix}_age": self.mean_age(step)}
 
     def extra_repr(self) -> str:
         return f"size={self.size}, dim={self.dim}, dtype={self.queue_keys.dtype}"
+
+
+def _sync_counters(module: NegativeQueue, incompatible_keys) -> None:
+    """After load_state_dict: the host mirrors follow the loaded buffers (one read, at load time)."""
+    module._fill, module._ptr = int(module.queue_fill), int(module.queue_ptr)

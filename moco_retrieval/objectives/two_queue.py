@@ -1,0 +1,89 @@
+"""Two-queue momentum contrast: both inputs trained, each against a momentum queue of the other side.
+
+MoCo (moco.py) trains only the query side: its keys are constants. Here the trained encoder embeds
+queries *and* documents, the EMA key encoder embeds both sides too, and two losses are averaged:
+
+* query -> document: query q_i against the EMA key of its document, the batch's other document
+  keys, the hard negatives and a queue of past EMA document keys (MoCo's loss);
+* document -> query: document d_i against the EMA key of its query, the batch's other query keys
+  and a queue of past EMA query keys.
+
+Each softmax stays inside one consistent key space (EMA keys of one side), while both encoders'
+inputs get gradient, which is what in-batch negatives have and MoCo lacks. False negatives (same
+document id or group as the pair's positive) are masked in both queues and in the batch; the query
+queue stores each query key with its pair's document id and group. Under DDP both queues are
+all-gathered in rank order before enqueue, so every rank holds identical queues.
+
+Sources: xMoCo (Yang et al., "xMoCo: Cross Momentum Contrastive Learning for Open-Domain Question
+Answering", ACL 2021: two fast/slow encoder pairs and two queues, one per direction); MoCo v3's
+symmetrized loss (Chen et al., ICCV 2021); ALBEF's retrieval fine-tune (Li et al., NeurIPS 2021:
+momentum distillation with both directions, m 0.995, queue 65,536); ContAccum (Kim et al., NeurIPS
+2024: a dual memory bank of queries and documents).
+
+Defaults: as MoCo (K 65,536 per queue, m 0.999, temperature 0.05), both directions weighted
+equally (``doc_to_query_weight`` 1), queues count from the first step (``queue_warmup_steps`` 0).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from moco_retrieval.config import TwoQueueConfig
+from moco_retrieval.objectives.base import MOMENTUM, View
+from moco_retrieval.objectives.moco import MoCoObjective
+from moco_retrieval.objectives.queue import NegativeQueue
+
+
+class TwoQueueObjective(MoCoObjective):
+    views = {
+        "q": View("query"),
+        "k": View("doc", MOMENTUM, grad=False),
+        "neg": View("neg", MOMENTUM, grad=False),
+        "d": View("doc"),  # documents by the trained encoder: the document -> query side
+        "q_key": View("query", MOMENTUM, grad=False),
+    }
+
+    def __init__(self, cfg: TwoQueueConfig, dim: int):
+        super().__init__(cfg, dim)
+        if cfg.doc_to_query_weight < 0 or cfg.queue_warmup_steps < 0:
+            raise ValueError("objective.doc_to_query_weight and objective.queue_warmup_steps must be >= 0")
+        self.query_queue = NegativeQueue(cfg.queue_size, dim, cfg.queue_dtype)
+        self.doc_to_query_weight = float(cfg.doc_to_query_weight)
+        self.queue_warmup_steps = int(cfg.queue_warmup_steps)
+        self._pending_queries: tuple | None = None
+
+    def forward(self, q: Tensor, k: Tensor, meta: dict, *, step: int = 0) -> tuple[Tensor, dict]:
+        with torch.autocast(device_type=q.device.type, enabled=False):  # logits in fp32
+            tau = self.temperature()
+            q, k = q.float() / tau, k.detach().float()
+            d, q_key = meta["d"].float() / tau, meta["q_key"].detach().float()
+            counts = step >= self.queue_warmup_steps
+            batch_k = self.gathered(k, meta) if self.batch_negatives else None
+            batch_q = self.gathered(q_key, meta) if self.batch_negatives else None
+            hard = meta["neg"].detach().float() if meta.get("neg") is not None else None
+            loss_qd, stats = self.info_nce(
+                (q * k).sum(dim=1), self.queue_blocks(q, meta, self.queue if counts else None, batch_k, hard), tau)
+            loss_dq, stats_dq = self.info_nce(
+                (d * q_key).sum(dim=1), self.queue_blocks(d, meta, self.query_queue if counts else None, batch_q), tau)
+            w = self.doc_to_query_weight
+            loss = (loss_qd + w * loss_dq) / (1.0 + w)
+        stats.update(loss=loss.detach(), loss_query_to_doc=loss_qd.detach(), loss_doc_to_query=loss_dq.detach(),
+                     accuracy_doc_to_query=stats_dq["accuracy"])
+        self._pending = (k, meta, step, batch_k) if self.training else None
+        self._pending_queries = (q_key, meta, step, batch_q) if self.training else None
+        return loss, stats
+
+    @torch.no_grad()
+    def after_backward(self) -> None:
+        """Enqueue the last training batch's document keys and query keys."""
+        if self._pending_queries is not None:
+            q_key, meta, step, batch = self._pending_queries
+            self._pending_queries = None
+            if batch is not None:
+                self.query_queue.enqueue(*batch, step, gather=False)
+            else:
+                self.query_queue.enqueue(q_key, meta["doc_id"], meta["group"], step)
+        super().after_backward()
+
+    def stats(self, step: int) -> dict[str, float]:
+        return {**self.queue.stats(step), **self.query_queue.stats(step, "query_queue")}
