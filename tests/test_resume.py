@@ -60,7 +60,7 @@ def losses(metrics_csv: Path) -> dict[int, float]:
         return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
 
 
-def reference_run(run_dir: Path, env: dict) -> None:
+def reference_run(run_dir: Path, env: dict, extra: tuple = ()) -> None:
     """The uninterrupted run, in this process (no second interpreter start-up on a busy machine)."""
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
@@ -75,7 +75,7 @@ def reference_run(run_dir: Path, env: dict) -> None:
         os.environ.update({k: env[k] for k in saved})
         torch.set_num_threads(1)  # as in the subprocesses (OMP_NUM_THREADS=1): the same float sums
         with initialize_config_module("moco_retrieval.conf", version_base="1.3"):
-            cfg = OmegaConf.to_object(compose("train", overrides=SMALL + [f"run_dir={run_dir}"]))
+            cfg = OmegaConf.to_object(compose("train", overrides=SMALL + [*extra, f"run_dir={run_dir}"]))
         train(cfg, run_dir)
     finally:
         torch.set_num_threads(threads)
@@ -86,9 +86,11 @@ def reference_run(run_dir: Path, env: dict) -> None:
                 os.environ[k] = v
 
 
-def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_env):
+@pytest.mark.parametrize("objective", ["moco", "two_queue"])
+def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_env, objective):
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "run"
-    run = subprocess.Popen(cli(run_dir), cwd=tmp_path, env=cli_env, stdout=subprocess.PIPE,
+    extra = (f"objective={objective}",)
+    run = subprocess.Popen(cli(run_dir, *extra), cwd=tmp_path, env=cli_env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     seen: list[str] = []
 
@@ -102,7 +104,7 @@ def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_e
 
     watcher = threading.Thread(target=sigterm_after_step_2, daemon=True)
     watcher.start()
-    reference_run(ref_dir, cli_env)  # meanwhile
+    reference_run(ref_dir, cli_env, extra)  # meanwhile
     watcher.join(timeout=300)
     out = "".join(seen) + run.communicate(timeout=300)[0]
     assert run.returncode == 143, out[-3000:]
@@ -120,7 +122,7 @@ def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_e
     part1 = losses(run_dir / "csv" / "metrics.csv")
     assert sorted(part1) == list(range(stop)), part1
 
-    resumed = subprocess.run(cli(run_dir, "ckpt_path=last"), cwd=tmp_path, env=cli_env,
+    resumed = subprocess.run(cli(run_dir, *extra, "ckpt_path=last"), cwd=tmp_path, env=cli_env,
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "Restoring states from the checkpoint path at" in resumed.stdout + resumed.stderr
@@ -142,6 +144,8 @@ def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_e
     assert a["global_step"] == b["global_step"] == STEPS
     assert a["state_dict"].keys() == b["state_dict"].keys()
     assert any("queue_keys" in k for k in a["state_dict"]) and any(k.startswith("key_encoder.") for k in a["state_dict"])
+    if objective == "two_queue":  # both queues are carried
+        assert "objective.query_queue.queue_keys" in a["state_dict"]
     for k, v in b["state_dict"].items():  # encoder, key encoder, queue (keys, ids, groups, steps, pointer)
         assert torch.allclose(a["state_dict"][k].double(), v.double(), rtol=1e-5, atol=1e-6), k
     for sa, sb in zip(a["optimizer_states"][0]["state"].values(), b["optimizer_states"][0]["state"].values()):

@@ -1,0 +1,216 @@
+"""objective=two_queue: loss and gradient against a loop reference, masking in both queues and the
+batch, the module's wiring, and two gloo ranks against one process on the global batch."""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moco_retrieval.config import TwoQueueConfig
+from moco_retrieval.objectives.two_queue import TwoQueueObjective
+
+TAU, D = 0.07, 8
+
+
+def unit(*shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return F.normalize(torch.randn(*shape, generator=g), dim=-1)
+
+
+def excluded(i, ids, groups, j_id, j_group):
+    return bool(j_id == ids[i] or (groups[i] >= 0 and j_group == groups[i]))
+
+
+def ref_direction(a, pos, batch_keys, ids, groups, extra, mask=True):
+    """Mean over rows i of -log softmax of a_i . pos_i among the positive, the other batch keys and
+    ``extra`` blocks [(vectors, ids, groups)], loops over candidates, masked by id and group."""
+    out = []
+    for i in range(a.shape[0]):
+        logits = [a[i] @ pos[i] / TAU]
+        logits += [a[i] @ batch_keys[j] / TAU for j in range(len(batch_keys))
+                   if j != i and not (mask and excluded(i, ids, groups, ids[j], groups[j]))]
+        for vecs, v_ids, v_groups in extra:
+            logits += [a[i] @ vecs[j] / TAU for j in range(len(vecs))
+                       if not (mask and excluded(i, ids, groups, v_ids[j], v_groups[j]))]
+        out.append(torch.logsumexp(torch.stack(logits), 0) - logits[0])
+    return torch.stack(out).mean()
+
+
+@pytest.fixture
+def data():
+    B = 6
+    ids = torch.tensor([10, 11, 12, 13, 10, 15])  # rows 0 and 4 share a positive document
+    groups = torch.tensor([1, 2, 2, -1, 1, -1])  # rows 1 and 2 are duplicates of each other
+    return dict(q=unit(B, D, seed=1), k=unit(B, D, seed=2), d=unit(B, D, seed=3), q_key=unit(B, D, seed=4),
+                ids=ids, groups=groups)
+
+
+def filled(weight=1.0, warmup=0, mask=True):
+    obj = TwoQueueObjective(TwoQueueConfig(queue_size=20, temperature=TAU, doc_to_query_weight=weight,
+                                           queue_warmup_steps=warmup, mask_false_negatives=mask), D)
+    obj.train()
+    # queued keys carry the positives' ids (10, 12, 13) and groups (1, 2): they must be masked
+    qd_ids = torch.tensor([10, 99, 12, 98, 97, 96, 13, 95, 94, 93])
+    qd_groups = torch.tensor([-1, 2, -1, -1, 1, -1, -1, 5, -1, -1])
+    obj.queue.enqueue(unit(10, D, seed=5), qd_ids, qd_groups, step=0)
+    obj.query_queue.enqueue(unit(10, D, seed=6), qd_ids.flip(0), qd_groups.flip(0), step=0)
+    return obj
+
+
+@pytest.mark.parametrize("weight", [1.0, 0.5])
+@pytest.mark.parametrize("mask", [True, False])
+def test_loss_and_gradient_equal_loop_reference(data, weight, mask):
+    obj = filled(weight, mask=mask)
+    q, d = data["q"].clone().requires_grad_(), data["d"].clone().requires_grad_()
+    hard, hard_ids, hard_groups = unit(4, D, seed=9), torch.tensor([200, 11, 202, 203]), torch.tensor([-1, -1, 1, -1])
+    meta = {"doc_id": data["ids"], "group": data["groups"], "d": d, "q_key": data["q_key"],
+            "neg": hard, "neg_id": hard_ids, "neg_group": hard_groups}
+    dq, qq = obj.queue, obj.query_queue
+    doc_queue = (dq.keys().clone(), dq.ids().clone(), dq.groups().clone())
+    query_queue = (qq.keys().clone(), qq.ids().clone(), qq.groups().clone())
+    loss, stats = obj(q, data["k"], meta, step=3)
+    got = torch.autograd.grad(loss, [q, d])
+
+    q2, d2 = data["q"].clone().requires_grad_(), data["d"].clone().requires_grad_()
+    ids, groups = data["ids"], data["groups"]
+    l_qd = ref_direction(q2, data["k"], data["k"], ids, groups, [(hard, hard_ids, hard_groups), doc_queue], mask)
+    l_dq = ref_direction(d2, data["q_key"], data["q_key"], ids, groups, [query_queue], mask)
+    ref = (l_qd + weight * l_dq) / (1 + weight)
+    want = torch.autograd.grad(ref, [q2, d2])
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-5)
+    assert stats["loss_query_to_doc"].item() == pytest.approx(l_qd.item(), abs=1e-5)
+    assert stats["loss_doc_to_query"].item() == pytest.approx(l_dq.item(), abs=1e-5)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+    assert got[1].abs().sum() > 0  # the document side is trained (MoCo's is not)
+
+
+def test_own_id_and_group_masked_in_both_queues_and_the_batch(data):
+    """For each pair alone: copies of its own keys, and of a duplicate's (another id, the same
+    group), in both queues change nothing when masked, and raise the loss when not."""
+    for i in range(len(data["ids"])):
+        one = {k: v[i : i + 1] for k, v in data.items()}
+        one["k"], one["q_key"] = one["q"], one["d"]  # confident positives: a copy's share of the softmax shows
+        meta = {"doc_id": one["ids"], "group": one["groups"], "d": one["d"], "q_key": one["q_key"]}
+        results = {}
+        for mask in (True, False):
+            for copies in (False, True):
+                obj = filled(mask=mask)
+                if copies:
+                    dup_group = one["groups"] if one["groups"][0] >= 0 else torch.tensor([-1])
+                    dup_id = torch.tensor([77]) if one["groups"][0] >= 0 else one["ids"]
+                    for queue, key in ((obj.queue, one["k"]), (obj.query_queue, one["q_key"])):
+                        queue.enqueue(key, one["ids"], one["groups"], step=0)
+                        queue.enqueue(key, dup_id, dup_group, step=0)
+                results[mask, copies] = obj(one["q"], one["k"], meta, step=1)[0].item()
+        assert results[True, True] == pytest.approx(results[True, False], abs=1e-6)
+        assert results[False, True] > results[False, False] + 0.05
+
+
+def test_keys_enqueued_after_backward_with_ids_and_warmup(data):
+    obj = filled(warmup=5)
+    meta = {"doc_id": data["ids"], "group": data["groups"], "d": data["d"], "q_key": data["q_key"]}
+    _, early = obj(data["q"], data["k"], meta, step=4)
+    obj.after_backward()
+    _, late = obj(data["q"], data["k"], meta, step=5)
+    # before warm-up ends only the batch counts (6 rows, own + false negatives masked); after, 16 queued more
+    assert early["negatives_per_query"].item() < 6 < late["negatives_per_query"].item()
+    assert obj.queue.fill == obj.query_queue.fill == 16
+    assert torch.equal(obj.queue.ids()[10:], data["ids"]) and torch.equal(obj.query_queue.ids()[10:], data["ids"])
+    torch.testing.assert_close(obj.queue.keys()[10:], data["k"])
+    torch.testing.assert_close(obj.query_queue.keys()[10:], data["q_key"])
+    assert set(obj.stats(5)) == {"queue_fill", "queue_age", "query_queue_fill", "query_queue_age"}
+
+
+def test_module_serves_both_sides_from_both_encoders(tmp_path_factory):
+    from moco_retrieval.config import ModelConfig, OptimConfig
+    from moco_retrieval.lightning_module import RetrievalModule
+    from moco_retrieval.model.tiny import build_tiny_bert
+    from synthetic import SyntheticData
+
+    tiny = str(build_tiny_bert(tmp_path_factory.mktemp("tiny") / "bert"))
+    m = RetrievalModule(ModelConfig(backbone="tiny", path=tiny), TwoQueueConfig(queue_size=16, temperature=0.1, momentum=0.9),
+                        OptimConfig(lr=1e-3, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
+    m.train()
+    batch = next(iter(SyntheticData(m.encoder.tokenize, batch_size=4).train_dataloader()))
+    loss, stats = m.shared_step(batch)
+    loss.backward()
+    m.on_after_backward()
+    assert m.key_encoder is not None and all(p.grad is None for p in m.key_encoder.parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.encoder.parameters())
+    assert m.objective.queue.fill == m.objective.query_queue.fill == 4
+    with torch.no_grad():  # the query queue holds the EMA encoder's query keys
+        torch.testing.assert_close(m.objective.query_queue.keys(), m.key_encoder(batch["query"], "query"))
+        torch.testing.assert_close(m.objective.queue.keys(), m.key_encoder(batch["doc"], "doc"))
+    assert any(k.startswith("objective.query_queue.") for k in m.state_dict())
+
+
+# ------------------------------------------------------------------ two gloo ranks
+
+W, B, STEPS = 2, 3, 3
+
+
+def make_steps():
+    out = []
+    for s in range(STEPS):
+        out.append(dict(q=unit(W * B, D, seed=10 + s), k=unit(W * B, D, seed=20 + s), d=unit(W * B, D, seed=30 + s),
+                        q_key=unit(W * B, D, seed=40 + s), ids=torch.arange(W * B) + 100 * s,
+                        groups=torch.tensor([7, -1, 7, -1, -1, 8]) + 0 * s))
+    return out
+
+
+def run(steps, rank, world):
+    per = B if world > 1 else W * B
+    sl = slice(rank * per, (rank + 1) * per)
+    obj = TwoQueueObjective(TwoQueueConfig(queue_size=16, temperature=TAU), D)
+    obj.train()
+    out = {"loss": [], "gq": [], "gd": []}
+    for s, st in enumerate(steps):
+        q, d = st["q"][sl].clone().requires_grad_(), st["d"][sl].clone().requires_grad_()
+        meta = {"doc_id": st["ids"][sl], "group": st["groups"][sl], "d": d, "q_key": st["q_key"][sl]}
+        loss, _ = obj(q, st["k"][sl], meta, step=s)
+        loss.backward()
+        obj.after_backward()
+        out["loss"].append(loss.item())
+        out["gq"].append(q.grad)
+        out["gd"].append(d.grad)
+    out["state"] = {k: v.clone() for k, v in obj.state_dict().items()}
+    return out
+
+
+def _worker(rank, port, steps, folder):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=W)
+    try:
+        torch.save(run(steps, rank, W), os.path.join(folder, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_gloo_ranks_hold_identical_queues_equal_to_one_process(tmp_path):
+    import torch.multiprocessing as mp
+
+    steps = make_steps()
+    mp.spawn(_worker, args=(free_port(), steps, str(tmp_path)), nprocs=W, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(W)]
+    single = run(steps, 0, 1)
+    for key, v in single["state"].items():  # both queues: keys, ids, groups, steps, pointer, fill
+        for r in ranks:
+            assert torch.equal(r["state"][key], v), key
+    assert int(single["state"]["query_queue.queue_fill"]) == 16 and int(single["state"]["query_queue.queue_ptr"]) == STEPS * W * B % 16  # wrapped
+    for s in range(STEPS):
+        assert sum(r["loss"][s] for r in ranks) / W == pytest.approx(single["loss"][s], abs=1e-5)
+        for r, res in enumerate(ranks):  # local gradients = W x the global loss's, on this rank's rows
+            for g in ("gq", "gd"):
+                torch.testing.assert_close(res[g][s], W * single[g][s][r * B:(r + 1) * B], atol=1e-5, rtol=1e-4)
