@@ -1,0 +1,419 @@
+"""B6: do negatives matter in a full fine-tune? Batch sizes, peers and queues at equal data.
+
+all-MiniLM-L6-v2 fine-tuned end to end on the Debian set. Every run sees **the same pairs in the
+same order**: the batch sampler's order at batch 32 (seed s), cut to ``--pairs`` pairs (default
+18,240 = 570 steps at 32, half an epoch); a run at batch 32 m takes m consecutive batches of 32 as
+one. Same optimizer as the main job (AdamW lr 2e-5, 10% warmup then linear decay, weight decay
+0.01, clipping 1.0), tau 0.05 (MNRL's scale 20), max lengths 32 / 128 tokens. Runs:
+
+* ours, in-batch negatives at batch 32, 64, 128, 256;
+* sentence-transformers (the ``bench`` extra): MNRL at 32, ``CachedMultipleNegativesRankingLoss``
+  at 256 (mini-batches of 32), MNRL with GTE-style ``directions`` (q->d, q->q, d->q, d->d) at 32;
+* batch 32 + a queue: MoCo (``+experiment=queue65k``) and the two-queue objective
+  (``objective=two_queue``), K = 65,536 (18,240 keys queued by the end), and variants of it.
+
+Each run is scored on the held-out pool (1,000 queries / 2,400 documents by default, B4's) every
+``--eval-every`` pairs and at the end: recall@1, MRR@10, nDCG@10, mean unrelated cosine, against
+the training seconds so far (evaluation time not counted), so the curves compare equal compute.
+
+Finished runs are appended to ``benchmarks/results/finetune_runs.jsonl`` (committed): a restarted
+or later invocation skips them, and independent runs can go in parallel processes, one thread
+each (``--only NAME --seeds 0``). ``--report`` writes finetune.md / finetune.json / finetune_*.png
+from the cache alone. ``--quick``: 40 pairs x few steps on a 200 / 400 pool (results to --out).
+
+    python benchmarks/finetune.py --only two_queue-32,inbatch-32 --seeds 0 --threads 1
+    python benchmarks/finetune.py --report
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    TRAINER, Bench, append_jsonl, compose_cfg, environment, f3, figure, log, md_table, quiet_trainer, read_jsonl,
+    write_results,
+)
+
+import torch  # noqa: E402
+
+NAME = "finetune"
+BASE = [f"trainer={TRAINER}", "logger=none", "data=debian", "trainer.val_check_interval=null"]
+INBATCH = ["+experiment=inbatch256"]
+MOCO = ["+experiment=queue65k"]
+TWO_QUEUE = ["+experiment=queue65k", "objective=two_queue"]
+GTE = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+
+# name -> (kind, batch, overrides or loss options, what it is); in order of priority
+RUNS: dict[str, tuple[str, int, object, str]] = {
+    "two_queue-32": ("ours", 32, TWO_QUEUE, "two-queue momentum, K 65,536 each, m 0.999"),
+    "inbatch-32": ("ours", 32, INBATCH, "ours, in-batch negatives"),
+    "mnrl-32": ("mnrl", 32, {}, "sentence-transformers MNRL"),
+    "moco-32": ("ours", 32, MOCO, "MoCo queue, K 65,536, m 0.999 (queue65k before B6)"),
+    "inbatch-256": ("ours", 256, INBATCH, "ours, in-batch negatives"),
+    "cmnrl-256": ("cmnrl", 256, {"mini_batch_size": 32}, "sentence-transformers CachedMNRL, mini-batch 32"),
+    "inbatch-64": ("ours", 64, INBATCH, "ours, in-batch negatives"),
+    "inbatch-128": ("ours", 128, INBATCH, "ours, in-batch negatives"),
+    "mnrl_gte-32": ("mnrl", 32, {"directions": GTE}, "MNRL, directions q->d, q->q, d->q, d->d"),
+    "two_queue_m0.995-32": ("ours", 32, TWO_QUEUE + ["objective.momentum=0.995"], "two-queue, m 0.995 (ALBEF)"),
+    "two_queue_cosine-32": ("ours", 32, TWO_QUEUE + ["objective.momentum=0.99", "objective.momentum_schedule=cosine"],
+                            "two-queue, m cosine 0.99 -> 1"),
+    "two_queue_k16k-32": ("ours", 32, TWO_QUEUE + ["objective.queue_size=16384"], "two-queue, K 16,384"),
+    "two_queue_warmup-32": ("ours", 32, TWO_QUEUE + ["objective.queue_warmup_steps=57"], "two-queue, queue counts after 10%"),
+    "two_queue_dq0.5-32": ("ours", 32, TWO_QUEUE + ["objective.doc_to_query_weight=0.5"], "two-queue, d->q weight 0.5"),
+}
+HEADLINE = ["two_queue-32", "inbatch-32", "mnrl-32", "inbatch-256", "cmnrl-256"]
+
+
+# ----------------------------------------------------------------------------------- data
+
+
+def pair_batches(bench: Bench, seed: int, pairs: int, batch: int) -> list[list[int]]:
+    """The first ``pairs`` pairs of the batch-32 order of ``seed``, as batches of ``batch``."""
+    cfg = compose_cfg(BASE + INBATCH + ["data.batch_size=32", f"data.seed={seed}", f"seed={seed}"])
+    sampler = bench.datamodule(cfg).batch_sampler
+    sampler.set_epoch(0)
+    b32 = list(sampler)[: pairs // 32]
+    if len(b32) * 32 < pairs:
+        raise SystemExit(f"--pairs {pairs}: one epoch holds only {len(b32) * 32:,} pairs at batch 32")
+    m = batch // 32
+    return [sum(b32[i : i + m], []) for i in range(0, len(b32) - m + 1, m)]
+
+
+class Evaluator:
+    """Scores an encoder on the pool; ``every`` pairs and at the end; keeps the training clock."""
+
+    def __init__(self, pool, eval_cfg, every: int, batch: int, steps: int):
+        self.pool, self.eval_cfg = pool, eval_cfg
+        self.at = {s for s in range(every // batch, steps, max(1, every // batch))} | {steps}
+        self.curve: list[dict] = []
+        self.train_s, self.eval_s, self._t = 0.0, 0.0, None
+        self.step_times: list[float] = []
+        self.batch = batch
+
+    def start(self) -> None:
+        self._t = time.perf_counter()
+
+    def step_done(self, step: int, encoder) -> None:
+        dt = time.perf_counter() - self._t
+        self.step_times.append(dt)
+        self.train_s += dt
+        if step in self.at:
+            self.curve.append(self.score(encoder, step))
+        self._t = time.perf_counter()
+
+    def score(self, encoder, step: int) -> dict:
+        from moco_retrieval.evaluation.encode import evaluate_encoder
+
+        t0 = time.perf_counter()
+        was = encoder.training
+        encoder.eval()
+        res = evaluate_encoder(encoder, self.pool, self.eval_cfg, batch_size=64, show_progress=False)
+        encoder.train(was)
+        self.eval_s += time.perf_counter() - t0
+        point = {"step": step, "pairs": step * self.batch, "train_s": self.train_s, **_metrics(res)}
+        log(f"  step {step}: recall@1 {point['recall@1']:.3f} nDCG@10 {point['ndcg@10']:.3f} "
+            f"unrelated cos {point['unrelated_cos_mean']:+.3f} ({self.train_s:.0f}s training)")
+        return point
+
+
+def _metrics(res) -> dict:
+    m, g = res.metrics, res.geometry
+    return {"recall@1": m["recall@1"], "mrr@10": m["mrr@10"], "ndcg@10": m["ndcg@10"], "recall@10": m["recall@10"],
+            "unrelated_cos_mean": g.get("unrelated_cos_mean"), "positive_cos_mean": g.get("positive_cos_mean")}
+
+
+# ----------------------------------------------------------------------------------- runs
+
+
+def run_ours(bench, overrides, batches, seed, ev: Evaluator) -> dict:
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+    from torch.utils.data import DataLoader
+
+    from moco_retrieval.data.datamodule import Collator, PairDataset
+    from moco_retrieval.lightning_module import RetrievalModule
+
+    cfg = compose_cfg(BASE + list(overrides) + [f"data.batch_size={len(batches[0])}", "trainer.max_epochs=1",
+                                                f"seed={seed}", f"data.seed={seed}"])
+    L.seed_everything(seed, verbose=False)
+    module = RetrievalModule.from_config(cfg)
+    loader = DataLoader(PairDataset(bench.train_pairs), batch_sampler=batches, collate_fn=Collator(module.encoder.tokenize))
+
+    class Clock(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            ev.start()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            ev.step_done(trainer.global_step, pl_module.encoder)
+
+    trainer = quiet_trainer(cfg, callbacks=[Clock()])
+    trainer.fit(module, train_dataloaders=loader)
+    out = {"objective": cfg.objective.name, "temperature": cfg.objective.temperature, "lr": cfg.optim.lr,
+           "last_step": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}}
+    out.update(module.objective.stats(trainer.global_step))
+    return out
+
+
+def run_peer(bench, kind, options, batches, seed, ev: Evaluator) -> dict:
+    """sentence-transformers' MNRL / CachedMNRL with a plain loop over the same batches."""
+    import warnings
+
+    from sentence_transformers import SentenceTransformer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from sentence_transformers import losses
+
+    from moco_retrieval.lightning_module import lr_lambda
+    from moco_retrieval.model.encoder import build_encoder
+
+    cfg = compose_cfg(BASE + INBATCH + [f"seed={seed}"])
+    torch.manual_seed(seed)
+    model = SentenceTransformer(str(_backbone_path(cfg.model)), device="cpu")
+    model.train()
+    cls = losses.CachedMultipleNegativesRankingLoss if kind == "cmnrl" else losses.MultipleNegativesRankingLoss
+    loss_fn = cls(model, **options)  # scale 20 = 1 / 0.05, cosine similarity
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}], lr=cfg.optim.lr)
+    steps = len(batches)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda("linear", int(cfg.optim.warmup_ratio * steps), steps))
+    scorer = build_encoder(cfg.model)  # our encoder, the peer's weights: same pooling + normalisation
+    q_len, d_len = cfg.model.query_max_len, cfg.model.doc_max_len
+    pairs = bench.train_pairs
+    for step, idx in enumerate(batches, start=1):
+        ev.start()
+        model.max_seq_length = q_len
+        fq = model.tokenize([pairs[i].query for i in idx])
+        model.max_seq_length = d_len
+        fd = model.tokenize([pairs[i].positive for i in idx])
+        loss = loss_fn([fq, fd], torch.empty(0))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step in ev.at:
+            scorer.tower.backbone.load_state_dict(model[0].auto_model.state_dict(), strict=False)
+        ev.step_done(step, scorer)
+    return {"objective": kind, "temperature": 1 / loss_fn.scale, "lr": cfg.optim.lr, **{k: list(v) if isinstance(v, tuple) else v
+                                                                                      for k, v in options.items()}}
+
+
+def _backbone_path(model_cfg):
+    from moco_retrieval.model.encoder import resolve_backbone_path
+
+    return resolve_backbone_path(model_cfg)
+
+
+def do_run(bench, pool, name, seed, args) -> dict:
+    kind, batch, spec, what = RUNS[name]
+    batches = pair_batches(bench, seed, args.pairs, batch)
+    base_eval = compose_cfg(BASE + INBATCH).eval
+    ev = Evaluator(pool, base_eval, args.eval_every, batch, len(batches))
+    log(f"B6 {name} seed {seed}: {len(batches)} steps of {batch} ({len(batches) * batch:,} pairs), {torch.get_num_threads()} thread(s)")
+    t0 = time.perf_counter()
+    info = run_ours(bench, spec, batches, seed, ev) if kind == "ours" else run_peer(bench, kind, spec, batches, seed, ev)
+    final = ev.curve[-1]
+    ts = ev.step_times[3:] or ev.step_times
+    return {"key": run_key(name, seed, args), "name": name, "seed": seed, "kind": kind, "batch_size": batch, "what": what,
+            "steps": len(batches), "pairs": len(batches) * batch, "train_s": ev.train_s, "eval_s": ev.eval_s,
+            "s_per_step": statistics.median(ts), "final": final, "curve": ev.curve, "wall_s": time.perf_counter() - t0,
+            "threads": torch.get_num_threads(), "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), **info}
+
+
+def run_key(name: str, seed: int, args) -> str:
+    return f"{name}|seed={seed}|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}"
+
+
+# ----------------------------------------------------------------------------------- report
+
+
+def med_std(xs):
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return float("nan"), float("nan")
+    return statistics.median(xs), (statistics.stdev(xs) if len(xs) > 1 else float("nan"))
+
+
+def fmt(xs, key) -> str:
+    m, s = med_std([r["final"][key] for r in xs])
+    return f"{m:.3f}" + (f" ± {s:.3f}" if s == s else "")
+
+
+def verdict(by: dict) -> list[str]:
+    """The issue's three lines, from what the cache holds."""
+    out = []
+    q = by.get("two_queue-32", [])
+    if not q:
+        return ["No two-queue run is finished yet."]
+    for ref in ("inbatch-32", "mnrl-32"):
+        r = by.get(ref, [])
+        if not r:
+            out.append(f"- vs {ref}: not run yet.")
+            continue
+        for key in ("recall@1", "ndcg@10"):
+            mq, sq = med_std([x["final"][key] for x in q])
+            mr, sr = med_std([x["final"][key] for x in r])
+            sd = max(v for v in (sq, sr, 0.0) if v == v)
+            n = min(len(q), len(r))
+            ok = (mq - mr) > 2 * sd if n >= 3 else None
+            out.append(f"- {key} vs {ref} at equal steps: {mq:.3f} vs {mr:.3f} ({mq - mr:+.3f}); "
+                       + (f"beats by more than 2 std: {'yes' if ok else 'no'}" if ok is not None else f"{n} seed(s): no claim yet"))
+    for ref in ("inbatch-256", "cmnrl-256"):
+        r = by.get(ref, [])
+        if not r:
+            out.append(f"- vs {ref} at equal data: not run yet.")
+            continue
+        mq, mr = med_std([x["final"]["recall@1"] for x in q])[0], med_std([x["final"]["recall@1"] for x in r])[0]
+        tq, tr = med_std([x["train_s"] for x in q])[0], med_std([x["train_s"] for x in r])[0]
+        out.append(f"- vs {ref} at equal data: recall@1 {mq:.3f} vs {mr:.3f}; training seconds {tq:.0f} vs {tr:.0f} "
+                   f"(ratio {tq / tr:.2f}; the bar asks for at most 0.5, measured side by side only when run in parallel)")
+    u = med_std([x["final"]["unrelated_cos_mean"] for x in q])[0]
+    out.append(f"- space spread: mean unrelated cosine {u:+.3f} (bar <= +0.10): {'met' if u <= 0.10 else 'not met'}")
+    return out
+
+
+def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str]) -> None:
+    by: dict[str, list[dict]] = {}
+    for r in records:
+        by.setdefault(r["name"], []).append(r)
+    rows = []
+    for name in RUNS:
+        xs = by.get(name)
+        if not xs:
+            continue
+        rows.append([name, RUNS[name][3], xs[0]["batch_size"], len(xs), fmt(xs, "recall@1"), fmt(xs, "mrr@10"), fmt(xs, "ndcg@10"),
+                     fmt(xs, "unrelated_cos_mean"), f"{med_std([x['s_per_step'] for x in xs])[0]:.2f}",
+                     f"{med_std([x['train_s'] for x in xs])[0]:.0f}"])
+    base = by.get("base", [])
+    md = [f"# B6: full fine-tune of all-MiniLM-L6-v2 at equal data ({'quick' if args.quick else 'full'})", "",
+          f"Every run: the same {args.pairs:,} training pairs in the same order (half an epoch of the Debian set at the "
+          "default), AdamW lr 2e-5, 10% warmup then linear decay, tau 0.05, max lengths 32/128; held-out pool "
+          f"{args.max_queries or 'all'} queries / {args.max_docs or 'all'} documents. Median ± std over the seeds run "
+          "(no ± with one seed). s/step and training seconds: one thread per run, runs in parallel on a shared 2-core "
+          "CPU, so they compare runs made side by side, not absolute speed.", ""]
+    if base:
+        b = base[0]["final"]
+        md += [f"Untrained all-MiniLM-L6-v2 on this pool: recall@1 {b['recall@1']:.3f}, MRR@10 {b['mrr@10']:.3f}, "
+               f"nDCG@10 {b['ndcg@10']:.3f}, unrelated cosine {b['unrelated_cos_mean']:+.3f}.", ""]
+    md += [md_table(["run", "what", "batch", "seeds", "recall@1", "MRR@10", "nDCG@10", "unrelated cos", "s/step", "train s"], rows), "",
+           "## The bar (issue 11)", "", *verdict(by), ""]
+    missing = [f"{n} (seed {s})" for n in RUNS for s in range(3 if n in HEADLINE else 1)
+               if not any(r["seed"] == s for r in by.get(n, []))]
+    if missing:
+        md += ["## Not run yet", "", "Planned and not in the cache (the cache resumes them): " + ", ".join(missing) + ".", ""]
+    if cut:
+        md += ["Cut in this invocation: " + ", ".join(cut) + ".", ""]
+    write_results(prefix, "\n".join(md), {"benchmark": "B6 fine-tune at equal data", "pairs": args.pairs,
+                                          "pool": {"queries": args.max_queries, "docs": args.max_docs},
+                                          "runs": records, "environment": environment()}, out_dir)
+    plots(by, out_dir, prefix)
+    log(f"wrote {out_dir / (prefix + '.md')}")
+
+
+def plots(by: dict, out_dir: Path, prefix: str) -> None:
+    fig = figure(6.4, 4.2)
+    ax = fig.subplots()
+    for kind, marker, label in (("ours", "o", "ours, in-batch"), ("mnrl", "s", "MNRL"), ("cmnrl", "^", "CachedMNRL")):
+        pts = sorted((xs[0]["batch_size"], med_std([x["final"]["recall@1"] for x in xs])[0]) for n, xs in by.items()
+                     if xs[0]["kind"] == kind and (kind != "ours" or n.startswith("inbatch")) and "gte" not in n)
+        if pts:
+            ax.plot(*zip(*pts), marker=marker, label=label)
+    for n, xs in by.items():
+        if n.startswith(("two_queue", "moco")) or "gte" in n:
+            ax.scatter([xs[0]["batch_size"]], [med_std([x["final"]["recall@1"] for x in xs])[0]], marker="*", s=60)
+            ax.annotate(n, (xs[0]["batch_size"], med_std([x["final"]["recall@1"] for x in xs])[0]), fontsize=6)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (same pairs, same order)")
+    ax.set_ylabel("recall@1")
+    ax.set_title("B6: recall@1 against batch size at equal data")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{prefix}_vs_batch.png")
+    fig = figure(6.4, 4.2)
+    ax = fig.subplots()
+    for n, xs in by.items():
+        if n == "base":
+            continue
+        c = xs[0]["curve"]
+        ax.plot([p["train_s"] for p in c], [p["recall@1"] for p in c], marker=".", label=f"{n} (seed {xs[0]['seed']})")
+    ax.set_xlabel("training seconds (evaluation not counted)")
+    ax.set_ylabel("recall@1")
+    ax.set_title("B6: recall@1 against training time")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{prefix}_vs_seconds.png")
+
+
+# ----------------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a few steps on a small pool (smoke check; results to --out)")
+    ap.add_argument("--only", default=",".join(HEADLINE), help=f"runs to do now, of: base, {', '.join(RUNS)}")
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds to run now")
+    ap.add_argument("--pairs", type=int, default=None, help="training pairs per run (default 18,240; quick 256)")
+    ap.add_argument("--eval-every", type=int, default=None, help="pairs between evaluations (default 6,080; quick 128)")
+    ap.add_argument("--max-queries", type=int, default=None, help="queries of the pool (default 1,000; quick 200)")
+    ap.add_argument("--max-docs", type=int, default=None, help="documents of the pool (default 2,400; quick 400)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--report", action="store_true", help="only write the report from the cache")
+    ap.add_argument("--deadline", default=None, help="UTC HH:MM: runs not started by then are cut")
+    ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    args = ap.parse_args(argv)
+    q = args.quick
+    args.pairs = args.pairs or (256 if q else 18240)
+    args.eval_every = args.eval_every or (128 if q else 6080)
+    args.max_queries = args.max_queries if args.max_queries is not None else (200 if q else 1000)
+    args.max_docs = args.max_docs if args.max_docs is not None else (400 if q else 2400)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out_dir = args.out or Path(__file__).resolve().parent / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prefix = f"{NAME}_quick" if q else NAME
+    cache = out_dir / f"{prefix}_runs.jsonl"
+    done = {r["key"]: r for r in read_jsonl(cache)}
+    cut: list[str] = []
+    if not args.report:
+        from moco_retrieval.data.datamodule import cap_eval_set
+
+        bench = Bench()
+        pool = cap_eval_set(bench.eval_set, args.max_queries or None, args.max_docs or None, seed=0)
+        for name in [n for n in args.only.split(",") if n]:
+            for seed in [int(s) for s in args.seeds.split(",")]:
+                key = run_key(name, seed, args)
+                done.update({r["key"]: r for r in read_jsonl(cache)})  # a parallel process may have finished it
+                if key in done:
+                    continue
+                if args.deadline and time.strftime("%H:%M", time.gmtime()) >= args.deadline:
+                    cut.append(f"{name} seed {seed}")
+                    continue
+                rec = base_record(bench, pool, key, args) if name == "base" else do_run(bench, pool, name, seed, args)
+                append_jsonl(cache, rec)
+                done[key] = rec
+    records = [r for r in done.values() if r["key"].endswith(f"|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}")]
+    report(records, args, out_dir, prefix, cut)
+    return 0
+
+
+def base_record(bench, pool, key, args) -> dict:
+    from moco_retrieval.evaluation.encode import evaluate_encoder
+    from moco_retrieval.model.encoder import build_encoder
+
+    cfg = compose_cfg(BASE + INBATCH)
+    res = evaluate_encoder(build_encoder(cfg.model), pool, cfg.eval, batch_size=64, show_progress=False)
+    return {"key": key, "name": "base", "seed": 0, "kind": "base", "batch_size": 0, "final": _metrics(res), "curve": []}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
