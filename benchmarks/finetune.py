@@ -380,7 +380,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     out_dir = args.out or Path(__file__).resolve().parent / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
-    prefix = f"{NAME}_quick" if q else NAME
+    prefix = f"{NAME}_quick" if q else (NAME if args.pairs == 18240 else f"{NAME}_{args.pairs}pairs")  # B4's setup: 4800
     cache = out_dir / f"{prefix}_runs.jsonl"
     done = {r["key"]: r for r in read_jsonl(cache)}
     cut: list[str] = []
