@@ -92,7 +92,7 @@ class Evaluator:
         self.curve: list[dict] = []
         self.train_s, self.eval_s, self._t = 0.0, 0.0, None
         self.step_times: list[float] = []
-        self.batch = batch
+        self.batch, self.steps = batch, steps
 
     def start(self) -> None:
         self._t = time.perf_counter()
@@ -101,6 +101,9 @@ class Evaluator:
         dt = time.perf_counter() - self._t
         self.step_times.append(dt)
         self.train_s += dt
+        if step % 50 == 0:
+            left = (self.steps - step) * self.train_s / step
+            log(f"  step {step}/{self.steps}: {self.train_s / step:.1f} s/step, about {left / 60:.0f} min of training left")
         if step in self.at:
             self.curve.append(self.score(encoder, step))
         self._t = time.perf_counter()
