@@ -493,7 +493,7 @@ def load_training_pairs(data_cfg: Any) -> list[Pair]:
 
 def run_mine(cfg: Any) -> MiningResult:
     """``python -m moco_retrieval.mine``: load the model and pairs, mine, write JSONL and stats."""
-    from moco_retrieval.export import load_encoder
+    from moco_retrieval.model.loading import load_encoder
 
     if not cfg.output:
         raise SystemExit("output=FILE is required (the JSONL of pairs with mined negatives)")
