@@ -90,10 +90,9 @@ class Bench:
         """Fill (or load) the frozen features of every train and eval text; returns seconds."""
         t0 = time.perf_counter()
         if encoder.frozen:
-            encoder.warm_cache([p.query for p in self.train_pairs] + list(self.eval_set.queries.values()), "query",
-                               progress=False)
-            encoder.warm_cache([p.positive for p in self.train_pairs] + list(self.eval_set.corpus.values()), "doc",
-                               progress=False)
+            encoder.warm_features([p.query for p in self.train_pairs] + list(self.eval_set.queries.values()),
+                                  [p.positive for p in self.train_pairs] + list(self.eval_set.corpus.values()),
+                                  progress=False)
             self._keep.append(encoder.feature_cache)
         return time.perf_counter() - t0
 

@@ -44,7 +44,8 @@ def random_minilm(seed: int = 0):
     from transformers import AutoConfig, AutoModel
 
     from moco_retrieval.config import ModelConfig
-    from moco_retrieval.model.encoder import build_encoder, resolve_backbone_path
+    from moco_retrieval.model.backbone import resolve_backbone_path
+    from moco_retrieval.model.encoder import build_encoder
 
     cfg = ModelConfig(backbone="minilm", head="none")
     enc = build_encoder(cfg)

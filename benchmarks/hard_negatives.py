@@ -68,7 +68,7 @@ def mine_variants(ckpt: Path, pairs, out_dir: Path, variants: dict, n_negatives:
     variant could give negatives (so all runs but (a) train on the same rows) and write each
     variant's JSONL and stats."""
     from moco_retrieval.evaluation.encode import encode_texts
-    from moco_retrieval.export import load_checkpoint_encoder
+    from moco_retrieval.model.loading import load_checkpoint_encoder
     from moco_retrieval.mining import MiningFilters, build_corpus, mine_from_embeddings, stats_path_for, write_mined
 
     enc, _ = load_checkpoint_encoder(ckpt)

@@ -105,7 +105,8 @@ def run_peer(bench: Bench, steps: int, batch: int, pool, lr: float, warmup_ratio
     from moco_retrieval.config import ModelConfig
     from moco_retrieval.evaluation.encode import evaluate_encoder
     from moco_retrieval.lightning_module import lr_lambda
-    from moco_retrieval.model.encoder import build_encoder, resolve_backbone_path
+    from moco_retrieval.model.backbone import resolve_backbone_path
+    from moco_retrieval.model.encoder import build_encoder
 
     torch.manual_seed(0)
     path = str(resolve_backbone_path(ModelConfig(backbone="minilm")))

@@ -9,10 +9,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -230,17 +233,88 @@ class MineConfig:
     progress: bool = True
 
 
+@dataclass
+class EvaluateConfig:
+    """``python -m moco_retrieval.evaluate``: retrieval metrics and plots (``conf/evaluate.yaml``)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)  # the base encoder ("base"), and model_dir fallback
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: Optional[str] = None  # a training checkpoint (.ckpt)
+    model_dir: Optional[str] = None  # a directory written by moco_retrieval.export (or any HF model folder)
+    encoder: str = "query"  # query | key (a checkpoint's momentum key encoder)
+    compare: list[str] = field(default_factory=list)  # more models: base | CKPT | DIR
+    name: Optional[str] = None  # report name of the main model
+    out_dir: Optional[str] = None  # default: Hydra's run folder
+    batch_size: Optional[int] = None  # default: data.eval_batch_size
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    plots: bool = True
+    progress: bool = True
+
+
+@dataclass
+class ExportConfig:
+    """``python -m moco_retrieval.export``: a sentence-transformers directory (``conf/export.yaml``)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)  # the base encoder when no checkpoint
+    checkpoint: Optional[str] = None  # a training checkpoint (.ckpt)
+    encoder: str = "query"  # query | key (the momentum key encoder of a MoCo checkpoint)
+    out_dir: str = MISSING  # the model directory to write
+    overwrite: bool = False
+
+
+@dataclass
+class SearchConfig:
+    """``python -m moco_retrieval.search``: semantic search over a corpus (``conf/search.yaml``)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # index kind and parameters
+    checkpoint: Optional[str] = None
+    model_dir: Optional[str] = None
+    encoder: str = "query"  # query | key
+    corpus: Optional[str] = None  # a corpus.jsonl or a BEIR folder; default: the data group's documents
+    index_dir: Optional[str] = None  # default: $MOCO_RETRIEVAL_CACHE/search/<key>
+    rebuild: bool = False
+    query: Optional[str] = None
+    queries: list[str] = field(default_factory=list)
+    k: int = 10
+    format: str = "text"  # text | json
+    max_chars: int = 160  # document text shown per hit (text format)
+    batch_size: Optional[int] = None  # default: data.eval_batch_size
+    device: str = "auto"
+    progress: bool = True
+
+
+def to_config(cls: type[T], node: Any) -> T:
+    """A ``cls`` dataclass instance from a ``cls`` instance, a DictConfig or a plain dict (None:
+    the defaults), validated against the schema: an unknown key or a value of the wrong type is a
+    ``ValueError`` naming it. Interpolations are resolved; a missing (``???``) value is an error."""
+    if isinstance(node, cls):
+        return node
+    if node is None:
+        return cls()
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_container(node, resolve=True)
+    elif not isinstance(node, dict):
+        raise TypeError(f"{cls.__name__}: expected a {cls.__name__}, a DictConfig or a dict, got {type(node).__name__}")
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), node))
+    except OmegaConfBaseException as e:
+        raise ValueError(f"{cls.__name__}: {e}") from e
+
+
 def objective_config(node: Any) -> ObjectiveConfig:
     """The objective's own schema from a dataclass, DictConfig or dict (as saved in a checkpoint),
     chosen by its ``name``; an unknown name or a field that objective does not use is an error."""
     if isinstance(node, ObjectiveConfig):
         return node
-    if not isinstance(node, dict):
+    if isinstance(node, DictConfig):
         node = OmegaConf.to_container(node, resolve=True)
-    name = node.get("name")
+    name = node.get("name") if isinstance(node, dict) else None
     if name not in OBJECTIVE_CONFIGS:
         raise ValueError(f"objective.name={name!r}: expected one of {', '.join(OBJECTIVE_CONFIGS)}")
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OBJECTIVE_CONFIGS[name]), node))
+    return to_config(OBJECTIVE_CONFIGS[name], node)
 
 
 def cache_root() -> Path:
@@ -249,12 +323,24 @@ def cache_root() -> Path:
     return Path(os.environ.get("MOCO_RETRIEVAL_CACHE") or Path.home() / ".cache" / "moco_retrieval")
 
 
+COMMAND_SCHEMAS: dict[str, type] = {
+    "train": TrainConfig,
+    "mine": MineConfig,
+    "evaluate": EvaluateConfig,
+    "export": ExportConfig,
+    "search": SearchConfig,
+}
+
+
 def register_configs() -> None:
-    """Register the schema with Hydra (idempotent) and the ``${mr_cache:NAME}`` resolver."""
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
-    ConfigStore.instance().store(name="mine_schema", node=MineConfig)
+    """Register the command schemas with Hydra (idempotent) and the ``${mr_cache:NAME}`` resolver.
+
+    ``conf/<command>.yaml`` starts its defaults list with ``<command>_schema``."""
+    cs = ConfigStore.instance()
+    for name, schema in COMMAND_SCHEMAS.items():
+        cs.store(name=f"{name}_schema", node=schema)
     for name, schema in OBJECTIVE_CONFIGS.items():
-        ConfigStore.instance().store(group="objective", name=f"{name}_schema", node=schema)
+        cs.store(group="objective", name=f"{name}_schema", node=schema)
     if not OmegaConf.has_resolver("mr_cache"):
         OmegaConf.register_new_resolver("mr_cache", lambda name: str(cache_root() / name))
 
@@ -276,7 +362,12 @@ __all__ = [
     "EvalConfig",
     "TrainConfig",
     "MineConfig",
+    "EvaluateConfig",
+    "ExportConfig",
+    "SearchConfig",
+    "COMMAND_SCHEMAS",
     "MISSING",
     "register_configs",
+    "to_config",
     "cache_root",
 ]

@@ -13,49 +13,27 @@ Writes into ``out_dir`` (default: Hydra's run folder): ``eval.json``, ``run.trec
 ``run.<name>.trec``, ``report.md``, ``cosine_hist.png`` and ``recall_at_k.png``; see
 ``moco_retrieval/evaluation/report.py``. Index and top-k come from ``eval.*`` (EvalConfig).
 
-``compare`` entries are ``base`` (the ``model`` group's untrained encoder), a checkpoint file or a
+Keys: EvaluateConfig in config.py (``conf/evaluate.yaml``). ``compare`` entries are ``base`` (the ``model`` group's untrained encoder), a checkpoint file or a
 model directory; the report's columns are the main model then ``compare`` in order.
 """
 from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import hydra
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from moco_retrieval.config import DataConfig, EvalConfig, ModelConfig
-from moco_retrieval.export import describe_spec, load_encoder, model_config, store_command
+from moco_retrieval.config import EvalConfig, ModelConfig, register_configs, to_config
+from moco_retrieval.model.loading import describe_spec, load_encoder
 
+register_configs()
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
 logging.getLogger("faiss.loader").setLevel(logging.WARNING)
-
-
-@dataclass
-class EvaluateConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)  # the base encoder ("base"), and model_dir fallback
-    data: DataConfig = field(default_factory=DataConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    checkpoint: Optional[str] = None  # a training checkpoint (.ckpt)
-    model_dir: Optional[str] = None  # a directory written by moco_retrieval.export (or any HF model folder)
-    encoder: str = "query"  # query | key (a checkpoint's momentum key encoder)
-    compare: list[str] = field(default_factory=list)  # more models: base | CKPT | DIR
-    name: Optional[str] = None  # report name of the main model
-    out_dir: Optional[str] = None  # default: Hydra's run folder
-    batch_size: Optional[int] = None  # default: data.eval_batch_size
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    plots: bool = True
-    progress: bool = True
-
-
-def register() -> None:
-    store_command("evaluate_command", EvaluateConfig, {"model": "minilm", "data": "debian"}, quiet=False)
-
-
-register()
 
 
 # --------------------------------------------------------------------------- pool
@@ -136,8 +114,8 @@ def run_evaluate(cfg: Any, out_dir: str | Path) -> dict[str, Path]:
     from moco_retrieval.evaluation.report import write_report
 
     evalset, dataset = load_eval_set(cfg.data)
-    eval_cfg = OmegaConf.to_object(cfg.eval) if isinstance(cfg.eval, DictConfig) else cfg.eval
-    base_model = model_config(cfg.model)
+    eval_cfg = to_config(EvalConfig, cfg.eval)
+    base_model = to_config(ModelConfig, cfg.model)
     device = pick_device(cfg.device)
     batch_size = int(cfg.batch_size or cfg.data.eval_batch_size)
     specs: list[tuple[dict, str, Optional[str]]] = []
@@ -171,20 +149,14 @@ def run_evaluate(cfg: Any, out_dir: str | Path) -> dict[str, Path]:
     return files
 
 
-def _main() -> None:
-    import hydra
-    from hydra.core.hydra_config import HydraConfig
-
-    @hydra.main(config_path="pkg://moco_retrieval.conf", config_name="evaluate_command", version_base="1.3")
-    def main(cfg: DictConfig) -> None:
-        missing = sorted(k for k in OmegaConf.missing_keys(cfg) if k != "data.train_path")  # not read here
-        if missing:
-            raise SystemExit("missing required config values: " + ", ".join(missing))
-        out_dir = cfg.out_dir or HydraConfig.get().runtime.output_dir
-        run_evaluate(cfg, out_dir)
-
-    main()
+@hydra.main(config_path="pkg://moco_retrieval.conf", config_name="evaluate", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    missing = sorted(k for k in OmegaConf.missing_keys(cfg) if k != "data.train_path")  # not read here
+    if missing:
+        raise SystemExit("missing required config values: " + ", ".join(missing))
+    out_dir = cfg.out_dir or HydraConfig.get().runtime.output_dir
+    run_evaluate(cfg, out_dir)
 
 
 if __name__ == "__main__":
-    _main()
+    main()

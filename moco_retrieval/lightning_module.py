@@ -10,21 +10,12 @@ import lightning as L
 import torch
 from omegaconf import OmegaConf
 
-from moco_retrieval.config import EvalConfig, ModelConfig, ObjectiveConfig, OptimConfig, TrainConfig, objective_config
+from moco_retrieval.config import EvalConfig, ModelConfig, ObjectiveConfig, OptimConfig, TrainConfig, objective_config, to_config
 from moco_retrieval.evaluation.encode import evaluate_embeddings
 from moco_retrieval.gradcache import GradCache
 from moco_retrieval.model.encoder import build_encoder
 from moco_retrieval.model.momentum import MomentumEncoder, state_dict_prefix
 from moco_retrieval.objectives import TRAINED, View, build_objective
-
-
-def _as(cls, node):
-    """A dataclass config from a dataclass, DictConfig or plain dict."""
-    if isinstance(node, cls):
-        return node
-    if not isinstance(node, dict):
-        node = OmegaConf.to_container(node, resolve=True)
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), node))
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -57,10 +48,10 @@ class RetrievalModule(L.LightningModule):
     def __init__(self, model: Any, objective: Any, optim: Any, eval: Any = None, seed: int = 0):
         super().__init__()
         self.seed = seed
-        self.model_cfg: ModelConfig = _as(ModelConfig, model)
+        self.model_cfg: ModelConfig = to_config(ModelConfig, model)
         self.objective_cfg: ObjectiveConfig = objective_config(objective)
-        self.optim_cfg: OptimConfig = _as(OptimConfig, optim)
-        self.eval_cfg: EvalConfig = _as(EvalConfig, eval or {})
+        self.optim_cfg: OptimConfig = to_config(OptimConfig, optim)
+        self.eval_cfg: EvalConfig = to_config(EvalConfig, eval)
         # plain containers, so checkpoints reload without this package's classes pickled in
         self.save_hyperparameters(
             {k: OmegaConf.to_container(OmegaConf.structured(v)) for k, v in

@@ -493,7 +493,7 @@ def load_training_pairs(data_cfg: Any) -> list[Pair]:
 
 def run_mine(cfg: Any) -> MiningResult:
     """``python -m moco_retrieval.mine``: load the model and pairs, mine, write JSONL and stats."""
-    from moco_retrieval.export import load_encoder
+    from moco_retrieval.model.loading import load_encoder
 
     if not cfg.output:
         raise SystemExit("output=FILE is required (the JSONL of pairs with mined negatives)")
@@ -507,10 +507,8 @@ def run_mine(cfg: Any) -> MiningResult:
     encoder, desc = load_encoder(checkpoint=cfg.checkpoint, model_dir=cfg.model_dir, model=cfg.model, encoder=cfg.encoder)
     print(f"mining with {desc['source']} encoder ({desc.get('path', desc.get('backbone'))}, dim {encoder.dim}) "
           f"for {len(pairs):,} training pairs", file=sys.stderr)
-    if getattr(encoder, "frozen", False):
-        texts = build_corpus(pairs).texts
-        encoder.warm_cache(texts, "doc", progress=cfg.progress)
-        encoder.warm_cache([p.query for p in pairs], "query", progress=cfg.progress)
+    if encoder.frozen:
+        encoder.warm_features([p.query for p in pairs], build_corpus(pairs).texts, progress=cfg.progress)
     result = mine_hard_negatives(
         encoder, pairs, filters, n_negatives=cfg.n_negatives, sampling=cfg.sampling, seed=cfg.seed,
         keep_empty=cfg.keep_empty, index_cfg=cfg.eval, batch_size=cfg.batch_size, progress=cfg.progress,

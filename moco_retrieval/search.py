@@ -13,6 +13,8 @@ standard input (one a line; an interactive prompt on a terminal).
 Default corpus: the data group's documents. Debian (default): every package description, training
 and held-out ones, the package name as id: a semantic ``apt search``. ``data=beir``: ``data.dir``'s
 corpus.jsonl; ``data=jsonl``: the training positives and ``data.eval_dir``'s corpus.
+
+Keys: SearchConfig in config.py (``conf/search.yaml``).
 """
 from __future__ import annotations
 
@@ -22,46 +24,19 @@ import logging
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+import hydra
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from moco_retrieval.config import DataConfig, EvalConfig, ModelConfig, cache_root
-from moco_retrieval.export import load_encoder, model_config, store_command
+from moco_retrieval.config import EvalConfig, ModelConfig, cache_root, register_configs, to_config
+from moco_retrieval.model.loading import load_encoder
 
+register_configs()
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
 logging.getLogger("faiss.loader").setLevel(logging.WARNING)
-
-
-@dataclass
-class SearchConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)  # index kind and parameters
-    checkpoint: Optional[str] = None
-    model_dir: Optional[str] = None
-    encoder: str = "query"  # query | key
-    corpus: Optional[str] = None  # a corpus.jsonl or a BEIR folder; default: the data group's documents
-    index_dir: Optional[str] = None  # default: $MOCO_RETRIEVAL_CACHE/search/<key>
-    rebuild: bool = False
-    query: Optional[str] = None
-    queries: list[str] = field(default_factory=list)
-    k: int = 10
-    format: str = "text"  # text | json
-    max_chars: int = 160  # document text shown per hit (text format)
-    batch_size: Optional[int] = None  # default: data.eval_batch_size
-    device: str = "auto"
-    progress: bool = True
-
-
-def register() -> None:
-    store_command("search_command", SearchConfig, {"model": "minilm", "data": "debian"}, quiet=True)
-
-
-register()
 
 
 # --------------------------------------------------------------------------- corpus
@@ -127,7 +102,7 @@ def _model_identity(cfg: Any) -> dict:
         p = Path(cfg.model_dir).expanduser().resolve()
         stamp = max((f.stat().st_mtime_ns for f in p.rglob("*") if f.is_file()), default=0)
         return {"model_dir": str(p), "mtime": stamp}
-    return {"base": OmegaConf.to_container(OmegaConf.structured(model_config(cfg.model)))}
+    return {"base": OmegaConf.to_container(OmegaConf.structured(to_config(ModelConfig, cfg.model)))}
 
 
 def _corpus_digest(doc_ids: list[str], texts: list[str]) -> str:
@@ -249,7 +224,7 @@ def run_search(cfg: Any, out=None) -> list[dict]:
     out = out or sys.stdout
     if cfg.format not in ("text", "json"):
         raise SystemExit(f"format={cfg.format!r}: expected text or json")
-    eval_cfg = OmegaConf.to_object(cfg.eval) if isinstance(cfg.eval, DictConfig) else cfg.eval
+    eval_cfg = to_config(EvalConfig, cfg.eval)
     corpus, corpus_desc = load_corpus(cfg.corpus, cfg.data)
     identity = _model_identity(cfg)
     index_dir = Path(cfg.index_dir).expanduser() if cfg.index_dir else default_index_dir(identity, corpus_desc, eval_cfg)
@@ -278,15 +253,10 @@ def run_search(cfg: Any, out=None) -> list[dict]:
     return answers
 
 
-def _main() -> None:
-    import hydra
-
-    @hydra.main(config_path="pkg://moco_retrieval.conf", config_name="search_command", version_base="1.3")
-    def main(cfg: DictConfig) -> None:
-        run_search(cfg)
-
-    main()
+@hydra.main(config_path="pkg://moco_retrieval.conf", config_name="search", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run_search(cfg)
 
 
 if __name__ == "__main__":
-    _main()
+    main()

@@ -142,9 +142,11 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
     L.seed_everything(cfg.seed, workers=True)
     module, dm, trainer = build(cfg, run_dir)
     dm.setup("fit")  # reads and checks the data now: bad input stops the run before training
-    if cfg.model.frozen_backbone:
-        module.encoder.warm_cache([p.query for p in dm.train_pairs] + list(dm.eval_set.queries.values()), "query")
-        module.encoder.warm_cache([p.positive for p in dm.train_pairs] + list(dm.eval_set.corpus.values()), "doc")
+    if module.encoder.frozen:  # every frozen feature computed (or loaded) once, up front
+        module.encoder.warm_features(
+            queries=[p.query for p in dm.train_pairs] + list(dm.eval_set.queries.values()),
+            docs=[p.positive for p in dm.train_pairs] + list(dm.eval_set.corpus.values()),
+        )
     if trainer.is_global_zero:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)

@@ -21,9 +21,10 @@ from moco_retrieval.data.formats import EvalSet, read_beir, write_beir
 from moco_retrieval.evaluate import run_evaluate
 from moco_retrieval.evaluation.encode import encode_texts
 from moco_retrieval.evaluation.metrics import METRIC_NAMES, evaluate_run, read_trec_run
-from moco_retrieval.export import export_encoder, load_checkpoint_encoder, load_model_dir, run_export
+from moco_retrieval.export import export_encoder, run_export
 from moco_retrieval.lightning_module import RetrievalModule
 from moco_retrieval.model.encoder import build_encoder
+from moco_retrieval.model.loading import load_checkpoint_encoder, load_model_dir
 from moco_retrieval.model.tiny import build_tiny_bert
 from moco_retrieval.search import run_search
 
@@ -86,7 +87,7 @@ def _tiny(tiny_dir):
 
 
 def test_evaluate_checkpoint_against_base_side_by_side(tiny_dir, beir_dir, checkpoint, tmp_path):
-    cfg = _compose("evaluate_command", _tiny(tiny_dir) + [
+    cfg = _compose("evaluate", _tiny(tiny_dir) + [
         "data=beir", f"data.dir={beir_dir}", f"checkpoint={checkpoint}", "compare=[base]",
         "progress=false", "device=cpu", "eval.top_k=25",
     ])
@@ -133,10 +134,10 @@ def test_evaluate_command_line(tiny_dir, beir_dir, tmp_path):
 
 def test_configs_are_strict():
     with pytest.raises(ConfigCompositionException):
-        _compose("evaluate_command", ["model.not_a_key=1"])
+        _compose("evaluate", ["model.not_a_key=1"])
     with pytest.raises(ConfigCompositionException):
-        _compose("search_command", ["not_a_key=1"])
-    cfg = _compose("export_command", ["out_dir=/tmp/x"])
+        _compose("search", ["not_a_key=1"])
+    cfg = _compose("export", ["out_dir=/tmp/x"])
     assert cfg.encoder == "query" and cfg.model.backbone == "minilm"
 
 
@@ -148,7 +149,7 @@ def test_export_reloads_with_identical_embeddings(tiny_dir, checkpoint, tmp_path
     texts = ["resize images from the command line", "a shell for the terminal", "backup archive tool " * 12]
     for which in ("query", "key"):
         out = tmp_path / which
-        cfg = _compose("export_command", _tiny(tiny_dir) + [f"checkpoint={checkpoint}", f"out_dir={out}",
+        cfg = _compose("export", _tiny(tiny_dir) + [f"checkpoint={checkpoint}", f"out_dir={out}",
                                                            f"encoder={which}"])
         run_export(cfg)
         enc, _ = load_checkpoint_encoder(checkpoint, which)
@@ -165,7 +166,7 @@ def test_export_reloads_with_identical_embeddings(tiny_dir, checkpoint, tmp_path
     q_query = encode_texts(load_checkpoint_encoder(checkpoint, "query")[0], texts, "query", show_progress=False)
     assert not np.allclose(q_key, q_query, atol=1e-4)  # two steps apart: the export chose the right weights
     with pytest.raises(FileExistsError):
-        run_export(_compose("export_command", _tiny(tiny_dir) + [f"checkpoint={checkpoint}", f"out_dir={tmp_path / 'key'}"]))
+        run_export(_compose("export", _tiny(tiny_dir) + [f"checkpoint={checkpoint}", f"out_dir={tmp_path / 'key'}"]))
 
 
 @pytest.mark.parametrize("kw", [dict(head="linear", head_dim=8), dict(head="mlp", head_dim=8, pooling="cls", normalize=False)])
@@ -201,7 +202,7 @@ def test_search_returns_the_planted_document_first(tiny_dir, beir_dir, tmp_path,
     overrides = _tiny(tiny_dir) + [f"corpus={folder}", f"index_dir={tmp_path / 'index'}", f"query={planted}",
                                    "queries=[shell terminal]", "k=3", "format=json", "progress=false", "device=cpu"]
     out = io.StringIO()
-    answers = run_search(_compose("search_command", overrides), out=out)
+    answers = run_search(_compose("search", overrides), out=out)
     assert [a["query"] for a in answers] == [planted, "shell terminal"]
     first = answers[0]["results"]
     assert first[0]["doc_id"] == "planted-doc" and first[0]["score"] == pytest.approx(1.0, abs=1e-4)
@@ -210,7 +211,7 @@ def test_search_returns_the_planted_document_first(tiny_dir, beir_dir, tmp_path,
     assert lines == answers
     assert "built index of 41 documents" in capsys.readouterr().err
     # second call: the saved index is loaded, same answer
-    again = run_search(_compose("search_command", overrides), out=io.StringIO())
+    again = run_search(_compose("search", overrides), out=io.StringIO())
     assert again == answers
     assert "loaded index" in capsys.readouterr().err
     assert {p.name for p in (tmp_path / "index").iterdir()} == {"index.faiss", "doc_ids.json", "meta.json"}

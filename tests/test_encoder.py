@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from moco_retrieval.config import ModelConfig
-from moco_retrieval.model.encoder import FeatureCache, build_encoder, resolve_backbone_path
+from moco_retrieval.model.backbone import resolve_backbone_path
+from moco_retrieval.model.encoder import build_encoder
+from moco_retrieval.model.feature_cache import FeatureCache
 from moco_retrieval.model.tiny import build_tiny_bert, tiny_vocab
 
 TEXTS = [
@@ -25,9 +27,9 @@ TEXTS = [
 def _small_and_isolated():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    FeatureCache._registry.clear()  # every test starts with no live feature caches
+    FeatureCache.clear_shared()  # every test starts with no live feature caches
     yield
-    FeatureCache._registry.clear()
+    FeatureCache.clear_shared()
     torch.set_num_threads(threads)
 
 
@@ -216,29 +218,39 @@ def test_cache_computes_each_text_once_and_is_shared(tiny_dir):
     assert enc.feature_cache.computed == 4
 
 
-def test_warm_cache_and_new_weights_get_another_cache(tiny_dir):
-    enc = make(tiny_dir, frozen_backbone=True, head="linear")
-    assert enc.warm_cache(TEXTS + TEXTS[:2], "doc", batch_size=2, progress=False) == len(TEXTS)
-    assert enc.warm_cache(TEXTS, "doc", progress=False) == 0
+def test_warm_features_and_new_weights_get_another_cache(tiny_dir):
+    enc = make(tiny_dir, frozen_backbone=True, head="linear", query_max_len=4)
+    counter = count_backbone(enc.tower)
+    assert enc.warm_features(docs=TEXTS + TEXTS[:2], batch_size=2, progress=False) == len(TEXTS)
+    assert enc.warm_features(docs=TEXTS, progress=False) == 0
     assert len(enc.feature_cache) == len(TEXTS)
+    assert enc.feature_cache.texts(enc.max_len("doc")) == sorted(TEXTS, key=len, reverse=True)  # longest first
+    # queries: their own max_len, so their own rows; warm texts are never computed again
+    assert enc.warm_features(TEXTS[:2], TEXTS, progress=False) == 2
+    assert enc.feature_cache.texts(enc.max_len("query")) == sorted(TEXTS[:2], key=len, reverse=True)
+    calls = counter.calls
+    with torch.no_grad():
+        enc({"texts": TEXTS[:2]}, "query")
+        enc({"texts": TEXTS}, "doc")
+    assert counter.calls == calls
     old = enc.feature_cache
     state = copy.deepcopy(enc.state_dict())
     state["tower.backbone.embeddings.word_embeddings.weight"].add_(1.0)
     enc.load_state_dict(state)
     assert enc.feature_cache is not old and len(enc.feature_cache) == 0
-    assert make(tiny_dir).warm_cache(TEXTS, "doc") == 0  # not frozen: nothing to do
+    assert make(tiny_dir).warm_features(TEXTS, TEXTS) == 0  # not frozen: nothing to do
 
 
 def test_disk_cache_round_trip(tiny_dir, tmp_path):
     cache_dir = tmp_path / "features"
     enc = make(tiny_dir, frozen_backbone=True, feature_cache_dir=str(cache_dir))
-    assert enc.warm_cache(TEXTS, "doc", progress=False) == len(TEXTS)
+    assert enc.warm_features(docs=TEXTS, progress=False) == len(TEXTS)
     files = list(cache_dir.iterdir())
     assert [f.name for f in files] == [f"{enc.feature_cache.fingerprint}.pt"]
     with torch.no_grad():
         before = enc({"texts": TEXTS}, "doc")
     del enc
-    FeatureCache._registry.clear()
+    FeatureCache.clear_shared()
     again = make(tiny_dir, frozen_backbone=True, feature_cache_dir=str(cache_dir))
     assert len(again.feature_cache) == len(TEXTS) and again.feature_cache.computed == 0
     counter = count_backbone(again.tower)

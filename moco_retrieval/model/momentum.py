@@ -2,6 +2,11 @@
 
 The key encoder is a copy of the query side (tower and head) that never receives gradients and
 follows it as k <- m*k + (1-m)*q after every optimizer step; buffers are copied.
+
+Where the two encoders sit in a training module's state dict is defined here, once, for the
+module and for the checkpoint loaders: ``state_dict_prefix("query")`` is ``"encoder."`` (the
+module's ``encoder`` attribute), ``state_dict_prefix("key")`` is ``"key_encoder.key_encoder."`` (its
+``key_encoder``, a ``MomentumEncoder``, whose copy is ``.key_encoder``).
 """
 from __future__ import annotations
 
@@ -10,6 +15,20 @@ import math
 
 import torch
 from torch import nn
+
+
+ENCODERS = ("query", "key")
+QUERY_ENCODER_ATTR = "encoder"  # the training module's query encoder attribute
+KEY_ENCODER_ATTR = "key_encoder"  # its MomentumEncoder attribute (and the MomentumEncoder's copy)
+
+
+def state_dict_prefix(encoder: str) -> str:
+    """The state-dict key prefix of a training module's ``encoder`` ("query" or "key")."""
+    if encoder == "query":
+        return f"{QUERY_ENCODER_ATTR}."
+    if encoder == "key":
+        return f"{KEY_ENCODER_ATTR}.{KEY_ENCODER_ATTR}."
+    raise ValueError(f"encoder={encoder!r}: expected one of {ENCODERS}")
 
 
 def momentum_at(step: int, total_steps: int, m0: float, schedule: str = "constant") -> float:
@@ -34,7 +53,7 @@ class MomentumEncoder(nn.Module):
 
     def __init__(self, encoder: nn.Module, dropout: bool = False):
         super().__init__()
-        self.key_encoder = copy.deepcopy(encoder)
+        self.key_encoder = copy.deepcopy(encoder)  # KEY_ENCODER_ATTR: see state_dict_prefix
         for p in self.key_encoder.parameters():
             p.requires_grad_(False)
         self.dropout = dropout
@@ -66,11 +85,3 @@ class MomentumEncoder(nn.Module):
         with torch.no_grad():
             return self.key_encoder(*args, **kwargs)
 
-
-def state_dict_prefix(encoder: str) -> str:
-    """Where an encoder's weights sit in a RetrievalModule's state dict: "query" is the trained
-    encoder (attribute ``encoder``), "key" the EMA copy (``key_encoder``, a MomentumEncoder)."""
-    prefixes = {"query": "encoder.", "key": "key_encoder.key_encoder."}
-    if encoder not in prefixes:
-        raise ValueError(f"encoder={encoder!r}: expected 'query' or 'key'")
-    return prefixes[encoder]

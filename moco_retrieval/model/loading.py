@@ -1,0 +1,170 @@
+"""Loading trained encoders: from a training checkpoint, from a model directory, or the base one.
+
+Used by every command that reads a model (evaluate, search, mine, export):
+
+* :func:`load_checkpoint_encoder`: the query encoder of a ``RetrievalModule`` checkpoint, or
+  (``encoder="key"``) its momentum key encoder; where each sits in the state dict is
+  :func:`moco_retrieval.model.momentum.state_dict_prefix`.
+* :func:`load_model_dir`: a directory written by ``moco_retrieval.export`` (rebuilt exactly from
+  its ``moco_retrieval.json``), or any local Hugging Face model directory (built with a fallback
+  ``ModelConfig``'s pooling/head/normalize).
+* :func:`load_encoder`: one of the two, or the untrained base encoder of a ``ModelConfig``;
+  :func:`describe_spec` turns ``base`` / a file / a folder into its keyword arguments.
+
+Each returns ``(encoder, description)``, the description a JSON-able dict for reports.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from moco_retrieval.config import ModelConfig, to_config
+from moco_retrieval.model.encoder import TextEncoder, build_encoder
+from moco_retrieval.model.momentum import ENCODERS, state_dict_prefix
+
+META_FILE = "moco_retrieval.json"  # written next to an exported model: its ModelConfig and source
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """A Lightning checkpoint of ``RetrievalModule`` (tensors and plain containers only)."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"checkpoint={path}: no such file")
+    try:
+        ckpt = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - re-raised with the path
+        raise OSError(f"checkpoint={path}: cannot read it as a checkpoint ({type(e).__name__}: {e})") from e
+    if "state_dict" not in ckpt or "model" not in (ckpt.get("hyper_parameters") or {}):
+        raise ValueError(
+            f"checkpoint={path}: not a moco_retrieval training checkpoint (expected state_dict and "
+            "hyper_parameters.model)"
+        )
+    return ckpt
+
+
+def describe_encoder(cfg: ModelConfig, enc: Any) -> dict:
+    """The architecture part of a description: backbone, kind, pooling, head, dim, lengths."""
+    return {
+        "backbone": str(cfg.path or cfg.backbone),
+        "backbone_kind": cfg.backbone_kind,
+        "pooling": cfg.pooling,
+        "head": cfg.head,
+        "dim": int(getattr(enc, "dim", 0)),
+        "normalize": bool(cfg.normalize),
+        "query_max_len": int(cfg.query_max_len),
+        "doc_max_len": int(cfg.doc_max_len),
+    }
+
+
+def load_checkpoint_encoder(path: str | Path, encoder: str = "query") -> tuple[TextEncoder, dict]:
+    """The ``TextEncoder`` of a training checkpoint: its query encoder, or (``encoder="key"``) its
+    momentum key encoder. Returns ``(encoder, description)``."""
+    if encoder not in ENCODERS:
+        raise ValueError(f"encoder={encoder!r}: expected one of {ENCODERS}")
+    ckpt = load_checkpoint(path)
+    cfg = to_config(ModelConfig, ckpt["hyper_parameters"]["model"])
+    prefix = state_dict_prefix(encoder)
+    state = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+    if not state:
+        raise ValueError(
+            f"checkpoint={path} has no {encoder} encoder weights"
+            + (" (in-batch objective or model.key_encoder=query: use encoder=query)" if encoder == "key" else "")
+        )
+    enc = build_encoder(cfg)
+    enc.load_state_dict(state, strict=True)
+    enc.eval()
+    desc = {
+        "source": "checkpoint",
+        "path": str(Path(path).expanduser().resolve()),
+        "encoder": encoder,
+        "global_step": int(ckpt.get("global_step", -1)),
+        "epoch": int(ckpt.get("epoch", -1)),
+        **describe_encoder(cfg, enc),
+    }
+    return enc, desc
+
+
+def load_model_dir(path: str | Path, fallback: Optional[ModelConfig] = None) -> tuple[TextEncoder, dict]:
+    """An encoder from a model directory: one written by ``moco_retrieval.export`` (rebuilt exactly),
+    or any local Hugging Face model directory, built with ``fallback``'s pooling/head/normalize."""
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        raise FileNotFoundError(f"model_dir={path}: no such directory")
+    meta_path = d / META_FILE
+    if not meta_path.is_file():
+        if fallback is None:
+            raise FileNotFoundError(f"model_dir={path}: no {META_FILE} (not written by moco_retrieval.export)")
+        cfg = to_config(ModelConfig, {**OmegaConf.to_container(OmegaConf.structured(fallback)), "path": str(d)})
+        enc = build_encoder(cfg)
+        enc.eval()
+        return enc, {"source": "model_dir", "path": str(d.resolve()), "exported": False, **describe_encoder(cfg, enc)}
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    cfg = to_config(ModelConfig, {**meta["model"], "backbone": str(d), "path": None, "frozen_backbone": False,
+                                  "feature_cache_dir": None, "shared_tower": True})
+    enc = build_encoder(cfg)
+    head = enc.tower_for("query").head
+    dense_dirs = [d / m["path"] for m in json.loads((d / "modules.json").read_text()) if m["type"].endswith("Dense")]
+    linears = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
+    if len(linears) != len(dense_dirs):
+        raise ValueError(f"model_dir={path}: {len(dense_dirs)} Dense modules for a head with {len(linears)} layers")
+    for lin, dd in zip(linears, dense_dirs):
+        sd = _read_dense(dd)
+        with torch.no_grad():
+            lin.weight.copy_(sd["linear.weight"])
+            if lin.bias is not None:
+                lin.bias.copy_(sd["linear.bias"])
+    enc.eval()
+    return enc, {"source": "model_dir", "path": str(d.resolve()), "exported": True,
+                 "exported_from": meta.get("source", {}), **describe_encoder(cfg, enc)}
+
+
+def _read_dense(folder: Path) -> dict[str, torch.Tensor]:
+    if (folder / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(folder / "model.safetensors"))
+    return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+
+
+def load_encoder(
+    *, checkpoint: Optional[str] = None, model_dir: Optional[str] = None, model: Any = None, encoder: str = "query"
+) -> tuple[TextEncoder, dict]:
+    """The encoder of a checkpoint, of an exported model directory, or (neither) the untrained
+    base encoder described by ``model`` (a ModelConfig, DictConfig or dict)."""
+    if checkpoint and model_dir:
+        raise ValueError("give checkpoint=PATH or model_dir=PATH, not both")
+    if checkpoint:
+        return load_checkpoint_encoder(checkpoint, encoder)
+    fallback = to_config(ModelConfig, model)
+    if model_dir:
+        return load_model_dir(model_dir, fallback)
+    enc = build_encoder(fallback)
+    enc.eval()
+    return enc, {"source": "base", **describe_encoder(fallback, enc)}
+
+
+def describe_spec(spec: str) -> dict[str, Optional[str]]:
+    """``"base"``, a checkpoint file or a model directory -> keyword arguments of :func:`load_encoder`."""
+    if spec in ("base", ""):
+        return {}
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        return {"model_dir": spec}
+    if p.is_file():
+        return {"checkpoint": spec}
+    raise FileNotFoundError(f"{spec!r}: not 'base', a checkpoint file or a model directory")
+
+
+__all__ = [
+    "META_FILE",
+    "describe_encoder",
+    "describe_spec",
+    "load_checkpoint",
+    "load_checkpoint_encoder",
+    "load_encoder",
+    "load_model_dir",
+]
