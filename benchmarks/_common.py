@@ -1,6 +1,11 @@
 """Shared helpers of the benchmark scripts (not a benchmark itself).
 
 * ``compose_cfg(overrides)``: the training config through Hydra's compose API (strict schema).
+* data and cache locations: ``$MOCO_RETRIEVAL_DEBIAN_DIR`` (default ``../shared/data/debian-bookworm``
+  next to the repository, when it is there; else the package's own fallback, ``/var/lib/apt/lists``)
+  and ``$MOCO_RETRIEVAL_CACHE`` (default ``moco_retrieval.config.cache_root()``:
+  ``~/.cache/moco_retrieval``), or the ``--debian-dir`` / ``--cache`` flags of every benchmark
+  (``add_location_args``, ``apply_location_args``). Finished-run caches go to ``bench_cache(name)``.
 * ``Bench``: one process, many runs: the Debian set is read once, the frozen feature cache is
   warmed once and kept alive, and ``fit_eval(cfg)`` trains a ``RetrievalModule`` with a quiet
   Lightning ``Trainer`` (no logger, no progress bar, no checkpoints, no validation loop) and scores
@@ -17,13 +22,12 @@ import platform
 import resource
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-os.environ.setdefault("MOCO_RETRIEVAL_CACHE", "/tmp/mrcache")
-os.environ.setdefault("MOCO_RETRIEVAL_DEBIAN_DIR", "/work/shared/data/debian-bookworm")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -41,6 +45,45 @@ for _name in ("lightning.pytorch", "lightning.fabric", "lightning", "faiss.loade
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+DEFAULT_DEBIAN_DIR = ROOT.parent / "shared" / "data" / "debian-bookworm"
+
+
+# ----------------------------------------------------------------------------------- locations
+
+
+def set_locations(debian_dir: Optional[str] = None, cache: Optional[str] = None) -> None:
+    """The apt lists and the cache: a given value wins, then the environment, then the defaults
+    (``DEFAULT_DEBIAN_DIR`` when it exists; the package's ``cache_root()``, so nothing is set)."""
+    if debian_dir:
+        os.environ["MOCO_RETRIEVAL_DEBIAN_DIR"] = str(Path(debian_dir).expanduser().resolve())
+    elif not os.environ.get("MOCO_RETRIEVAL_DEBIAN_DIR") and DEFAULT_DEBIAN_DIR.is_dir():
+        os.environ["MOCO_RETRIEVAL_DEBIAN_DIR"] = str(DEFAULT_DEBIAN_DIR)
+    if cache:
+        os.environ["MOCO_RETRIEVAL_CACHE"] = str(Path(cache).expanduser().resolve())
+
+
+set_locations()
+
+
+def add_location_args(ap) -> None:
+    """``--debian-dir`` and ``--cache`` on a benchmark's argument parser."""
+    ap.add_argument("--debian-dir", default=None,
+                    help="folder with the apt Packages and Translation-en files (default $MOCO_RETRIEVAL_DEBIAN_DIR, "
+                         f"else {DEFAULT_DEBIAN_DIR} when it exists)")
+    ap.add_argument("--cache", default=None,
+                    help="built data sets, frozen features and finished-run caches (default $MOCO_RETRIEVAL_CACHE, "
+                         "else ~/.cache/moco_retrieval)")
+
+
+def apply_location_args(args) -> None:
+    set_locations(args.debian_dir, args.cache)
+
+
+def bench_cache(name: str) -> Path:
+    """A benchmark's finished-run cache file, under the package cache (``cache_root()/bench``)."""
+    from moco_retrieval.config import cache_root
+
+    return cache_root() / "bench" / name
 
 
 # ----------------------------------------------------------------------------------- config
@@ -73,17 +116,15 @@ class Bench:
     """Data read once; frozen features cached once; many quiet runs."""
 
     def __init__(self, max_train_examples: Optional[int] = None, max_eval_queries: Optional[int] = None):
-        from moco_retrieval.data.datamodule import RetrievalDataModule
+        from moco_retrieval.data.sources import load
 
         cfg = compose_cfg(FROZEN_BASE)
         cfg.data.max_train_examples = max_train_examples
         cfg.data.max_eval_queries = max_eval_queries
         self.data_cfg = cfg.data
-        dm = RetrievalDataModule(cfg.data, tokenize=None)
-        dm.prepare_data()
-        dm.setup("fit")
-        self.train_pairs = dm.train_pairs
-        self.eval_set = dm.eval_set
+        train, pool = load(cfg.data)
+        self.train_pairs = train.pairs
+        self.eval_set = pool.eval_set
         self._keep: list[Any] = []  # encoders whose feature caches must stay alive
 
     def warm(self, encoder) -> float:
@@ -102,10 +143,7 @@ class Bench:
         data = cfg.data
         data.max_train_examples = self.data_cfg.max_train_examples
         data.max_eval_queries = self.data_cfg.max_eval_queries
-        dm = RetrievalDataModule(data, tokenize=None)
-        dm._train_pairs, dm._eval_set = self.train_pairs, self.eval_set  # read once, shared
-        dm.prepare_data = lambda: None
-        return dm
+        return RetrievalDataModule.from_loaded(data, self.train_pairs, self.eval_set)  # read once, shared
 
     def fit_eval(self, cfg, *, callbacks: Iterable[Any] = (), evaluate: bool = True) -> dict:
         """Train ``cfg`` (frozen-head runs: texts only) and score the held-out pool."""
@@ -242,7 +280,7 @@ def quiet_trainer(cfg, callbacks: Iterable[Any] = (), **kw):
         gradient_clip_val=t.gradient_clip_val, accumulate_grad_batches=t.accumulate_grad_batches,
         logger=False, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=list(callbacks),
-        default_root_dir="/tmp/mr-bench-lightning",
+        default_root_dir=str(Path(tempfile.gettempdir()) / "mr-bench-lightning"),
     )
     args.update(kw)
     return L.Trainer(**args)

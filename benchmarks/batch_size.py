@@ -31,8 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    FROZEN_BASE, Bench, Runner, compose_cfg, environment, f3, figure, log, md_table, mean, median, peak_rss_mb, std,
-    write_results,
+    FROZEN_BASE, Bench, Runner, add_location_args, apply_location_args, bench_cache, compose_cfg, environment, f3,
+    figure, log, md_table, mean, median, peak_rss_mb, std, write_results,
 )
 
 import torch  # noqa: E402
@@ -118,7 +118,9 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline", type=str, default=None,
                     help="UTC HH:MM: runs not started by then are skipped (and listed as cut in the report)")
     ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    add_location_args(ap)
     args = ap.parse_args(argv)
+    apply_location_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     quick = args.quick
@@ -132,7 +134,7 @@ def main(argv=None) -> int:
     t_start = time.time()
     bench = Bench(max_train_examples=6000 if quick else None, max_eval_queries=None)
     mode = "quick" if quick else "full"
-    runner = Runner(bench, [f"trainer.max_epochs={epochs}"], Path(f"/tmp/mr-bench-cache/{NAME}-{mode}-e{epochs}.jsonl"),
+    runner = Runner(bench, [f"trainer.max_epochs={epochs}"], bench_cache(f"{NAME}-{mode}-e{epochs}.jsonl"),
                     args.fresh, deadline=args.deadline)
     log(f"B1 {mode}: {len(bench.train_pairs):,} train pairs, pool {len(bench.eval_set.corpus):,} docs / "
         f"{len(bench.eval_set.queries):,} queries; epochs {epochs}; seeds {seeds}")

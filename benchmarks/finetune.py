@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    TRAINER, Bench, append_jsonl, compose_cfg, environment, f3, figure, log, md_table, quiet_trainer, read_jsonl,
+    TRAINER, Bench, add_location_args, append_jsonl, apply_location_args, compose_cfg, environment, f3, figure, log, md_table, quiet_trainer, read_jsonl,
     write_results,
 )
 
@@ -137,7 +137,7 @@ def run_ours(bench, overrides, batches, seed, ev: Evaluator) -> dict:
     from lightning.pytorch.callbacks import Callback
     from torch.utils.data import DataLoader
 
-    from moco_retrieval.data.datamodule import Collator, PairDataset
+    from moco_retrieval.data.collate import Collator, PairDataset
     from moco_retrieval.lightning_module import RetrievalModule
 
     cfg = compose_cfg(BASE + list(overrides) + [f"data.batch_size={len(batches[0])}", "trainer.max_epochs=1",
@@ -373,7 +373,9 @@ def main(argv=None) -> int:
     ap.add_argument("--report", action="store_true", help="only write the report from the cache")
     ap.add_argument("--deadline", default=None, help="UTC HH:MM: runs not started by then are cut")
     ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    add_location_args(ap)
     args = ap.parse_args(argv)
+    apply_location_args(args)
     q = args.quick
     args.pairs = args.pairs or (256 if q else 18240)
     args.eval_every = args.eval_every or (128 if q else 6080)
@@ -388,7 +390,7 @@ def main(argv=None) -> int:
     done = {r["key"]: r for r in read_jsonl(cache)}
     cut: list[str] = []
     if not args.report:
-        from moco_retrieval.data.datamodule import cap_eval_set
+        from moco_retrieval.data.sources import cap_eval_set
 
         bench = Bench()
         pool = cap_eval_set(bench.eval_set, args.max_queries or None, args.max_docs or None, seed=0)

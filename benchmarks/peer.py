@@ -32,7 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    Bench, append_jsonl, compose_cfg, environment, f3, figure, log, md_table, peak_rss_mb, quiet_trainer, read_jsonl, write_results,
+    Bench, add_location_args, append_jsonl, apply_location_args, bench_cache, compose_cfg, environment, f3, figure, log,
+    md_table, peak_rss_mb, quiet_trainer, read_jsonl, write_results,
 )
 
 import torch  # noqa: E402
@@ -166,11 +167,13 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--only", default="moco,inbatch,mnrl,base", help="runs to do now (others: from the cache)")
     ap.add_argument("--out", type=Path, default=None)
+    add_location_args(ap)
     args = ap.parse_args(argv)
+    apply_location_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     from moco_retrieval.config import ModelConfig
-    from moco_retrieval.data.datamodule import cap_eval_set
+    from moco_retrieval.data.sources import cap_eval_set
     from moco_retrieval.evaluation.encode import evaluate_encoder
     from moco_retrieval.model.encoder import build_encoder
 
@@ -188,7 +191,7 @@ def main(argv=None) -> int:
     log(f"B4: {steps} steps at batch {batch}, lr {lr}, max lengths {q_len}/{d_len}, pool {len(pool.corpus):,} docs")
     # finished runs are cached (JSONL), so the runs can go in parallel processes (--only) and a last
     # invocation writes the report from all of them
-    cache = Path(f"/tmp/mr-bench-cache/peer-{'quick' if quick else 'full'}-s{steps}-b{batch}-q{mq}-d{md_}.jsonl")
+    cache = bench_cache(f"peer-{'quick' if quick else 'full'}-s{steps}-b{batch}-q{mq}-d{md_}.jsonl")
     cache.parent.mkdir(parents=True, exist_ok=True)
     done = {rec["name"]: rec["run"] for rec in read_jsonl(cache)}
     todo = {

@@ -30,12 +30,16 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Bench, compose_cfg, environment, figure, log, md_table, peak_rss_mb, write_results  # noqa: E402
+from _common import (  # noqa: E402
+    Bench, add_location_args, apply_location_args, compose_cfg, environment, figure, log, md_table, peak_rss_mb,
+    write_results,
+)
 
 import torch  # noqa: E402
 
@@ -321,7 +325,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--section", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
+    add_location_args(ap)
     args = ap.parse_args(argv)
+    apply_location_args(args)
     q = args.quick
     args.ks = args.ks or ("0,4096,65536" if q else "0,4096,16384,65536,262144")
     args.rounds = args.rounds or (2 if q else 3)
@@ -346,7 +352,7 @@ def main(argv=None) -> int:
             results = {}
     passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
     for s in [s for s in args.sections.split(",") if s]:
-        out_file = Path(f"/tmp/mr-bench-speed-{s}-{os.getpid()}.json")
+        out_file = Path(tempfile.gettempdir()) / f"mr-bench-speed-{s}-{os.getpid()}.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), *passthrough, "--section", s, "--child-out", str(out_file)]
         log(f"section {s}")
         t = time.time()

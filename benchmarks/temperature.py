@@ -25,7 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    Bench, Runner, environment, f3, figure, log, md_table, median, peak_rss_mb, write_results,
+    Bench, Runner, add_location_args, apply_location_args, bench_cache, environment, f3, figure, log, md_table, median,
+    peak_rss_mb, write_results,
 )
 
 import torch  # noqa: E402
@@ -57,7 +58,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--fresh", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
+    add_location_args(ap)
     args = ap.parse_args(argv)
+    apply_location_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     quick = args.quick
@@ -68,7 +71,7 @@ def main(argv=None) -> int:
     bench = Bench(max_train_examples=6000 if quick else None)
     mode = "quick" if quick else "full"
     runner = Runner(bench, [f"trainer.max_epochs={epochs}"],
-                    Path(f"/tmp/mr-bench-cache/{NAME}-{mode}-e{epochs}-{args.queue_variant}.jsonl"), args.fresh)
+                    bench_cache(f"{NAME}-{mode}-e{epochs}-{args.queue_variant}.jsonl"), args.fresh)
     log(f"B2 {mode}: taus {taus}, epochs {epochs}, seeds {seeds}, queue variant {args.queue_variant}")
     results: dict[str, dict[float, list[dict]]] = {}
     for setup, ov in setups(args.queue_variant, args.queue_epochs).items():

@@ -41,38 +41,10 @@ logging.getLogger("faiss.loader").setLevel(logging.WARNING)
 
 def load_eval_set(data: Any) -> tuple[Any, dict]:
     """The evaluation pool of a data config, without reading training data: ``(EvalSet, description)``."""
-    from moco_retrieval.data.datamodule import cap_eval_set
-    from moco_retrieval.data.formats import DataError, read_beir
+    from moco_retrieval.data.sources import load_eval_pool
 
-    kind = data.kind
-    if kind == "debian":
-        from moco_retrieval.data.debian import ensure_debian_dataset
-
-        folder = ensure_debian_dataset(data) / "eval"
-        split = "test"
-    elif kind == "beir":
-        if not data.dir:
-            raise DataError("data.dir is required with data=beir (a BEIR folder with corpus.jsonl, queries.jsonl, qrels/)")
-        folder, split = Path(data.dir).expanduser(), data.eval_split
-    elif kind == "jsonl":
-        if not data.eval_dir:
-            raise DataError("data.eval_dir is required with data=jsonl (a BEIR-layout folder)")
-        folder, split = Path(data.eval_dir).expanduser(), data.eval_split
-    else:
-        raise DataError(f"data.kind={kind!r}: expected debian, jsonl or beir")
-    full = read_beir(folder, split)
-    ev = cap_eval_set(full, data.max_eval_queries, data.max_eval_docs, data.seed)
-    desc = {
-        "kind": kind,
-        "dir": str(folder),
-        "split": split,
-        "queries": len(ev.queries),
-        "documents": len(ev.corpus),
-        "judgments": sum(len(r) for r in ev.qrels.values()),
-    }
-    if len(ev.queries) != len(full.queries) or len(ev.corpus) != len(full.corpus):
-        desc["capped_from"] = {"queries": len(full.queries), "documents": len(full.corpus)}
-    return ev, desc
+    pool = load_eval_pool(data)
+    return pool.eval_set, pool.description
 
 
 def pick_device(name: str) -> torch.device:

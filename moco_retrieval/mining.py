@@ -475,20 +475,10 @@ def format_stats(stats: dict) -> str:
 
 
 def load_training_pairs(data_cfg: Any) -> list[Pair]:
-    """The training pairs of a DataConfig; ``kind=jsonl`` needs only ``train_path`` here."""
-    from moco_retrieval.data.datamodule import RetrievalDataModule, _subset
-    from moco_retrieval.data.formats import DataError, read_pairs_jsonl
+    """The training pairs of a DataConfig (capped as in training); ``kind=jsonl`` needs only ``train_path`` here."""
+    from moco_retrieval.data.sources import load_training_pairs as load_pairs
 
-    if data_cfg.kind == "jsonl":
-        if not data_cfg.train_path:
-            raise DataError("data.train_path is required with data=jsonl (a JSONL file of training pairs)")
-        path = Path(str(data_cfg.train_path)).expanduser()
-        if not path.is_file():
-            raise DataError(f"data.train_path={data_cfg.train_path}: no such file (a JSONL file of training pairs)")
-        pairs = read_pairs_jsonl(path)
-        keep = _subset(len(pairs), data_cfg.max_train_examples, [data_cfg.seed, 1])  # the datamodule's cap
-        return pairs if keep is None else [pairs[i] for i in keep]
-    return RetrievalDataModule(data_cfg).train_pairs
+    return load_pairs(data_cfg).pairs
 
 
 def run_mine(cfg: Any) -> MiningResult:

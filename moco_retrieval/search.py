@@ -42,18 +42,10 @@ logging.getLogger("faiss.loader").setLevel(logging.WARNING)
 # --------------------------------------------------------------------------- corpus
 
 
-def _read_corpus_file(path: Path) -> dict[str, str]:
-    from moco_retrieval.data import formats
-
-    reader = getattr(formats, "read_corpus", None)
-    if reader is not None:
-        return dict(reader(path))
-    return formats._read_corpus(path)[0]  # validated reader of the BEIR corpus.jsonl
-
-
 def load_corpus(corpus: Optional[str], data: Any) -> tuple[dict[str, str], str]:
     """``({doc id: text}, description)`` from ``corpus`` or, when None, from the data group."""
-    from moco_retrieval.data.formats import DataError, read_pairs_jsonl
+    from moco_retrieval.data.formats import DataError, read_corpus
+    from moco_retrieval.data.sources import load_documents
 
     if corpus:
         p = Path(corpus).expanduser()
@@ -61,33 +53,8 @@ def load_corpus(corpus: Optional[str], data: Any) -> tuple[dict[str, str], str]:
             p = p / "corpus.jsonl"
         if not p.is_file():
             raise DataError(f"corpus={corpus}: expected a corpus.jsonl file or a BEIR folder holding one")
-        return _read_corpus_file(p), str(p)
-    docs: dict[str, str] = {}
-    if data.kind == "debian":
-        from moco_retrieval.data.debian import ensure_debian_dataset
-
-        d = ensure_debian_dataset(data)
-        for pair in read_pairs_jsonl(d / "train.jsonl"):
-            docs.setdefault(pair.query_id or str(pair.doc_id), pair.positive)
-        for did, text in _read_corpus_file(d / "eval" / "corpus.jsonl").items():
-            docs.setdefault(did, text)
-        return docs, f"Debian package descriptions ({d})"
-    if data.kind == "beir":
-        if not data.dir:
-            raise DataError("data.dir is required with data=beir (or give corpus=PATH)")
-        p = Path(data.dir).expanduser() / "corpus.jsonl"
-        return _read_corpus_file(p), str(p)
-    if data.kind == "jsonl":
-        if not OmegaConf.is_missing(data, "train_path") and data.train_path:
-            for pair in read_pairs_jsonl(data.train_path):
-                docs.setdefault(pair.query_id or str(pair.doc_id), pair.positive)
-        if not OmegaConf.is_missing(data, "eval_dir") and data.eval_dir:
-            for did, text in _read_corpus_file(Path(data.eval_dir).expanduser() / "corpus.jsonl").items():
-                docs.setdefault(did, text)
-        if not docs:
-            raise DataError("data=jsonl: set data.train_path and/or data.eval_dir (or give corpus=PATH)")
-        return docs, "data.train_path + data.eval_dir"
-    raise DataError(f"data.kind={data.kind!r}: expected debian, jsonl or beir")
+        return read_corpus(p), str(p)
+    return load_documents(data)
 
 
 # --------------------------------------------------------------------------- index

