@@ -176,7 +176,8 @@ def run_peer(bench, kind, options, batches, seed, ev: Evaluator) -> dict:
 
     cfg = compose_cfg(BASE + INBATCH + [f"seed={seed}"])
     torch.manual_seed(seed)
-    model = SentenceTransformer(str(_backbone_path(cfg.model)), device="cpu")
+    device = "cuda" if TRAINER == "gpu" and torch.cuda.is_available() else "cpu"
+    model = SentenceTransformer(str(_backbone_path(cfg.model)), device=device)
     model.train()
     cls = losses.CachedMultipleNegativesRankingLoss if kind == "cmnrl" else losses.MultipleNegativesRankingLoss
     loss_fn = cls(model, **options)  # scale 20 = 1 / 0.05, cosine similarity
@@ -187,15 +188,15 @@ def run_peer(bench, kind, options, batches, seed, ev: Evaluator) -> dict:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}], lr=cfg.optim.lr)
     steps = len(batches)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda("linear", int(cfg.optim.warmup_ratio * steps), steps))
-    scorer = build_encoder(cfg.model)  # our encoder, the peer's weights: same pooling + normalisation
+    scorer = build_encoder(cfg.model).to(device)  # our encoder, the peer's weights: same pooling + normalisation
     q_len, d_len = cfg.model.query_max_len, cfg.model.doc_max_len
     pairs = bench.train_pairs
     for step, idx in enumerate(batches, start=1):
         ev.start()
         model.max_seq_length = q_len
-        fq = model.tokenize([pairs[i].query for i in idx])
+        fq = {k: v.to(device) for k, v in model.tokenize([pairs[i].query for i in idx]).items()}
         model.max_seq_length = d_len
-        fd = model.tokenize([pairs[i].positive for i in idx])
+        fd = {k: v.to(device) for k, v in model.tokenize([pairs[i].positive for i in idx]).items()}
         loss = loss_fn([fq, fd], torch.empty(0))
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared GPU check: B1 quick (frozen head, batch sweep, queue and remedies) and B5 (MiniLM
-# step time vs queue size, queue micro-benchmark, FAISS vs torch) on a CUDA machine, in under
-# 8 minutes. Results go to $OUT (the device tool's output folder) or benchmarks/results/gpu/.
+# step time vs queue size, queue micro-benchmark, FAISS vs torch) and B6 quick (fine-tune runs) on a
+# CUDA machine, in under 11 minutes. Results go to $OUT (the device tool's output folder) or benchmarks/results/gpu/.
 #
 #   bash benchmarks/gpu.sh            # from the repository root
 #
@@ -59,5 +59,7 @@ PY
 step "B1 batch_size --quick" 210 "$PY" benchmarks/batch_size.py --quick --fresh --out "$RES"
 # B5: step time vs K (batch 64, bf16 autocast), queue micro-benchmark (same K, d, B), FAISS vs torch at 100k docs
 step "B5 speed" 180 "$PY" benchmarks/speed.py --device cuda --rounds 5 --steps 5 --warmup 3 --queue-iters 50 --out "$RES"
+# B6 quick: the fine-tune runs (ours in-batch / MoCo / two-queue, MNRL, CachedMNRL) on a few hundred pairs
+step "B6 finetune --quick" 150 "$PY" benchmarks/finetune.py --quick --only base,two_queue-32,inbatch-32,moco-32,mnrl-32,cmnrl-256 --out "$RES"
 echo "== done in $(( $(date +%s) - START ))s; files in $RES:"
 ls -l "$RES"

@@ -290,12 +290,14 @@ def test_training_sees_shared_hard_negatives(mined_dir, tmp_path, objective):
 
     B, n = 4, 2
     cfg = compose_train([
-        "+experiment=smoke", f"objective={objective}", "logger=csv", "data=jsonl",
+        # the smoke preset configures a queue, which objective=inbatch has not: its pieces instead
+        "model=tiny", "trainer=cpu", f"objective={objective}", "logger=csv", "data=jsonl", "optim.lr=1e-3",
+        "optim.warmup_steps=2", "data.eval_batch_size=128",
         f"data.train_path={mined_dir / 'mined.jsonl'}", f"data.eval_dir={mined_dir / 'eval'}",
         f"data.n_negatives={n}", f"data.batch_size={B}", "data.max_train_examples=null",
         "data.max_eval_queries=null", "data.max_eval_docs=null", f"model.path={tmp_path / 'tiny'}",
         "trainer.max_steps=3", "trainer.log_every_n_steps=1", "trainer.val_check_interval=null",
-        "trainer.enable_progress_bar=false", "objective.queue_size=64",
+        "trainer.enable_progress_bar=false", *(["objective.queue_size=64"] if objective == "moco" else []),
     ])
     assert cfg.data.n_negatives == n
 
