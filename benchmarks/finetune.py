@@ -44,7 +44,7 @@ NAME = "finetune"
 BASE = [f"trainer={TRAINER}", "logger=none", "data=debian", "trainer.val_check_interval=null"]
 INBATCH = ["+experiment=inbatch256"]
 MOCO = ["+experiment=queue65k"]
-TWO_QUEUE = ["+experiment=queue65k", "objective=two_queue"]
+TWO_QUEUE = ["+experiment=two_queue65k"]
 GTE = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 
 # name -> (kind, batch, overrides or loss options, what it is); in order of priority
