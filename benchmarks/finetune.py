@@ -194,9 +194,9 @@ def run_peer(bench, kind, options, batches, seed, ev: Evaluator) -> dict:
     for step, idx in enumerate(batches, start=1):
         ev.start()
         model.max_seq_length = q_len
-        fq = {k: v.to(device) for k, v in model.tokenize([pairs[i].query for i in idx]).items()}
+        fq = _to(model.tokenize([pairs[i].query for i in idx]), device)
         model.max_seq_length = d_len
-        fd = {k: v.to(device) for k, v in model.tokenize([pairs[i].positive for i in idx]).items()}
+        fd = _to(model.tokenize([pairs[i].positive for i in idx]), device)
         loss = loss_fn([fq, fd], torch.empty(0))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -210,8 +210,12 @@ def run_peer(bench, kind, options, batches, seed, ev: Evaluator) -> dict:
                                                                                       for k, v in options.items()}}
 
 
+def _to(features: dict, device: str) -> dict:
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in features.items()}
+
+
 def _backbone_path(model_cfg):
-    from moco_retrieval.model.encoder import resolve_backbone_path
+    from moco_retrieval.model.backbone import resolve_backbone_path
 
     return resolve_backbone_path(model_cfg)
 
@@ -344,10 +348,11 @@ def plots(by: dict, out_dir: Path, prefix: str) -> None:
     fig.savefig(out_dir / f"{prefix}_vs_batch.png")
     fig = figure(6.4, 4.2)
     ax = fig.subplots()
+    start = [{"train_s": 0.0, "recall@1": by["base"][0]["final"]["recall@1"]}] if by.get("base") else []
     for n, xs in by.items():
         if n == "base":
             continue
-        c = xs[0]["curve"]
+        c = start + xs[0]["curve"]  # every run starts from the untrained model (when it was scored)
         ax.plot([p["train_s"] for p in c], [p["recall@1"] for p in c], marker=".", label=f"{n} (seed {xs[0]['seed']})")
     ax.set_xlabel("training seconds (evaluation not counted)")
     ax.set_ylabel("recall@1")
