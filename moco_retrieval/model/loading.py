@@ -72,7 +72,7 @@ def load_checkpoint_encoder(path: str | Path, encoder: str = "query") -> tuple[T
     if not state:
         raise ValueError(
             f"checkpoint={path} has no {encoder} encoder weights"
-            + (" (in-batch objective or model.key_encoder=query: use encoder=query)" if encoder == "key" else "")
+            + (" (objective=inbatch or feature_memory has no key encoder: use encoder=query)" if encoder == "key" else "")
         )
     enc = build_encoder(cfg)
     enc.load_state_dict(state, strict=True)
