@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from moco_retrieval.config import TwoQueueConfig
+from moco_retrieval.distributed import all_gather_no_grad
 from moco_retrieval.objectives.base import MOMENTUM, View
 from moco_retrieval.objectives.moco import MoCoObjective
 from moco_retrieval.objectives.queue import NegativeQueue
@@ -59,7 +60,8 @@ class TwoQueueObjective(MoCoObjective):
             d, q_key = meta["d"].float() / tau, meta["q_key"].detach().float()
             counts = step >= self.queue_warmup_steps
             batch_k = self.gathered(k, meta) if self.batch_negatives else None
-            batch_q = self.gathered(q_key, meta) if self.batch_negatives else None
+            # the global batch's ids and groups are the same for both sides: gathered once
+            batch_q = (all_gather_no_grad(q_key), *batch_k[1:]) if batch_k is not None else None
             hard = meta["neg"].detach().float() if meta.get("neg") is not None else None
             loss_qd, stats = self.info_nce(
                 (q * k).sum(dim=1), self.queue_blocks(q, meta, self.queue if counts else None, batch_k, hard), tau)
