@@ -57,6 +57,18 @@ class ObjectiveConfig:
     temperature_max: float = 1.0
     label_smoothing: float = 0.0
     mask_false_negatives: bool = True  # mask candidates sharing the positive's document id or group
+    # guided false-negative masking (objectives/guided.py): "none"; "momentum" (the EMA key
+    # encoder's own keys: moco, two_queue); "base" (the run's backbone, untrained, frozen); or a
+    # backbone name / local model folder, frozen. A candidate the guide scores above the positive's
+    # guide score minus `guide_margin`, or above `guide_threshold` (a cosine), is masked.
+    guide: str = "none"
+    guide_margin: float = 0.0
+    guide_threshold: Optional[float] = None
+    # logQ correction of the sampling bias (objectives/logq.py): subtract log q(d) from batch and
+    # queue logits, q estimated in a stream from hashed per-document intervals between sightings
+    logq_correction: bool = False
+    logq_alpha: float = 0.01  # the estimator's learning rate (Yi et al. 2019)
+    logq_buckets: int = 1 << 20  # hash buckets of the estimator (collisions merge documents)
 
 
 @dataclass

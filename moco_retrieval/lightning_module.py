@@ -15,7 +15,8 @@ from moco_retrieval.evaluation.encode import evaluate_embeddings
 from moco_retrieval.gradcache import GradCache
 from moco_retrieval.model.encoder import build_encoder
 from moco_retrieval.model.momentum import MomentumEncoder, state_dict_prefix
-from moco_retrieval.objectives import TRAINED, View, build_objective
+from moco_retrieval.model.guide import build_guide_encoder
+from moco_retrieval.objectives import GUIDE, TRAINED, View, build_objective
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -59,7 +60,11 @@ class RetrievalModule(L.LightningModule):
             | {"seed": seed}
         )
         self.encoder = build_encoder(self.model_cfg)
-        self.objective = build_objective(self.objective_cfg, self.encoder)
+        # the fixed guide of guided masking: frozen, held outside the state dict (checkpoints stay
+        # the trained model's; the guide is rebuilt from its config)
+        guide = build_guide_encoder(self.objective_cfg.guide, self.model_cfg)
+        self._guide = (guide,) if guide is not None else ()
+        self.objective = build_objective(self.objective_cfg, self.encoder, guide)
         uses_ema = self.objective.uses_momentum_encoder
         self.key_encoder = MomentumEncoder(self.encoder, self.objective.key_encoder_dropout) if uses_ema else None
         # GradCache (model.grad_cache_chunk, see gradcache.py): sides embedded with gradient go through
@@ -91,9 +96,19 @@ class RetrievalModule(L.LightningModule):
         total = self.trainer.estimated_stepping_batches if self._trainer is not None else 0
         return self.objective.momentum(self.global_step, int(total))
 
+    def _encoder_for(self, view: View):
+        if view.encoder == TRAINED:
+            return self.encoder
+        if view.encoder == GUIDE:
+            guide = self._guide[0]
+            if guide.tower.special_ids.device != self.device:  # not a submodule: Lightning does not move it
+                guide.to(self.device)
+            return guide
+        return self.key_encoder.key_encoder
+
     def _embed(self, view: View, batch: dict) -> torch.Tensor:
         """The embedding one view of the objective asks for."""
-        encoder = self.encoder if view.encoder == TRAINED else self.key_encoder.key_encoder
+        encoder = self._encoder_for(view)
         if view.side == "memory":  # the objective's stored features through the encoder's head now
             with torch.set_grad_enabled(view.grad and torch.is_grad_enabled()):
                 return encoder.embed_features(self.objective.memory_features(), "doc")

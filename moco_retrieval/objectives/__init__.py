@@ -6,23 +6,24 @@ from __future__ import annotations
 from moco_retrieval.config import (
     FeatureMemoryConfig, InBatchConfig, MoCoConfig, ObjectiveConfig, TwoQueueConfig, objective_config,
 )
-from moco_retrieval.objectives.base import MOMENTUM, TRAINED, Objective, View
+from moco_retrieval.objectives.base import GUIDE, MOMENTUM, TRAINED, Objective, View
 from moco_retrieval.objectives.feature_memory import FeatureMemoryObjective
 from moco_retrieval.objectives.inbatch import InBatchObjective
 from moco_retrieval.objectives.moco import MoCoObjective
 from moco_retrieval.objectives.two_queue import TwoQueueObjective
 
 
-def build_objective(cfg: ObjectiveConfig, encoder) -> Objective:
+def build_objective(cfg: ObjectiveConfig, encoder, guide_encoder=None) -> Objective:
     """The objective ``cfg`` describes, sized for ``encoder`` (its ``dim``; its ``hidden_size`` and
-    ``frozen`` for the feature memory)."""
+    ``frozen`` for the feature memory) and for a fixed guide's ``guide_encoder`` (its ``dim``)."""
     cfg = objective_config(cfg)
+    guide_dim = guide_encoder.dim if guide_encoder is not None else None
     if isinstance(cfg, InBatchConfig):
         return InBatchObjective(cfg)
     if isinstance(cfg, TwoQueueConfig):  # before MoCoConfig, its base
-        return TwoQueueObjective(cfg, encoder.dim)
+        return TwoQueueObjective(cfg, encoder.dim, guide_dim)
     if isinstance(cfg, MoCoConfig):
-        return MoCoObjective(cfg, encoder.dim)
+        return MoCoObjective(cfg, encoder.dim, guide_dim)
     if isinstance(cfg, FeatureMemoryConfig):
         if not encoder.frozen:
             raise ValueError(
@@ -30,11 +31,11 @@ def build_objective(cfg: ObjectiveConfig, encoder) -> Objective:
                 "valid, so the queue can hold features and re-project them every step; use objective=moco or "
                 "objective=two_queue to fine-tune the backbone"
             )
-        return FeatureMemoryObjective(cfg, encoder.hidden_size)
+        return FeatureMemoryObjective(cfg, encoder.hidden_size, guide_dim)
     raise ValueError(f"no objective for {type(cfg).__name__}")
 
 
 __all__ = [
-    "build_objective", "Objective", "View", "TRAINED", "MOMENTUM",
+    "build_objective", "Objective", "View", "TRAINED", "MOMENTUM", "GUIDE",
     "InBatchObjective", "MoCoObjective", "TwoQueueObjective", "FeatureMemoryObjective",
 ]

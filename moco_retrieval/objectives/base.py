@@ -9,6 +9,12 @@ The Lightning module serves those declarations without knowing which objective i
   only when the batch carries them);
 * ``meta`` also holds ``doc_id`` and ``group`` of each positive (and ``neg_id``, ``neg_group``).
 
+With ``objective.guide`` set, the objective also declares guide views (``"g_q"``, ``"g_k"``,
+``"g_neg"``: the batch by a frozen guide encoder, encoder "guide"), or, for the "momentum" guide,
+reuses its EMA embeddings; candidates the guide scores too close to the positive are masked
+(guided.py). With ``objective.logq_correction`` batch and queue logits are corrected by the
+documents' estimated sampling probability (logq.py).
+
 After the backward pass the module calls ``after_backward()`` (queues enqueue there: the queue
 logits' backward needs the queue as it was); ``stats(step)`` reports what is remembered between
 steps (queue fill and age) for logging. Temperature, label smoothing and false-negative masking
@@ -22,11 +28,14 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from moco_retrieval.config import ObjectiveConfig
+from moco_retrieval.distributed import all_gather_no_grad
 from moco_retrieval.model.momentum import momentum_at
 from moco_retrieval.objectives.contrastive import Block, Temperature, info_nce
+from moco_retrieval.objectives.guided import MOMENTUM_GUIDE, NONE, GuidedMask
+from moco_retrieval.objectives.logq import StreamingFrequency
 from moco_retrieval.objectives.masking import Pairs, false_negative_pairs, merge_pairs, own_pairs
 
-TRAINED, MOMENTUM = "trained", "momentum"
+TRAINED, MOMENTUM, GUIDE = "trained", "momentum", "guide"
 SIDES = ("query", "doc", "neg", "memory")
 
 
@@ -36,7 +45,8 @@ class View:
 
     side: "query" / "doc" / "neg" (the batch's texts), or "memory" (the objective's own stored
         backbone features, see ``memory_features``), embedded by the encoder's head now.
-    encoder: "trained" (the encoder the optimizer trains) or "momentum" (its EMA copy).
+    encoder: "trained" (the encoder the optimizer trains), "momentum" (its EMA copy) or "guide"
+        (the frozen guide encoder of guided false-negative masking).
     grad: keep the graph (only the trained encoder has one).
     features: the frozen backbone's features before the head (frozen backbones; no gradient).
     """
@@ -47,9 +57,9 @@ class View:
     features: bool = False
 
     def __post_init__(self):
-        if self.side not in SIDES or self.encoder not in (TRAINED, MOMENTUM):
+        if self.side not in SIDES or self.encoder not in (TRAINED, MOMENTUM, GUIDE):
             raise ValueError(f"bad view {self}")
-        if self.grad and (self.encoder == MOMENTUM or self.features):
+        if self.grad and (self.encoder != TRAINED or self.features):
             raise ValueError(f"{self}: only the trained encoder's embeddings carry gradient")
 
 
@@ -57,17 +67,35 @@ class Objective(nn.Module):
     """Base of every objective: see the module docstring for the protocol."""
 
     views: dict[str, View] = {"q": View("query"), "k": View("doc"), "neg": View("neg")}
+    guides_with_momentum = False  # objectives with EMA keys of both sides accept guide=momentum
 
     def __init__(self, cfg: ObjectiveConfig):
         super().__init__()
         self.temperature = Temperature(cfg.temperature, cfg.learn_temperature, cfg.temperature_min, cfg.temperature_max)
         self.label_smoothing = float(cfg.label_smoothing)
         self.mask_false_negatives = bool(cfg.mask_false_negatives)
+        self.guide_name = str(cfg.guide)
+        if self.guide_name == MOMENTUM_GUIDE and not self.guides_with_momentum:
+            raise ValueError(
+                f"objective.guide=momentum needs an EMA key encoder (objective=moco or two_queue); "
+                f"objective={cfg.name} has none: use guide=base or a model folder"
+            )
+        self.guide = GuidedMask(cfg.guide_margin, cfg.guide_threshold) if self.guide_name != NONE else None
+        if self.fixed_guide:  # the batch as the frozen guide encoder embeds it
+            self.views = {**type(self).views, "g_q": View("query", GUIDE, grad=False),
+                          "g_k": View("doc", GUIDE, grad=False), "g_neg": View("neg", GUIDE, grad=False)}
+        self.logq = StreamingFrequency(cfg.logq_buckets, cfg.logq_alpha) if cfg.logq_correction else None
+        self._masked = {"id": 0, "group": 0, "guide": 0}
 
     # ---- what the module asks
     @property
     def uses_momentum_encoder(self) -> bool:
         return any(v.encoder == MOMENTUM for v in self.views.values())
+
+    @property
+    def fixed_guide(self) -> bool:
+        """A frozen guide encoder ("base" or a model folder), built by the module, embeds the batch."""
+        return self.guide_name not in (NONE, MOMENTUM_GUIDE)
 
     # objectives with a "momentum" view set these from their config
     momentum: "MomentumSchedule | None" = None
@@ -84,22 +112,57 @@ class Objective(nn.Module):
         return {}
 
     # ---- shared pieces
-    def mask(self, pos_ids: Tensor, pos_groups: Tensor, cand_ids: Tensor, cand_groups: Tensor) -> Pairs | None:
-        """False negatives among candidates (same document id or group as the positive), if masking."""
-        if not self.mask_false_negatives:
-            return None
-        return false_negative_pairs(pos_ids, pos_groups, cand_ids, cand_groups)
+    def mask(self, pos_ids: Tensor, pos_groups: Tensor, cand_ids: Tensor, cand_groups: Tensor,
+             guide: tuple[Tensor, Tensor, Tensor] | None = None, own: Pairs | None = None) -> Pairs | None:
+        """False negatives among candidates: same document id or group as the positive (if
+        masking), and those the guide scores too close to it (``guide``: the guide's anchors,
+        positives and candidates). ``own``: each row's own positive in the block, masked too but
+        not counted. Counted by rule (what an earlier rule already masked is not counted again)."""
+        out, n = own, cand_ids.shape[0]
+        if self.mask_false_negatives:
+            before = 0 if out is None else out[0].numel()
+            fn = false_negative_pairs(pos_ids, pos_groups, cand_ids, cand_groups)
+            out = fn if out is None else merge_pairs(out, fn, n)
+            n_id = int((cand_ids[out[1]] == pos_ids[out[0]]).sum()) - before  # own pairs match by id
+            self._masked["id"] += n_id
+            self._masked["group"] += out[0].numel() - before - n_id
+        if self.guide is not None and guide is not None:
+            before = 0 if out is None else out[0].numel()
+            g = self.guide.pairs(*guide)
+            out = g if out is None else merge_pairs(out, g, n)
+            self._masked["guide"] += out[0].numel() - before
+        return out
+
+    def masked_stats(self, rows: int) -> dict[str, float]:
+        """Candidates masked per query since the last call, by rule (id, group, guide)."""
+        out = {f"masked_by_{k}": v / max(1, rows) for k, v in self._masked.items()}
+        self._masked = dict.fromkeys(self._masked, 0)
+        return out
+
+    def observe(self, ids: Tensor, step: int) -> None:
+        """logQ: the global batch's documents were sampled at ``step`` (training forward only)."""
+        if self.logq is not None and self.training:
+            self.logq.observe(all_gather_no_grad(ids), step)
+
+    def corrected(self, logits: Tensor, cand_ids: Tensor) -> Tensor:
+        """Logits [B, N] (or [B] positives, with ids [B]) minus log q of their documents (logQ on)."""
+        if self.logq is None:
+            return logits
+        lq = self.logq.log_q(cand_ids)
+        return logits - (lq if logits.dim() == 1 else lq.unsqueeze(0))
 
     def batch_block(self, a: Tensor, b_all: Tensor, offset: int, ids: Tensor, groups: Tensor, ids_all: Tensor,
-                    groups_all: Tensor) -> Block:
+                    groups_all: Tensor, guide: tuple[Tensor, Tensor, Tensor] | None = None) -> Block:
         """Rows ``a`` (already / tau) against all batch rows ``b_all``; row i's own positive,
         ``b_all[offset + i]``, is scored separately and masked here, with its false negatives."""
-        masked = own_pairs(a.shape[0], offset, a.device)
-        fn = self.mask(ids, groups, ids_all, groups_all)
-        return Block(a @ b_all.T, masked if fn is None else merge_pairs(masked, fn, b_all.shape[0]))
+        masked = self.mask(ids, groups, ids_all, groups_all, guide, own=own_pairs(a.shape[0], offset, a.device))
+        return Block(self.corrected(a @ b_all.T, ids_all), masked)
 
     def info_nce(self, pos: Tensor, blocks: list[Block], tau: Tensor) -> tuple[Tensor, dict]:
-        return info_nce(pos, blocks, tau, self.label_smoothing)
+        loss, stats = info_nce(pos, blocks, tau, self.label_smoothing)
+        if self.mask_false_negatives or self.guide is not None:
+            stats.update(self.masked_stats(pos.shape[0]))
+        return loss, stats
 
 
 class MomentumSchedule:
@@ -115,4 +178,4 @@ class MomentumSchedule:
         return momentum_at(step, total_steps, self.m0, self.schedule)
 
 
-__all__ = ["View", "Objective", "MomentumSchedule", "TRAINED", "MOMENTUM"]
+__all__ = ["View", "Objective", "MomentumSchedule", "TRAINED", "MOMENTUM", "GUIDE"]

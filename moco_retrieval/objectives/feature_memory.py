@@ -38,10 +38,12 @@ class FeatureMemoryObjective(Objective):
     }
     needs_frozen_backbone = True
 
-    def __init__(self, cfg: FeatureMemoryConfig, feature_dim: int):
+    def __init__(self, cfg: FeatureMemoryConfig, feature_dim: int, guide_dim: int | None = None):
         super().__init__(cfg)
         require_queue(cfg.queue_size, cfg.name)
         self.queue = NegativeQueue(cfg.queue_size, feature_dim, cfg.queue_dtype)
+        # a fixed guide's embeddings of the queued documents, slot for slot with the queue
+        self.guide_queue = NegativeQueue(cfg.queue_size, guide_dim, cfg.queue_dtype) if self.fixed_guide else None
         self.batch_negatives = bool(cfg.batch_negatives)
         self._pending: tuple | None = None
 
@@ -53,23 +55,34 @@ class FeatureMemoryObjective(Objective):
             tau = self.temperature()
             q, k = q.float() / tau, k.float()
             ids, groups = meta["doc_id"], meta["group"]
+            self.observe(ids, step)
+            g = (meta["g_q"], meta["g_k"]) if self.fixed_guide else None
             blocks = []
             if self.batch_negatives:
                 keys, ids_all, groups_all = all_gather_with_grad(k), all_gather_no_grad(ids), all_gather_no_grad(groups)
-                blocks.append(self.batch_block(q, keys, rank() * q.shape[0], ids, groups, ids_all, groups_all))
+                g_b = (*g, all_gather_no_grad(g[1])) if g else None
+                blocks.append(self.batch_block(q, keys, rank() * q.shape[0], ids, groups, ids_all, groups_all, g_b))
             if meta.get("neg") is not None:
-                blocks.append(Block(q @ meta["neg"].float().T, self.mask(ids, groups, meta["neg_id"], meta["neg_group"])))
+                g_h = (*g, meta["g_neg"]) if g else None
+                blocks.append(Block(q @ meta["neg"].float().T,
+                                    self.mask(ids, groups, meta["neg_id"], meta["neg_group"], g_h)))
             if self.queue.fill > 0:
-                memory = meta["memory"].float()
-                blocks.append(Block(q @ memory.T, self.mask(ids, groups, self.queue.ids(), self.queue.groups())))
-            loss, stats = self.info_nce((q * k).sum(dim=1), blocks, tau)
-        self._pending = (meta["doc_features"], ids, groups, step) if self.training else None
+                q_ids = self.queue.ids()
+                g_m = (*g, self.guide_queue.keys()) if g else None
+                logits = self.corrected(q @ meta["memory"].float().T, q_ids)
+                blocks.append(Block(logits, self.mask(ids, groups, q_ids, self.queue.groups(), g_m)))
+            loss, stats = self.info_nce(self.corrected((q * k).sum(dim=1), ids), blocks, tau)
+        pending = (meta["doc_features"], ids, groups, step)
+        self._pending = (pending, meta.get("g_k")) if self.training else None
         return loss, stats
 
     @torch.no_grad()
     def after_backward(self) -> None:
         if self._pending is not None:
-            self.queue.enqueue(*self._pending)
+            (features, ids, groups, step), g_k = self._pending
+            self.queue.enqueue(features, ids, groups, step)
+            if self.guide_queue is not None:
+                self.guide_queue.enqueue(g_k, ids, groups, step)
             self._pending = None
 
     def stats(self, step: int) -> dict[str, float]:

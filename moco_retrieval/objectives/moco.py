@@ -19,6 +19,11 @@ its own key in the queue within the step that produced it: ``forward`` holds the
 ``after_backward`` writes them (the queue logits' backward still needs the queue as it was, and
 copying a K x d queue every step to avoid that is what this design avoids).
 
+Guided masking (``objective.guide``, guided.py): "momentum" scores candidates with the EMA key
+encoder (its query embeddings, one extra forward of the queries without gradient, against the keys
+this objective holds anyway); a fixed guide keeps its own embeddings of queued documents in a
+second queue. logQ (``objective.logq_correction``) corrects the positive, batch and queue logits.
+
 Defaults: K = 65,536 and m = 0.999 (MoCo's and Contriever's), temperature 0.05; hard negatives are
 not enqueued (``enqueue_hard_negatives``: they are chosen per query and would make the queue less
 representative of the corpus).
@@ -32,6 +37,7 @@ from moco_retrieval.config import MoCoConfig
 from moco_retrieval.distributed import all_gather_no_grad, rank
 from moco_retrieval.objectives.base import MOMENTUM, MomentumSchedule, Objective, View
 from moco_retrieval.objectives.contrastive import Block
+from moco_retrieval.objectives.guided import MOMENTUM_GUIDE, GuideScores
 from moco_retrieval.objectives.queue import NegativeQueue
 
 
@@ -45,11 +51,16 @@ def require_queue(size: int, name: str) -> None:
 
 class MoCoObjective(Objective):
     views = {"q": View("query"), "k": View("doc", MOMENTUM, grad=False), "neg": View("neg", MOMENTUM, grad=False)}
+    guides_with_momentum = True
 
-    def __init__(self, cfg: MoCoConfig, dim: int):
+    def __init__(self, cfg: MoCoConfig, dim: int, guide_dim: int | None = None):
         super().__init__(cfg)
         require_queue(cfg.queue_size, cfg.name)
         self.queue = NegativeQueue(cfg.queue_size, dim, cfg.queue_dtype)
+        # a fixed guide's embeddings of the queued documents, slot for slot with the queue
+        self.guide_queue = NegativeQueue(cfg.queue_size, guide_dim, cfg.queue_dtype) if self.fixed_guide else None
+        if self.guide_name == MOMENTUM_GUIDE and "q_key" not in self.views:
+            self.views = {**self.views, "q_key": View("query", MOMENTUM, grad=False)}
         self.batch_negatives = bool(cfg.batch_negatives)
         self.enqueue_hard_negatives = bool(cfg.enqueue_hard_negatives)
         self.momentum = MomentumSchedule(cfg.momentum, cfg.momentum_schedule)
@@ -60,46 +71,80 @@ class MoCoObjective(Objective):
         """The global batch's keys, ids and groups (rank order), without gradient."""
         return all_gather_no_grad(keys), all_gather_no_grad(meta["doc_id"]), all_gather_no_grad(meta["group"])
 
+    def doc_guide(self, meta: dict, k: Tensor, batch: tuple | None, hard: Tensor | None) -> GuideScores | None:
+        """The guide's view of query -> document: EMA query embeddings against the keys
+        (momentum guide), or the fixed guide's embeddings of both and of the queued documents."""
+        if self.guide is None:
+            return None
+        if self.fixed_guide:
+            cands = {"batch": all_gather_no_grad(meta["g_k"]), "queue": self.guide_queue.keys()}
+            if meta.get("g_neg") is not None:
+                cands["hard"] = meta["g_neg"]
+            return GuideScores(meta["g_q"], meta["g_k"], cands)
+        cands = {"queue": self.queue.keys()}
+        if batch is not None:
+            cands["batch"] = batch[0]
+        if hard is not None:
+            cands["hard"] = hard
+        return GuideScores(meta["q_key"], k, cands)
+
     def queue_blocks(self, q: Tensor, meta: dict, queue: NegativeQueue | None, batch: tuple | None,
-                     hard: Tensor | None = None) -> list[Block]:
+                     hard: Tensor | None = None, guide: GuideScores | None = None) -> list[Block]:
         """Blocks of ``q`` (already / tau) against the batch's other keys (``batch``: gathered keys,
-        ids, groups), the hard negatives and ``queue``, each with its false negatives masked."""
+        ids, groups), the hard negatives and ``queue``, each with its false negatives masked
+        (``guide``: the guide's scores of each block's candidates, or None)."""
         ids, groups = meta["doc_id"], meta["group"]
+
+        def g(name):
+            return None if guide is None or name not in guide.candidates else (
+                guide.anchor, guide.positive, guide.candidates[name])
+
         blocks = []
         if batch is not None:
             keys, ids_all, groups_all = batch
-            blocks.append(self.batch_block(q, keys, rank() * q.shape[0], ids, groups, ids_all, groups_all))
+            blocks.append(self.batch_block(q, keys, rank() * q.shape[0], ids, groups, ids_all, groups_all, g("batch")))
         if hard is not None:
-            blocks.append(Block(q @ hard.T, self.mask(ids, groups, meta["neg_id"], meta["neg_group"])))
+            blocks.append(Block(q @ hard.T, self.mask(ids, groups, meta["neg_id"], meta["neg_group"], g("hard"))))
         if queue is not None and queue.fill > 0:
-            blocks.append(Block(queue.logits(q), self.mask(ids, groups, queue.ids(), queue.groups())))
+            logits = self.corrected(queue.logits(q), queue.ids())
+            blocks.append(Block(logits, self.mask(ids, groups, queue.ids(), queue.groups(), g("queue"))))
         return blocks
 
     def forward(self, q: Tensor, k: Tensor, meta: dict, *, step: int = 0) -> tuple[Tensor, dict]:
         with torch.autocast(device_type=q.device.type, enabled=False):  # logits in fp32
             tau = self.temperature()
             q, k = q.float() / tau, k.detach().float()  # q scaled once: every block arrives as logits
+            self.observe(meta["doc_id"], step)
             batch = self.gathered(k, meta) if self.batch_negatives else None
             hard = meta["neg"].detach().float() if meta.get("neg") is not None else None
-            loss, stats = self.info_nce((q * k).sum(dim=1), self.queue_blocks(q, meta, self.queue, batch, hard), tau)
+            guide = self.doc_guide(meta, k, batch, hard)
+            pos = self.corrected((q * k).sum(dim=1), meta["doc_id"])
+            loss, stats = self.info_nce(pos, self.queue_blocks(q, meta, self.queue, batch, hard, guide), tau)
         self._pending = (k, meta, step, batch) if self.training else None
         return loss, stats
 
     @torch.no_grad()
     def after_backward(self) -> None:
-        """Enqueue the keys of the last training ``forward``."""
+        """Enqueue the keys of the last training ``forward`` (and the fixed guide's embeddings)."""
         if self._pending is None:
             return
         k, meta, step, batch = self._pending
         self._pending = None
-        if self.enqueue_hard_negatives and meta.get("neg") is not None:
+        with_hard = self.enqueue_hard_negatives and meta.get("neg") is not None
+        if with_hard:
             keys = torch.cat([k, meta["neg"].float()])
-            self.queue.enqueue(keys, torch.cat([meta["doc_id"], meta["neg_id"]]),
-                               torch.cat([meta["group"], meta["neg_group"]]), step)
+            ids, groups = torch.cat([meta["doc_id"], meta["neg_id"]]), torch.cat([meta["group"], meta["neg_group"]])
+            self.queue.enqueue(keys, ids, groups, step)
         elif batch is not None:  # forward already all-gathered them
             self.queue.enqueue(*batch, step, gather=False)
         else:
-            self.queue.enqueue(k, meta["doc_id"], meta["group"], step)
+            ids, groups = meta["doc_id"], meta["group"]
+            self.queue.enqueue(k, ids, groups, step)
+        if self.guide_queue is not None:
+            g = torch.cat([meta["g_k"], meta["g_neg"]]) if with_hard else meta["g_k"]
+            ids = torch.cat([meta["doc_id"], meta["neg_id"]]) if with_hard else meta["doc_id"]
+            groups = torch.cat([meta["group"], meta["neg_group"]]) if with_hard else meta["group"]
+            self.guide_queue.enqueue(g, ids, groups, step)
 
     def stats(self, step: int) -> dict[str, float]:
         return self.queue.stats(step)

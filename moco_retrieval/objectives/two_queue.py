@@ -20,6 +20,9 @@ symmetrized loss (Chen et al., ICCV 2021); ALBEF's retrieval fine-tune (Li et al
 momentum distillation with both directions, m 0.995, queue 65,536); ContAccum (Kim et al., NeurIPS
 2024: a dual memory bank of queries and documents).
 
+Guided masking and logQ work as in MoCo, in both directions (the document -> query direction's
+guide scores query keys against the documents).
+
 Defaults: as MoCo (K 65,536 per queue, m 0.999, temperature 0.05), both directions weighted
 equally (``doc_to_query_weight`` 1), queues count from the first step (``queue_warmup_steps`` 0).
 """
@@ -31,6 +34,7 @@ from torch import Tensor
 from moco_retrieval.config import TwoQueueConfig
 from moco_retrieval.distributed import all_gather_no_grad
 from moco_retrieval.objectives.base import MOMENTUM, View
+from moco_retrieval.objectives.guided import GuideScores
 from moco_retrieval.objectives.moco import MoCoObjective
 from moco_retrieval.objectives.queue import NegativeQueue
 
@@ -44,11 +48,12 @@ class TwoQueueObjective(MoCoObjective):
         "q_key": View("query", MOMENTUM, grad=False),
     }
 
-    def __init__(self, cfg: TwoQueueConfig, dim: int):
-        super().__init__(cfg, dim)
+    def __init__(self, cfg: TwoQueueConfig, dim: int, guide_dim: int | None = None):
+        super().__init__(cfg, dim, guide_dim)
         if cfg.doc_to_query_weight < 0 or cfg.queue_warmup_steps < 0:
             raise ValueError("objective.doc_to_query_weight and objective.queue_warmup_steps must be >= 0")
         self.query_queue = NegativeQueue(cfg.queue_size, dim, cfg.queue_dtype)
+        self.query_guide_queue = NegativeQueue(cfg.queue_size, guide_dim, cfg.queue_dtype) if self.fixed_guide else None
         self.doc_to_query_weight = float(cfg.doc_to_query_weight)
         self.queue_warmup_steps = int(cfg.queue_warmup_steps)
         self._pending_queries: tuple | None = None
@@ -63,10 +68,16 @@ class TwoQueueObjective(MoCoObjective):
             # the global batch's ids and groups are the same for both sides: gathered once
             batch_q = (all_gather_no_grad(q_key), *batch_k[1:]) if batch_k is not None else None
             hard = meta["neg"].detach().float() if meta.get("neg") is not None else None
+            self.observe(meta["doc_id"], step)
+            ids = meta["doc_id"]
             loss_qd, stats = self.info_nce(
-                (q * k).sum(dim=1), self.queue_blocks(q, meta, self.queue if counts else None, batch_k, hard), tau)
+                self.corrected((q * k).sum(dim=1), ids),
+                self.queue_blocks(q, meta, self.queue if counts else None, batch_k, hard,
+                                  self.doc_guide(meta, k, batch_k, hard)), tau)
             loss_dq, stats_dq = self.info_nce(
-                (d * q_key).sum(dim=1), self.queue_blocks(d, meta, self.query_queue if counts else None, batch_q), tau)
+                self.corrected((d * q_key).sum(dim=1), ids),
+                self.queue_blocks(d, meta, self.query_queue if counts else None, batch_q, None,
+                                  self.query_guide(meta, k, q_key, batch_q)), tau)
             w = self.doc_to_query_weight
             loss = (loss_qd + w * loss_dq) / (1.0 + w)
         stats.update(loss=loss.detach(), loss_query_to_doc=loss_qd.detach(), loss_doc_to_query=loss_dq.detach(),
@@ -74,6 +85,18 @@ class TwoQueueObjective(MoCoObjective):
         self._pending = (k, meta, step, batch_k) if self.training else None
         self._pending_queries = (q_key, meta, step, batch_q) if self.training else None
         return loss, stats
+
+    def query_guide(self, meta: dict, k: Tensor, q_key: Tensor, batch_q: tuple | None) -> GuideScores | None:
+        """The guide's view of document -> query: documents as anchors, query keys as candidates."""
+        if self.guide is None:
+            return None
+        if self.fixed_guide:
+            cands = {"batch": all_gather_no_grad(meta["g_q"]), "queue": self.query_guide_queue.keys()}
+            return GuideScores(meta["g_k"], meta["g_q"], cands)
+        cands = {"queue": self.query_queue.keys()}
+        if batch_q is not None:
+            cands["batch"] = batch_q[0]
+        return GuideScores(k, q_key, cands)
 
     @torch.no_grad()
     def after_backward(self) -> None:
@@ -85,6 +108,8 @@ class TwoQueueObjective(MoCoObjective):
                 self.query_queue.enqueue(*batch, step, gather=False)
             else:
                 self.query_queue.enqueue(q_key, meta["doc_id"], meta["group"], step)
+            if self.query_guide_queue is not None:
+                self.query_guide_queue.enqueue(meta["g_q"], meta["doc_id"], meta["group"], step)
         super().after_backward()
 
     def stats(self, step: int) -> dict[str, float]:

@@ -1,0 +1,332 @@
+"""Guided false-negative masking and logQ correction: each rule against a loop reference, the
+frequency estimator on a planted Zipf stream, corrected logits against a reference, the queue
+and two gloo ranks, and the module's guide encoder."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moco_retrieval.config import InBatchConfig, MoCoConfig, TwoQueueConfig
+from moco_retrieval.objectives.guided import GuidedMask
+from moco_retrieval.objectives.logq import StreamingFrequency
+from moco_retrieval.objectives.moco import MoCoObjective
+from moco_retrieval.objectives.two_queue import TwoQueueObjective
+
+TAU, D = 0.07, 8
+
+
+def unit(*shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return F.normalize(torch.randn(*shape, generator=g), dim=-1)
+
+
+def ref_guided(gq, gpos, gcand, margin, threshold):
+    out = set()
+    for i in range(gq.shape[0]):
+        p = float(gq[i] @ gpos[i])
+        for j in range(gcand.shape[0]):
+            s = float(gq[i] @ gcand[j])
+            if s > p - margin or (threshold is not None and s > threshold):
+                out.add((i, j))
+    return out
+
+
+@pytest.mark.parametrize("margin,threshold", [(0.0, None), (0.2, None), (-0.1, 0.4), (5e-3, 0.1)])
+def test_guided_mask_equals_loops(margin, threshold):
+    gq, gpos, gcand = unit(5, D, seed=1), unit(5, D, seed=2), unit(30, D, seed=3)
+    rows, cols = GuidedMask(margin, threshold).pairs(gq, gpos, gcand)
+    got = set(zip(rows.tolist(), cols.tolist()))
+    assert got == ref_guided(gq, gpos, gcand, margin, threshold)
+    assert 0 < len(got) < 150  # the planted scores exercise the rule
+
+
+def test_guided_mask_refuses_out_of_range():
+    with pytest.raises(ValueError, match="guide_threshold"):
+        GuidedMask(0.0, 1.5)
+    with pytest.raises(ValueError, match="guide_margin"):
+        GuidedMask(3.0)
+
+
+# ------------------------------------------------------------------ MoCo with every rule
+
+IDS = torch.tensor([10, 11, 12, 13, 14, 15])
+GROUPS = torch.tensor([1, 2, 2, -1, 1, -1])
+Q_IDS = torch.tensor([10, 99, 12, 98, 97, 96, 13, 95, 14, 93])
+Q_GROUPS = torch.tensor([-1, 2, -1, -1, 1, -1, -1, 5, -1, -1])
+
+
+def excluded(i, j_id, j_group):
+    return bool(j_id == IDS[i] or (GROUPS[i] >= 0 and j_group == GROUPS[i]))
+
+
+def moco(mask=True, guide="none", margin=0.0, threshold=None, logq=False, cls=MoCoObjective, cfg_cls=MoCoConfig):
+    cfg = cfg_cls(queue_size=20, temperature=TAU, mask_false_negatives=mask, guide=guide, guide_margin=margin,
+                  guide_threshold=threshold, logq_correction=logq, logq_alpha=0.5, logq_buckets=64)
+    obj = cls(cfg, D, guide_dim=D if guide not in ("none", "momentum") else None)
+    obj.train()
+    obj.queue.enqueue(unit(10, D, seed=5), Q_IDS, Q_GROUPS, step=0)
+    if obj.guide_queue is not None:
+        obj.guide_queue.enqueue(unit(10, D, seed=6), Q_IDS, Q_GROUPS, step=0)
+    if logq:  # a planted history: some documents seen often, others once
+        for s in range(8):
+            obj.logq.observe(torch.tensor([10, 12, 99] + ([11, 95] if s % 3 == 0 else [])), step=s)
+    return obj
+
+
+def ref_moco(obj, q, k, gq, gk, g_queue, mask, margin, threshold, logq):
+    """-log softmax over [positive | other batch keys | queue], loops over every candidate."""
+    keys, q_ids, q_groups = obj.queue.keys(), obj.queue.ids(), obj.queue.groups()
+    lq = (lambda i: float(obj.logq.log_q(torch.tensor([i]))[0])) if logq else (lambda i: 0.0)
+    losses, masked = [], {"id": 0, "group": 0, "guide": 0}
+
+    def rule(i, j_id, j_group, g_j):
+        if mask and j_id == IDS[i]:
+            return "id"
+        if mask and excluded(i, j_id, j_group):
+            return "group"
+        if gq is not None:
+            p, s = float(gq[i] @ gk[i]), float(gq[i] @ g_j)
+            if s > p - margin or (threshold is not None and s > threshold):
+                return "guide"
+        return None
+
+    for i in range(q.shape[0]):
+        logits = [q[i] @ k[i] / TAU - lq(int(IDS[i]))]
+        cands = [(k[j], IDS[j], GROUPS[j], gk[j] if gk is not None else None) for j in range(len(k)) if j != i]
+        cands += [(keys[j], q_ids[j], q_groups[j], g_queue[j] if g_queue is not None else None) for j in range(len(keys))]
+        for vec, j_id, j_group, g_j in cands:
+            r = rule(i, j_id, j_group, g_j)
+            if r:
+                masked[r] += 1
+            else:
+                logits.append(q[i] @ vec / TAU - lq(int(j_id)))
+        losses.append(torch.logsumexp(torch.stack(logits), 0) - logits[0])
+    return torch.stack(losses).mean(), {f"masked_by_{r}": n / q.shape[0] for r, n in masked.items()}
+
+
+@pytest.mark.parametrize("mask,margin,threshold,logq", [
+    (True, None, None, False),  # ids and groups only
+    (False, 0.05, None, False),  # the relative guide rule alone
+    (False, 2.0, 0.3, False),  # the absolute rule (the relative one with margin 2 never fires)
+    (True, 0.0, 0.5, True),  # everything together, with logQ
+    (False, None, None, True),  # logQ alone
+])
+def test_moco_loss_gradient_and_counts_equal_loops(mask, margin, threshold, logq):
+    guided = margin is not None
+    obj = moco(mask, "fixed" if guided else "none", margin or 0.0, threshold, logq)
+    q0, k = unit(6, D, seed=7), unit(6, D, seed=8)
+    gq, gk = (unit(6, D, seed=9), unit(6, D, seed=10)) if guided else (None, None)
+    meta = {"doc_id": IDS, "group": GROUPS}
+    if guided:
+        meta.update(g_q=gq, g_k=gk)
+    g_queue = obj.guide_queue.keys().clone() if guided else None
+    q = q0.clone().requires_grad_()
+    loss, stats = obj(q, k, meta, step=8)
+    (grad,) = torch.autograd.grad(loss, q)
+    q2 = q0.clone().requires_grad_()
+    ref, counts = ref_moco(obj, q2, k, gq, gk, g_queue, mask, margin or 0.0, threshold, logq)
+    (ref_grad,) = torch.autograd.grad(ref, q2)
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-5, rtol=1e-4)
+    for name, v in counts.items():
+        if mask or guided:
+            assert float(stats[name]) == pytest.approx(v), name
+        else:  # nothing can be masked: no counts logged
+            assert name not in stats
+    if guided:
+        assert counts["masked_by_guide"] > 0  # the guide found candidates ids missed
+    obj.after_backward()
+    if guided:  # the guide's embeddings of this batch are queued slot for slot with the keys
+        assert obj.guide_queue.fill == obj.queue.fill == 16
+        torch.testing.assert_close(obj.guide_queue.keys()[10:], gk)
+        assert torch.equal(obj.guide_queue.ids(), obj.queue.ids())
+
+
+def test_logq_changes_the_loss_only_when_on():
+    q, k = unit(6, D, seed=7), unit(6, D, seed=8)
+    meta = {"doc_id": IDS, "group": GROUPS}
+    off = moco(logq=False)(q, k, meta, step=8)[0]
+    on = moco(logq=True)(q, k, meta, step=8)[0]
+    assert abs(float(on - off)) > 1e-3
+
+
+def test_momentum_guide_uses_the_ema_query_keys_and_queue():
+    obj = moco(mask=False, guide="momentum", margin=0.05)
+    assert "q_key" in obj.views and obj.guide_queue is None
+    q0, k, q_key = unit(6, D, seed=7), unit(6, D, seed=8), unit(6, D, seed=11)
+    loss, stats = obj(q0, k, {"doc_id": IDS, "group": GROUPS, "q_key": q_key}, step=1)
+    ref, counts = ref_moco(obj, q0, k, q_key, k, obj.queue.keys(), False, 0.05, None, False)
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    assert float(stats["masked_by_guide"]) == pytest.approx(counts["masked_by_guide"]) and counts["masked_by_guide"] > 0
+
+
+def test_two_queue_guides_both_directions_and_queues_guide_embeddings():
+    obj = moco(mask=True, guide="fixed", margin=0.05, cls=TwoQueueObjective, cfg_cls=TwoQueueConfig)
+    obj.query_queue.enqueue(unit(10, D, seed=12), Q_IDS, Q_GROUPS, step=0)
+    obj.query_guide_queue.enqueue(unit(10, D, seed=13), Q_IDS, Q_GROUPS, step=0)
+    q, k, d, q_key, gq, gk = (unit(6, D, seed=s) for s in range(20, 26))
+    meta = {"doc_id": IDS, "group": GROUPS, "d": d, "q_key": q_key, "g_q": gq, "g_k": gk}
+    loss, _ = obj(q, k, meta, step=1)
+    # the document -> query direction: anchors are the guide's documents, candidates its queries
+    unguided = moco(mask=True, cls=TwoQueueObjective, cfg_cls=TwoQueueConfig)
+    unguided.query_queue.enqueue(unit(10, D, seed=12), Q_IDS, Q_GROUPS, step=0)
+    assert float(loss) != pytest.approx(float(unguided(q, k, dict(meta), step=1)[0]))
+    obj.after_backward()
+    assert obj.query_guide_queue.fill == 16
+    torch.testing.assert_close(obj.query_guide_queue.keys()[10:], gq)
+
+
+def test_momentum_guide_needs_an_ema_encoder():
+    from moco_retrieval.objectives.inbatch import InBatchObjective
+
+    with pytest.raises(ValueError, match="guide=momentum needs an EMA key encoder"):
+        InBatchObjective(InBatchConfig(guide="momentum"))
+
+
+def test_inbatch_guided_mask_equals_loops():
+    from moco_retrieval.objectives.inbatch import InBatchObjective
+
+    obj = InBatchObjective(InBatchConfig(temperature=TAU, guide="fixed", guide_margin=0.02, mask_false_negatives=False))
+    q, k, gq, gk = (unit(6, D, seed=s) for s in range(30, 34))
+    loss, stats = obj(q, k, {"doc_id": IDS, "group": GROUPS, "g_q": gq, "g_k": gk}, step=0)
+    ref, n = [], 0
+    for i in range(6):
+        logits = [q[i] @ k[i] / TAU]
+        for j in range(6):
+            if j == i:
+                continue
+            if float(gq[i] @ gk[j]) > float(gq[i] @ gk[i]) - 0.02:
+                n += 1
+            else:
+                logits.append(q[i] @ k[j] / TAU)
+        ref.append(torch.logsumexp(torch.stack(logits), 0) - logits[0])
+    torch.testing.assert_close(loss, torch.stack(ref).mean(), atol=1e-5, rtol=1e-5)
+    assert float(stats["masked_by_guide"]) == pytest.approx(n / 6) and n > 0
+
+
+# ------------------------------------------------------------------ the frequency estimator
+
+
+def test_frequency_estimator_converges_on_a_zipf_stream():
+    """Items drawn from a Zipf law, 16 a step: the estimate of each frequent item's probability
+    of appearing in a step approaches the true one (1 - (1 - p)^16)."""
+    n, batch, steps = 500, 16, 6000
+    p = 1.0 / torch.arange(1, n + 1, dtype=torch.float64) ** 1.1
+    p /= p.sum()
+    est = StreamingFrequency(buckets=4096, alpha=0.01)
+    g = torch.Generator().manual_seed(0)
+    for s in range(steps):
+        est.observe(torch.multinomial(p, batch, replacement=True, generator=g) * 7919 + 3, s)  # arbitrary ids
+    ids = torch.arange(20) * 7919 + 3
+    truth = 1 - (1 - p[:20]) ** batch
+    got = est.log_q(ids).double().exp()
+    rel = ((got - truth) / truth).abs()
+    assert float(rel.median()) < 0.1 and float(rel.max()) < 0.35
+    # ordering by popularity is recovered
+    assert float(got[0]) > float(got[5]) > float(got[19])
+
+
+def test_frequency_estimator_first_sighting_and_state_dict():
+    est = StreamingFrequency(buckets=16, alpha=0.5)
+    est.observe(torch.tensor([3, 3, 4]), step=9)  # first sighting at step 9: once in 10 steps
+    assert float(est.log_q(torch.tensor([3]))) == pytest.approx(-math.log(10))
+    est.observe(torch.tensor([3]), step=11)  # gap 2: 0.5 * 10 + 0.5 * 2
+    assert float(est.log_q(torch.tensor([3]))) == pytest.approx(-math.log(6))
+    assert float(est.log_q(torch.tensor([5]))) == 0.0  # never seen: no correction
+    other = StreamingFrequency(buckets=16, alpha=0.5)
+    other.load_state_dict(est.state_dict())
+    assert torch.equal(other.log_q(torch.arange(16)), est.log_q(torch.arange(16)))
+
+
+# ------------------------------------------------------------------ two gloo ranks
+
+W, B, STEPS = 2, 3, 3
+
+
+def make_steps():
+    return [dict(q=unit(W * B, D, seed=40 + s), k=unit(W * B, D, seed=50 + s), gq=unit(W * B, D, seed=60 + s),
+                 gk=unit(W * B, D, seed=70 + s), ids=torch.tensor([1, 2, 3, 1, 5, 2]) + 3 * s,
+                 groups=torch.tensor([7, -1, 7, -1, -1, 8])) for s in range(STEPS)]
+
+
+def run(steps, rank, world):
+    per = B if world > 1 else W * B
+    sl = slice(rank * per, (rank + 1) * per)
+    cfg = MoCoConfig(queue_size=16, temperature=TAU, guide="fixed", guide_margin=0.05, logq_correction=True,
+                     logq_alpha=0.3, logq_buckets=128)
+    obj = MoCoObjective(cfg, D, guide_dim=D)
+    obj.train()
+    out = {"loss": [], "grad": []}
+    for s, st in enumerate(steps):
+        q = st["q"][sl].clone().requires_grad_()
+        meta = {"doc_id": st["ids"][sl], "group": st["groups"][sl], "g_q": st["gq"][sl], "g_k": st["gk"][sl]}
+        loss, _ = obj(q, st["k"][sl], meta, step=s)
+        loss.backward()
+        obj.after_backward()
+        out["loss"].append(loss.item())
+        out["grad"].append(q.grad)
+    out["state"] = {k: v.clone() for k, v in obj.state_dict().items()}
+    return out
+
+
+def _worker(rank, port, steps, folder):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=W)
+    try:
+        torch.save(run(steps, rank, W), os.path.join(folder, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_equal_one_process_with_guide_and_logq(tmp_path):
+    import torch.multiprocessing as mp
+    from test_two_queue import free_port
+
+    steps = make_steps()
+    mp.spawn(_worker, args=(free_port(), steps, str(tmp_path)), nprocs=W, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(W)]
+    single = run(steps, 0, 1)
+    assert {"guide_queue.queue_keys", "logq.logq_interval", "logq.logq_last"} <= set(single["state"])
+    for key, v in single["state"].items():  # queue, guide queue and frequency estimates
+        for r in ranks:
+            assert torch.equal(r["state"][key], v), key
+    for s in range(STEPS):
+        assert sum(r["loss"][s] for r in ranks) / W == pytest.approx(single["loss"][s], abs=1e-5)
+        for r, res in enumerate(ranks):
+            torch.testing.assert_close(res["grad"][s], W * single["grad"][s][r * B:(r + 1) * B], atol=1e-5, rtol=1e-4)
+
+
+# ------------------------------------------------------------------ the module's guide encoder
+
+
+def test_module_builds_a_frozen_guide_outside_the_checkpoint(tmp_path_factory):
+    from moco_retrieval.config import ModelConfig, OptimConfig
+    from moco_retrieval.lightning_module import RetrievalModule
+    from moco_retrieval.model.tiny import build_tiny_bert
+    from synthetic import SyntheticData
+
+    tiny = str(build_tiny_bert(tmp_path_factory.mktemp("tiny") / "bert"))
+    m = RetrievalModule(ModelConfig(backbone="tiny", path=tiny),
+                        MoCoConfig(queue_size=16, temperature=0.1, momentum=0.9, guide="base", guide_threshold=0.99,
+                                   logq_correction=True),
+                        OptimConfig(lr=1e-3, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
+    m.train()
+    guide = m._guide[0]
+    before = {k: v.clone() for k, v in guide.state_dict().items()}
+    batch = next(iter(SyntheticData(m.encoder.tokenize, batch_size=4).train_dataloader()))
+    loss, stats = m.shared_step(batch)
+    loss.backward()
+    m.on_after_backward()
+    assert {"masked_by_guide", "masked_by_id", "masked_by_group"} <= set(stats)
+    assert m.objective.guide_queue.fill == 4
+    with torch.no_grad():  # the guide is the untrained backbone, mean-pooled and normalised, no head
+        torch.testing.assert_close(m.objective.guide_queue.keys(), guide(batch["doc"], "doc"))
+    assert all(torch.equal(v, guide.state_dict()[k]) for k, v in before.items())
+    assert not any(k.startswith("_guide") for k in m.state_dict())
+    assert "objective.guide_queue.queue_keys" in m.state_dict()
