@@ -64,6 +64,8 @@ RUNS: dict[str, tuple[str, int, object, str]] = {
     "two_queue_k16k-32": ("ours", 32, TWO_QUEUE + ["objective.queue_size=16384"], "two-queue, K 16,384"),
     "two_queue_warmup-32": ("ours", 32, TWO_QUEUE + ["objective.queue_warmup_steps=57"], "two-queue, queue counts after 10%"),
     "two_queue_dq0.5-32": ("ours", 32, TWO_QUEUE + ["objective.doc_to_query_weight=0.5"], "two-queue, d->q weight 0.5"),
+    "two_queue_sameside-32": ("ours", 32, TWO_QUEUE + ["objective.same_side_negatives=true"],
+                              "two-queue + q->q and d->d negatives (GTE)"),
 }
 HEADLINE = ["two_queue-32", "inbatch-32", "mnrl-32", "inbatch-256", "cmnrl-256"]
 

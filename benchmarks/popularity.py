@@ -15,7 +15,8 @@ so this benchmark builds a popularity-skewed variant of it:
 
 Frozen-head setup of B1 (bag-of-wordpieces backbone + linear head), 3 epochs, 3 seeds, with and
 without the correction: in-batch negatives at batch 256 (the paper's setting) and batch 32 + the
-B1 queue (``+experiment=frozen_queue`` at K 4,096).
+B1 queue (``+experiment=frozen_queue`` at K 4,096). A control runs the in-batch pair on the ordinary
+Debian set (B1's pairs and pool, popularity nearly uniform), where the correction should not matter.
 
 Writes benchmarks/results/popularity.{md,json,png}; finished runs are cached in
 benchmarks/results/popularity_runs.jsonl (committed), so a rerun resumes.
@@ -48,6 +49,8 @@ RUNS = {  # name -> overrides
     "queue 32+4k": ["+experiment=frozen_queue", "objective.queue_size=4096"],
     "queue 32+4k + logQ": ["+experiment=frozen_queue", "objective.queue_size=4096", "objective.logq_correction=true"],
 }
+# the same two in-batch runs on the ordinary Debian set (positives nearly unique): does logQ cost anything there?
+CONTROLS = {f"control: {n}": RUNS[n] for n in ("in-batch 256", "in-batch 256 + logQ")}
 
 
 def bucket_of(n: int) -> str:
@@ -113,7 +116,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="8,000 training pairs, 1 epoch, seed 0, in-batch only")
     ap.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2; quick 0)")
     ap.add_argument("--epochs", type=int, default=None, help="epochs (default 3; quick 1)")
-    ap.add_argument("--only", default=None, help=f"runs to do now, of: {', '.join(RUNS)}")
+    ap.add_argument("--only", default=None, help=f"runs to do now, of: {', '.join(list(RUNS) + list(CONTROLS))}")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--deadline", default=None, help="UTC HH:MM: runs not started by then are cut")
     ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
@@ -125,7 +128,7 @@ def main(argv=None) -> int:
     q = args.quick
     seeds = [int(s) for s in (args.seeds or ("0" if q else "0,1,2")).split(",")]
     epochs = args.epochs or (1 if q else 3)
-    only = args.only.split(",") if args.only else ([n for n in RUNS if n.startswith("in-batch")] if q else list(RUNS))
+    only = args.only.split(",") if args.only else ([n for n in RUNS if n.startswith("in-batch")] if q else list(RUNS) + list(CONTROLS))
     out_dir = args.out or Path(__file__).resolve().parent / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     prefix = f"{NAME}_quick" if q else NAME
@@ -157,12 +160,31 @@ def main(argv=None) -> int:
             append_jsonl(cache, rec)
             done[key] = rec
             log(f"{name} seed {s}: recall@1 {rec['metrics']['recall@1']:.4f} ({rec['train_s']:.0f}s)")
+    if any(n in only for n in CONTROLS):
+        std_bench = Bench(max_train_examples=8000 if q else None)
+        for s in seeds:
+            for name, ov in CONTROLS.items():
+                key = f"{name}|seed={s}|epochs={epochs}|pairs={len(std_bench.train_pairs)}"
+                done.update({r["key"]: r for r in read_jsonl(cache)})
+                if key in done or name not in only:
+                    continue
+                if args.deadline and time.strftime("%H:%M", time.gmtime()) >= args.deadline:
+                    cut.append(f"{name} seed {s}")
+                    continue
+                cfg = compose_cfg(FROZEN_BASE + ov + [f"trainer.max_epochs={epochs}", f"seed={s}", f"data.seed={s}"])
+                r = std_bench.fit_eval(cfg)
+                rec = {"key": key, "name": name, "seed": s, "metrics": dict(r["metrics"]), "train_s": r["train_s"],
+                       "steps": r["steps"], "unrelated_cos_mean": r["geometry"].get("unrelated_cos_mean"), "buckets": {}}
+                append_jsonl(cache, rec)
+                done[key] = rec
+                log(f"{name} seed {s}: recall@1 {rec['metrics']['recall@1']:.4f} ({rec['train_s']:.0f}s)")
     recs = [r for r in done.values() if r["key"].endswith(f"|epochs={epochs}|pairs={len(pairs)}")]
-    report(recs, len(pairs), eval_set, counts, popularity, epochs, seeds, cut, out_dir, prefix, time.time() - t0, q)
+    controls = [r for r in done.values() if r["name"] in CONTROLS and r["key"].split("|")[2] == f"epochs={epochs}"]
+    report(recs, controls, len(pairs), eval_set, counts, popularity, epochs, seeds, cut, out_dir, prefix, time.time() - t0, q)
     return 0
 
 
-def report(recs, n_pairs, eval_set, counts, popularity, epochs, seeds, cut, out_dir, prefix, wall, quick) -> None:
+def report(recs, controls, n_pairs, eval_set, counts, popularity, epochs, seeds, cut, out_dir, prefix, wall, quick) -> None:
     names = [n for n in RUNS if any(r["name"] == n for r in recs)]
     summ = {}
     for n in names:
@@ -190,11 +212,20 @@ def report(recs, n_pairs, eval_set, counts, popularity, epochs, seeds, cut, out_
                    [[n] + [f3(s["buckets"].get(b, {}).get("recall@1")) for b in labels] for n, s in summ.items()]), "",
           "Training pairs per document popularity: " + ", ".join(f"{b}: {sum(c * k for k, c in counts.items() if bucket_of(k) == b):,}"
                                                                for b in labels[1:]) + ".", ""]
+    if controls:
+        ctl = {}
+        for r in controls:
+            ctl.setdefault(r["name"], []).append(r)
+        md += ["## Control: the ordinary Debian set (B1's pairs and pool)", "",
+               md_table(["run", "seeds", "recall@1", "nDCG@10"],
+                        [[n, len(v), f"{f3(median([r['metrics']['recall@1'] for r in v]))} ± {f3(std([r['metrics']['recall@1'] for r in v]))}",
+                          f"{f3(median([r['metrics']['ndcg@10'] for r in v]))} ± {f3(std([r['metrics']['ndcg@10'] for r in v]))}"]
+                         for n, v in ctl.items()]), ""]
     if cut:
         md += ["## Cut", "", "Not run (deadline; the cache resumes them): " + ", ".join(cut) + ".", ""]
     data = {"benchmark": NAME, "epochs": epochs, "seeds": seeds, "pairs": n_pairs, "pool": len(eval_set.corpus),
             "queries": len(eval_set.queries), "queries_per_bucket": dict(q_per_bucket), "summary": summ, "cut": cut,
-            "runs": recs, "wall_s": wall, "environment": environment()}
+            "runs": recs, "controls": controls, "wall_s": wall, "environment": environment()}
     write_results(prefix, "\n".join(md), data, out_dir)
     plot(summ, labels, out_dir / f"{prefix}.png")
 

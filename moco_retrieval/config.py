@@ -109,6 +109,9 @@ class TwoQueueConfig(MoCoConfig):
     name: str = "two_queue"
     doc_to_query_weight: float = 1.0  # weight of the document->query loss (query->document: 1)
     queue_warmup_steps: int = 0  # optimizer steps before queued keys count as negatives
+    # also same-side negatives: queries against the other query keys and the query queue, documents
+    # against the other document keys and the document queue (GTE's improved contrastive loss)
+    same_side_negatives: bool = False
 
 
 @dataclass

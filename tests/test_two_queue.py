@@ -88,6 +88,36 @@ def test_loss_and_gradient_equal_loop_reference(data, weight, mask):
     assert got[1].abs().sum() > 0  # the document side is trained (MoCo's is not)
 
 
+def test_same_side_negatives_equal_loop_reference(data):
+    """same_side_negatives: each query also against the other query keys and the query queue, each
+    document against the other document keys and the document queue (own key and false negatives masked)."""
+    obj = filled()
+    obj.same_side_negatives = True
+    q, d = data["q"].clone().requires_grad_(), data["d"].clone().requires_grad_()
+    meta = {"doc_id": data["ids"], "group": data["groups"], "d": d, "q_key": data["q_key"]}
+    dq, qq = obj.queue, obj.query_queue
+    doc_queue = (dq.keys().clone(), dq.ids().clone(), dq.groups().clone())
+    query_queue = (qq.keys().clone(), qq.ids().clone(), qq.groups().clone())
+    loss, _ = obj(q, data["k"], meta, step=3)
+    got = torch.autograd.grad(loss, [q, d])
+    ids, groups = data["ids"], data["groups"]
+
+    def others(keys):  # the batch's other rows, as an extra block (row i's own key left out by the mask)
+        return [(keys, ids, groups)]
+
+    q2, d2 = data["q"].clone().requires_grad_(), data["d"].clone().requires_grad_()
+    # ids/groups mask the own row too (same id), so passing the whole batch as an extra block is exact
+    l_qd = ref_direction(q2, data["k"], data["k"], ids, groups, [doc_queue] + others(data["q_key"]) + [query_queue])
+    l_dq = ref_direction(d2, data["q_key"], data["q_key"], ids, groups, [query_queue] + others(data["k"]) + [doc_queue])
+    ref = (l_qd + l_dq) / 2
+    want = torch.autograd.grad(ref, [q2, d2])
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-5)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+    obj.same_side_negatives = False
+    assert obj(data["q"], data["k"], meta, step=3)[0].item() < loss.item() - 1e-3  # more negatives, higher loss
+
+
 def test_own_id_and_group_masked_in_both_queues_and_the_batch(data):
     """For each pair alone: copies of its own keys, and of a duplicate's (another id, the same
     group), in both queues change nothing when masked, and raise the loss when not."""

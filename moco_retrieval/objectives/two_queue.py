@@ -20,11 +20,19 @@ symmetrized loss (Chen et al., ICCV 2021); ALBEF's retrieval fine-tune (Li et al
 momentum distillation with both directions, m 0.995, queue 65,536); ContAccum (Kim et al., NeurIPS
 2024: a dual memory bank of queries and documents).
 
+``same_side_negatives`` adds the other side's space to each softmax: a query is also contrasted
+with the other queries' EMA keys and the query queue, a document with the other documents' keys
+and the document queue (the essay: a model never contrasted on title-title pairs behaves oddly
+there; GTE's "improved contrastive loss", Li et al. 2023, "Towards General Text Embeddings with
+Multi-stage Contrastive Learning"). A pair's own key on the other side is masked, as are keys
+sharing its document id or group; the guide does not score these blocks.
+
 Guided masking and logQ work as in MoCo, in both directions (the document -> query direction's
 guide scores query keys against the documents).
 
 Defaults: as MoCo (K 65,536 per queue, m 0.999, temperature 0.05), both directions weighted
-equally (``doc_to_query_weight`` 1), queues count from the first step (``queue_warmup_steps`` 0).
+equally (``doc_to_query_weight`` 1), queues count from the first step (``queue_warmup_steps`` 0),
+no same-side negatives (B6 has not measured them yet).
 """
 from __future__ import annotations
 
@@ -56,6 +64,7 @@ class TwoQueueObjective(MoCoObjective):
         self.query_guide_queue = NegativeQueue(cfg.queue_size, guide_dim, cfg.queue_dtype) if self.fixed_guide else None
         self.doc_to_query_weight = float(cfg.doc_to_query_weight)
         self.queue_warmup_steps = int(cfg.queue_warmup_steps)
+        self.same_side_negatives = bool(cfg.same_side_negatives)
         self._pending_queries: tuple | None = None
 
     def forward(self, q: Tensor, k: Tensor, meta: dict, *, step: int = 0) -> tuple[Tensor, dict]:
@@ -70,14 +79,14 @@ class TwoQueueObjective(MoCoObjective):
             hard = meta["neg"].detach().float() if meta.get("neg") is not None else None
             self.observe(meta["doc_id"], step)
             ids = meta["doc_id"]
-            loss_qd, stats = self.info_nce(
-                self.corrected((q * k).sum(dim=1), ids),
-                self.queue_blocks(q, meta, self.queue if counts else None, batch_k, hard,
-                                  self.doc_guide(meta, k, batch_k, hard)), tau)
-            loss_dq, stats_dq = self.info_nce(
-                self.corrected((d * q_key).sum(dim=1), ids),
-                self.queue_blocks(d, meta, self.query_queue if counts else None, batch_q, None,
-                                  self.query_guide(meta, k, q_key, batch_q)), tau)
+            doc_queue, query_queue = (self.queue, self.query_queue) if counts else (None, None)
+            blocks_qd = self.queue_blocks(q, meta, doc_queue, batch_k, hard, self.doc_guide(meta, k, batch_k, hard))
+            blocks_dq = self.queue_blocks(d, meta, query_queue, batch_q, None, self.query_guide(meta, k, q_key, batch_q))
+            if self.same_side_negatives:  # q -> other query keys + query queue; d -> other doc keys + doc queue
+                blocks_qd += self.queue_blocks(q, meta, query_queue, batch_q)
+                blocks_dq += self.queue_blocks(d, meta, doc_queue, batch_k)
+            loss_qd, stats = self.info_nce(self.corrected((q * k).sum(dim=1), ids), blocks_qd, tau)
+            loss_dq, stats_dq = self.info_nce(self.corrected((d * q_key).sum(dim=1), ids), blocks_dq, tau)
             w = self.doc_to_query_weight
             loss = (loss_qd + w * loss_dq) / (1.0 + w)
         stats.update(loss=loss.detach(), loss_query_to_doc=loss_qd.detach(), loss_doc_to_query=loss_dq.detach(),
