@@ -84,3 +84,11 @@ def log_config(loggers: list[Logger], cfg: Any) -> None:
     params = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     for logger in loggers:
         logger.log_hyperparams(params)
+
+
+def finish_loggers(loggers: list[Logger]) -> None:
+    """End the W&B run (Lightning leaves it open): its files are complete, and a later run in
+    the same process (a resumed attempt, a benchmark's next run) opens its own instead of reusing it."""
+    for logger in loggers:
+        if isinstance(logger, WandbLogger) and rank_zero_only.rank == 0 and logger._experiment is not None:
+            logger.experiment.finish()

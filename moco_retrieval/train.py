@@ -35,7 +35,7 @@ from moco_retrieval.config import TrainConfig, TrainerConfig, register_configs
 from moco_retrieval.data.datamodule import RetrievalDataModule
 from moco_retrieval.evaluation.callback import ValidationReport
 from moco_retrieval.lightning_module import RetrievalModule
-from moco_retrieval.loggers import build_loggers, log_config
+from moco_retrieval.loggers import build_loggers, finish_loggers, log_config
 from moco_retrieval.preemption import Preempted, PreemptionCheckpoint, sigterm_exit_status
 from moco_retrieval.progress import progress_callback
 
@@ -163,6 +163,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
     try:
         trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
     except Preempted:  # checkpoint written on every rank's behalf; the status says "requeue me"
+        finish_loggers(trainer.loggers)
         distributed.teardown()
         raise
     if module.last_val_step != trainer.global_step:  # the end of fit was not a validation point
@@ -172,6 +173,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
         print(f"final validation: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()) if "@" in k))
         print(f"run directory: {run_dir}")
+    finish_loggers(trainer.loggers)
     distributed.teardown()
     return metrics
 

@@ -205,3 +205,31 @@ def test_eta_counts_the_validations_still_to_come():
     assert p.eta_seconds(trainer, 0, 570, rate) == pytest.approx(570 * 6.3 + 6 * est)
     p._val_seconds = [100.0, 140.0]  # once timed, the mean of the measured ones
     assert p.eta_seconds(trainer, 200, 570, rate) == pytest.approx(370 * 6.3 + 4 * 120.0)
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, debian_dir, capsys):
+    """ckpt_path=last (a requeued job) logs into the same W&B run (offline here), not a new one."""
+    from moco_retrieval.loggers import RUN_ID_FILE
+    from moco_retrieval.train import train
+
+    small = ["+experiment=smoke", "logger=wandb", "data.max_train_examples=64", "data.max_eval_queries=16",
+             "data.max_eval_docs=32", "trainer.val_check_interval=2", "trainer.log_every_n_steps=1",
+             "ckpt_path=last"]
+    run = tmp_path / "run"
+    train(OmegaConf.to_object(compose_train(small + ["trainer.max_steps=2"])), run)
+    run_id = (run / "wandb" / RUN_ID_FILE).read_text().strip()
+    train(OmegaConf.to_object(compose_train(small + ["trainer.max_steps=4"])), run)
+    assert (run / "wandb" / RUN_ID_FILE).read_text().strip() == run_id
+    attempts = sorted(p.name for p in (run / "wandb").glob("offline-run-*"))
+    assert len(attempts) == 2 and all(name.endswith(f"-{run_id}") for name in attempts)
+    assert f"continuing {run_id}" in capsys.readouterr().out
+
+
+def test_wandb_run_id_is_kept_only_when_resuming(tmp_path):
+    from moco_retrieval.loggers import wandb_run_id
+
+    first = wandb_run_id(tmp_path / "run", resume=False)
+    assert wandb_run_id(tmp_path / "run", resume=True) == first  # the requeued attempt
+    assert wandb_run_id(tmp_path / "other", resume=True) != first  # nothing stored there: a new run
+    fresh = wandb_run_id(tmp_path / "run", resume=False)  # a fresh start over the old run directory
+    assert fresh != first and wandb_run_id(tmp_path / "run", resume=True) == fresh
