@@ -162,6 +162,11 @@ def test_apt_style_names_and_missing_lists_error(tmp_path, capsys):
     assert [p.name for p in found_tr] == ["deb.debian.org_debian_dists_bookworm_main_i18n_Translation-en"]
     assert [p.name for p in found_pk] == ["deb.debian.org_debian_dists_bookworm_main_binary-amd64_Packages"]
     assert cli_main(["debian", "--out", str(tmp_path / "o"), "--lists", str(lists)]) == 0
+    # every component's translations, as for Packages (Ubuntu images: main, universe, ...)
+    ubuntu = lists / "archive.ubuntu.com_ubuntu_dists_jammy_universe_i18n_Translation-en.gz"
+    ubuntu.write_bytes(gzip.compress(b""))
+    assert [p.name for p in find_index_files(lists)[0]] == [ubuntu.name, found_tr[0].name]
+    ubuntu.unlink()
     # no translations (container images disable them): the error says what to run
     (lists / "deb.debian.org_debian_dists_bookworm_main_i18n_Translation-en").unlink()
     with pytest.raises(DataError, match=re.escape("apt-get update -o Acquire::Languages=en")):

@@ -193,19 +193,19 @@ def _is_index_file(p: Path) -> bool:
 
 
 def find_index_files(lists_dir: os.PathLike | str) -> tuple[list[Path], list[Path]]:
-    """(translation files, packages files) in a folder: apt's ``*_main_i18n_Translation-en*`` and
-    ``*_Packages*``, else plain ``Translation-en*`` and ``Packages*``. Raises DataError when
-    either kind is missing."""
+    """(translation files, packages files) in a folder: apt's ``*_i18n_Translation-en*`` and
+    ``*_Packages*`` (every component: Debian's main, contrib; Ubuntu's main, universe, ...), else
+    plain ``Translation-en*`` and ``Packages*``. Raises DataError when either kind is missing."""
     d = Path(lists_dir)
     if not d.is_dir():
         raise DataError(f"{d}: no such directory (expected apt lists with Translation-en and Packages files); {APT_UPDATE_HINT}")
-    tr = sorted(p for p in d.glob("*_main_i18n_Translation-en*") if _is_index_file(p))
+    tr = sorted(p for p in d.glob("*_i18n_Translation-en*") if _is_index_file(p))
     tr = tr or sorted(p for p in d.glob("Translation-en*") if _is_index_file(p))
     pk = sorted(p for p in d.glob("*_Packages*") if _is_index_file(p))
     pk = pk or sorted(p for p in d.glob("Packages*") if _is_index_file(p))
     missing = []
     if not tr:
-        missing.append("no *_main_i18n_Translation-en* (or Translation-en*) file")
+        missing.append("no *_i18n_Translation-en* (or Translation-en*) file")
     if not pk:
         missing.append("no *_Packages* (or Packages*) file")
     if missing:
