@@ -87,7 +87,7 @@ def test_every_preset_builds_its_module(preset, tmp_path, monkeypatch):
         assert cfg.objective.name == "feature_memory" and module.key_encoder is None
 
 
-@pytest.mark.parametrize("override", ["objective.queue_sise=10", "model.pooling_mode=cls", "data=parquet"])
+@pytest.mark.parametrize("override", ["objective.queue_sise=10", "model.pooling_mode=cls", "data=xlsx"])
 def test_typo_in_override_is_an_error(override):
     with pytest.raises(Exception) as err:
         compose_train([override])
