@@ -83,6 +83,7 @@ def _unique(name: str, taken: set[str]) -> str:
 def run_evaluate(cfg: Any, out_dir: str | Path) -> dict[str, Path]:
     """Evaluate the configured model(s) on the pool and write the report files into ``out_dir``."""
     from moco_retrieval.evaluation.encode import evaluate_encoder
+    from moco_retrieval.evaluation.forecast import announce_encoding
     from moco_retrieval.evaluation.report import write_report
 
     evalset, dataset = load_eval_set(cfg.data)
@@ -104,6 +105,8 @@ def run_evaluate(cfg: Any, out_dir: str | Path) -> dict[str, Path]:
         enc, desc = load_encoder(model=base_model, encoder=which, **kwargs)
         name = _unique(_model_name(kwargs, desc, given), taken)
         enc.to(device)
+        announce_encoding(enc, [(list(evalset.corpus.values()), "doc"), (list(evalset.queries.values()), "query")],
+                          f"the pool, model {name}", batch_size)
         res = evaluate_encoder(enc, evalset, eval_cfg, batch_size, show_progress=bool(cfg.progress))
         desc["parameters"] = int(sum(p.numel() for p in enc.parameters()))
         results[name], models[name] = res, desc

@@ -25,6 +25,7 @@ are in ``moco_retrieval/model/loading.py``.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -105,7 +106,33 @@ def export_encoder(
     }
     meta = {"format_version": FORMAT_VERSION, "model": cfg, "side": side, "source": source or {}}
     (out / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    _apply_umask(out)
     return out
+
+
+def _apply_umask(folder: Path) -> None:
+    """Ordinary permissions (0666 / 0777 less the umask) on everything written: some writers (the
+    safetensors file) create private 0600 files, which another user or a serving container cannot read."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for p in [folder, *folder.rglob("*")]:
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
+
+
+def write_model_card(out: Path, desc: dict, checkpoint: Optional[str], side: str, name: str) -> Path:
+    """``out/README.md``: the card of model_card.py in place of sentence-transformers' generic one."""
+    from moco_retrieval.model_card import model_card, run_dir_of, training_record, validation_at
+
+    record = training_record(checkpoint)
+    metrics = None
+    if checkpoint and run_dir_of(checkpoint) is not None:
+        metrics = validation_at(run_dir_of(checkpoint), int(desc.get("global_step", -1)), Path(checkpoint).name)
+    model_cfg = json.loads((out / META_FILE).read_text(encoding="utf-8"))["model"]
+    card = out / "README.md"
+    card.write_text(model_card(desc, model_cfg, side, record, metrics, name), encoding="utf-8")
+    _apply_umask(out)
+    return card
 
 
 def _save_backbone(backbone: torch.nn.Module, folder: Path) -> None:
@@ -161,6 +188,7 @@ def run_export(cfg: Any) -> Path:
     enc, desc = load_encoder(checkpoint=cfg.checkpoint, model=cfg.model, encoder=cfg.encoder)
     side = "doc" if cfg.encoder == "key" else "query"
     out = export_encoder(enc, cfg.out_dir, side=side, source=desc, overwrite=bool(cfg.overwrite))
+    write_model_card(out, desc, cfg.checkpoint, side, str(cfg.out_dir))
     print(f"exported the {cfg.encoder} encoder ({desc['source']}, dim {enc.dim}) to {out}")
     print(f"load it with: SentenceTransformer({str(out)!r})")
     return out

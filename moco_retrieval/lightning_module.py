@@ -142,7 +142,12 @@ class RetrievalModule(L.LightningModule):
             stats["momentum"] = self.momentum()
         stats.update(self.objective.stats(self.global_step))
         bs = batch["doc_id"].shape[0]
+        # the logged step is the one this batch completes, as on the console and in checkpoint
+        # names (Lightning would log the steps completed before it: one less)
+        self.log("step", float(self.global_step + 1), batch_size=bs)
         self.log("train/loss", stats.pop("loss"), prog_bar=True, batch_size=bs)
+        if self._trainer is not None and self.trainer.optimizers:  # the rate this batch's step applies
+            self.log("lr-AdamW", float(self.trainer.optimizers[0].param_groups[0]["lr"]), batch_size=bs)
         self.log_dict({f"train/{k}": torch.as_tensor(v).float() for k, v in stats.items()}, batch_size=bs)
         return loss
 
@@ -225,5 +230,6 @@ class RetrievalModule(L.LightningModule):
         logged.update({f"val/{k}": float(v) for k, v in result.geometry.items() if isinstance(v, (int, float))})
         logged.update({f"val/{k}": v for k, v in self.objective.stats(self.global_step).items()})
         # identical on every rank (each encodes the whole pool), so no reduction is needed
+        logged["step"] = float(self.global_step)  # the steps completed, as in best-STEP.ckpt
         self.log_dict(logged, sync_dist=False)
         self._val_outputs = {}

@@ -259,9 +259,9 @@ def _search_all(index, q_emb: np.ndarray, rows: list[int], k: int, progress: boo
     idx = np.empty((len(rows), k), np.int64)
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from moco_retrieval.progress import progress_bar
 
-        bar = tqdm(total=len(rows), desc=desc, unit=" queries", leave=False)
+        bar = progress_bar(len(rows), desc, " queries")
     try:
         for s in range(0, len(rows), chunk):
             sl = rows[s : s + chunk]
@@ -342,9 +342,9 @@ def mine_from_embeddings(
     pos_scores, neg_scores, neg_ranks = [], [], []
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from moco_retrieval.progress import progress_bar
 
-        bar = tqdm(total=len(pairs), desc="filtering", unit=" queries", leave=False)
+        bar = progress_bar(len(pairs), "filtering", " queries")
     for i, p in enumerate(pairs):
         pos_score = float(q_emb[i] @ d_emb[corpus.row_doc[i]])
         sc, ix = results[i]
@@ -481,6 +481,18 @@ def load_training_pairs(data_cfg: Any) -> list[Pair]:
     return load_pairs(data_cfg).pairs
 
 
+def eval_dir_of(data_cfg: Any) -> str:
+    """The BEIR folder to validate on after mining: the built Debian set's eval/ folder, the data
+    config's eval_dir, else the placeholder DIR."""
+    if data_cfg.kind == "debian":
+        from moco_retrieval.data.sources import debian_folder
+
+        return str(debian_folder(data_cfg) / "eval")
+    if data_cfg.kind == "beir" and getattr(data_cfg, "dir", None):
+        return str(data_cfg.dir)  # its qrels/<eval_split>.tsv: also set data.eval_split
+    return str(getattr(data_cfg, "eval_dir", None) or "DIR")
+
+
 def run_mine(cfg: Any) -> MiningResult:
     """``python -m moco_retrieval.mine``: load the model and pairs, mine, write JSONL and stats."""
     from moco_retrieval.model.loading import load_encoder
@@ -499,6 +511,12 @@ def run_mine(cfg: Any) -> MiningResult:
           f"for {len(pairs):,} training pairs", file=sys.stderr)
     if encoder.frozen:
         encoder.warm_features([p.query for p in pairs], build_corpus(pairs).texts, progress=cfg.progress)
+    else:
+        from moco_retrieval.evaluation.forecast import announce_encoding
+
+        announce_encoding(encoder, [(build_corpus(pairs).texts, "doc"), ([p.query for p in pairs], "query")],
+                          f"the training pairs of data={cfg.data.kind}", cfg.batch_size,
+                          "data.max_train_examples=N mines a seeded subset")
     result = mine_hard_negatives(
         encoder, pairs, filters, n_negatives=cfg.n_negatives, sampling=cfg.sampling, seed=cfg.seed,
         keep_empty=cfg.keep_empty, index_cfg=cfg.eval, batch_size=cfg.batch_size, progress=cfg.progress,
@@ -511,7 +529,8 @@ def run_mine(cfg: Any) -> MiningResult:
     stats_file.write_text(json.dumps(result.stats, indent=2, default=str) + "\n", encoding="utf-8")
     print(format_stats(result.stats))
     print(f"wrote {out} and {stats_file}")
-    print(f"train with: data=jsonl data.train_path={out} data.eval_dir=DIR data.n_negatives={cfg.n_negatives}")
+    print(f"train with: data=jsonl data.train_path={out} data.eval_dir={eval_dir_of(cfg.data)} "
+          f"data.n_negatives={cfg.n_negatives}")
     return result
 
 

@@ -3,6 +3,7 @@
     python -m moco_retrieval.search checkpoint=CKPT query="resize images from the command line"
     python -m moco_retrieval.search model_dir=EXPORTED k=5 < queries.txt      # one query a line
     python -m moco_retrieval.search model_dir=EXPORTED corpus=BEIR_DIR_OR_corpus.jsonl format=json
+    python -m moco_retrieval.search model_dir=EXPORTED corpus=eval query="..."   # the held-out pool only
 
 The first call encodes the corpus, builds the FAISS index (``eval.index``: flat, ivf or hnsw) and
 saves it in ``index_dir`` (default ``$MOCO_RETRIEVAL_CACHE/search/<key>``, the key hashing the
@@ -10,6 +11,7 @@ model, the corpus and the index settings); later calls with the same model and c
 ``rebuild=true`` forces a new one. Queries come from ``query=...`` / ``queries=[...]``, else from
 standard input (one a line; an interactive prompt on a terminal).
 
+Before encoding a corpus it says how many documents and about how long (timed on a sample).
 Default corpus: the data group's documents. Debian (default): every package description, training
 and held-out ones, the package name as id: a semantic ``apt search``. ``data=beir``: ``data.dir``'s
 corpus.jsonl; ``data=jsonl``: the training positives and ``data.eval_dir``'s corpus.
@@ -42,11 +44,22 @@ logging.getLogger("faiss.loader").setLevel(logging.WARNING)
 # --------------------------------------------------------------------------- corpus
 
 
+EVAL_CORPUS = "eval"
+FULL_CORPUS_HINT = "corpus=eval searches only the held-out pool (faster); the index is saved, later searches load it"
+
+
 def load_corpus(corpus: Optional[str], data: Any) -> tuple[dict[str, str], str]:
-    """``({doc id: text}, description)`` from ``corpus`` or, when None, from the data group."""
+    """``({doc id: text}, description)`` from ``corpus`` (a file or folder, or ``eval``: the data
+    group's held-out pool) or, when None, every document of the data group."""
     from moco_retrieval.data.formats import DataError, read_corpus
     from moco_retrieval.data.sources import load_documents
 
+    if corpus == EVAL_CORPUS:  # the held-out pool of the data group: ~3k documents, not ~40k
+        from moco_retrieval.data.sources import load_eval_pool
+
+        pool = load_eval_pool(data)
+        d = pool.description
+        return pool.eval_set.corpus, f"the held-out pool of data={d['kind']} ({d['dir']}, {d['documents']:,} documents)"
     if corpus:
         p = Path(corpus).expanduser()
         if p.is_dir():
@@ -124,10 +137,13 @@ def build_or_load_index(
     batch_size: int = 256,
     rebuild: bool = False,
     progress: bool = True,
+    what: str = "the corpus",
+    hint: str = "",
 ) -> tuple[SearchIndex, bool]:
     """The index of ``corpus`` under ``encoder``: loaded from ``index_dir`` when it was built from
     the same model, corpus and index settings, else built and saved there. ``(index, built)``."""
     from moco_retrieval.evaluation.encode import encode_texts
+    from moco_retrieval.evaluation.forecast import announce_encoding
     from moco_retrieval.evaluation.index import build_index_from_config
 
     doc_ids = list(corpus)
@@ -142,6 +158,7 @@ def build_or_load_index(
         found = SearchIndex.load(index_dir, eval_cfg)
         if found is not None and {k: found.meta.get(k) for k in meta} == meta:
             return found, False
+    announce_encoding(encoder, [(texts, "doc")], what, batch_size, hint)
     t0 = time.perf_counter()
     emb = encode_texts(encoder, texts, "doc", batch_size, show_progress=progress)
     meta["encode_seconds"] = round(time.perf_counter() - t0, 3)
@@ -199,7 +216,8 @@ def run_search(cfg: Any, out=None) -> list[dict]:
     enc.to(pick_device(cfg.device))
     batch_size = int(cfg.batch_size or cfg.data.eval_batch_size)
     index, built = build_or_load_index(enc, corpus, eval_cfg, index_dir, identity, batch_size=batch_size,
-                                       rebuild=bool(cfg.rebuild), progress=bool(cfg.progress))
+                                       rebuild=bool(cfg.rebuild), progress=bool(cfg.progress), what=corpus_desc,
+                                       hint="" if cfg.corpus else FULL_CORPUS_HINT)
     print(f"{'built' if built else 'loaded'} index of {len(index.doc_ids):,} documents ({corpus_desc}) "
           f"in {index_dir}", file=sys.stderr)
     answers = []

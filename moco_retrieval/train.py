@@ -23,7 +23,7 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
@@ -35,7 +35,7 @@ from moco_retrieval.config import TrainConfig, TrainerConfig, register_configs
 from moco_retrieval.data.datamodule import RetrievalDataModule
 from moco_retrieval.evaluation.callback import ValidationReport
 from moco_retrieval.lightning_module import RetrievalModule
-from moco_retrieval.loggers import build_loggers
+from moco_retrieval.loggers import build_loggers, finish_loggers, log_config
 from moco_retrieval.preemption import Preempted, PreemptionCheckpoint, sigterm_exit_status
 from moco_retrieval.progress import progress_callback
 
@@ -46,6 +46,14 @@ warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
 # validation metrics are computed on the whole pool by every rank, identical: nothing to sync
 warnings.filterwarnings("ignore", message=r".*sync_dist=True.*when logging on epoch level")
 logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+# Lightning's and torch's noise that says nothing about this run: an advertisement, a deprecation
+# inside Lightning, the default of an argument we never pass, and (on resume, or a fresh start over
+# an old run, which build() warns about itself) "Checkpoint directory exists".
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "litlogger" not in r.getMessage())
+logging.getLogger("lightning.pytorch.trainer.connectors.checkpoint_connector").addFilter(
+    lambda r: "`weights_only` was not set" not in r.getMessage())
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
+warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 
 
 def trainer_kwargs(cfg: TrainerConfig) -> dict:
@@ -110,9 +118,8 @@ def build(cfg: TrainConfig, run_dir: Path) -> tuple[RetrievalModule, RetrievalDa
                              enable_version_counter=False)
     callbacks = [checkpoints, latest] + ([progress_callback(cfg.trainer.log_every_n_steps)] if cfg.trainer.enable_progress_bar else [])
     callbacks.append(ValidationReport(run_dir / "plots", cfg.eval.sample_queries, cfg.logger.log_tables))
-    loggers = build_loggers(cfg.logger, run_dir)
-    if loggers:
-        callbacks.append(LearningRateMonitor(logging_interval="step"))
+    loggers = build_loggers(cfg.logger, run_dir, resume=resolve_ckpt_path(cfg.ckpt_path, run_dir) is not None)
+    log_config(loggers, cfg)
     # SIGTERM / SIGUSR1: finish the step, write checkpoints/last.ckpt, exit 128 + signal (preemption.py).
     # Under SLURM, Lightning's auto-requeue on SIGUSR1 (`scontrol requeue` after that checkpoint).
     slurm = on_slurm()
@@ -156,6 +163,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
     try:
         trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
     except Preempted:  # checkpoint written on every rank's behalf; the status says "requeue me"
+        finish_loggers(trainer.loggers)
         distributed.teardown()
         raise
     if module.last_val_step != trainer.global_step:  # the end of fit was not a validation point
@@ -165,6 +173,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
         print(f"final validation: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()) if "@" in k))
         print(f"run directory: {run_dir}")
+    finish_loggers(trainer.loggers)
     distributed.teardown()
     return metrics
 

@@ -294,8 +294,8 @@ def test_missing_config_paths_are_named(tmp_path):
         RetrievalDataModule(DataConfig(kind="jsonl", train_path=str(tmp_path / "x.jsonl"), eval_dir=str(tmp_path))).setup()
     with pytest.raises(DataError, match=re.escape("data.dir is required with data=beir")):
         RetrievalDataModule(DataConfig(kind="beir")).setup()
-    with pytest.raises(DataError, match="data.kind='csv'"):
-        RetrievalDataModule(DataConfig(kind="csv")).setup()
+    with pytest.raises(DataError, match="data.kind='xml'"):
+        RetrievalDataModule(DataConfig(kind="xml")).setup()
 
 
 def test_bad_training_line_stops_setup(tmp_path):

@@ -12,6 +12,7 @@ from moco_retrieval.config import DataConfig
 from moco_retrieval.data.__main__ import main as cli_main
 from moco_retrieval.data.debian import (
     ENV_DEBIAN_DIR,
+    RECORD_FILE,
     build_debian,
     ensure_debian_dataset,
     find_index_files,
@@ -161,6 +162,11 @@ def test_apt_style_names_and_missing_lists_error(tmp_path, capsys):
     assert [p.name for p in found_tr] == ["deb.debian.org_debian_dists_bookworm_main_i18n_Translation-en"]
     assert [p.name for p in found_pk] == ["deb.debian.org_debian_dists_bookworm_main_binary-amd64_Packages"]
     assert cli_main(["debian", "--out", str(tmp_path / "o"), "--lists", str(lists)]) == 0
+    # every component's translations, as for Packages (Ubuntu images: main, universe, ...)
+    ubuntu = lists / "archive.ubuntu.com_ubuntu_dists_jammy_universe_i18n_Translation-en.gz"
+    ubuntu.write_bytes(gzip.compress(b""))
+    assert [p.name for p in find_index_files(lists)[0]] == [ubuntu.name, found_tr[0].name]
+    ubuntu.unlink()
     # no translations (container images disable them): the error says what to run
     (lists / "deb.debian.org_debian_dists_bookworm_main_i18n_Translation-en").unlink()
     with pytest.raises(DataError, match=re.escape("apt-get update -o Acquire::Languages=en")):
@@ -206,13 +212,45 @@ def test_ensure_debian_dataset_caches(tmp_path, monkeypatch):
     stamp = (out / "train.jsonl").stat().st_mtime_ns
     assert ensure_debian_dataset(cfg, verbose=False) == out
     assert (out / "train.jsonl").stat().st_mtime_ns == stamp  # not rebuilt
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == [out.name]  # no temporary folder left
+    # no temporary folder left; the build is recorded as the cache's default set
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted([out.name, RECORD_FILE])
     # the environment variable is used when the config does not say
     monkeypatch.setenv(ENV_DEBIAN_DIR, str(tmp_path / "in"))
     assert ensure_debian_dataset(DataConfig(cache_dir=str(tmp_path / "cache")), verbose=False) == out
     # new inputs: a new build
     (tmp_path / "in" / "Packages").write_text((tmp_path / "in" / "Packages").read_text().replace("src04", "src44"))
     assert ensure_debian_dataset(cfg, verbose=False) != out
+
+
+def test_the_built_set_is_found_without_pointing_at_the_apt_lists_again(tmp_path, monkeypatch):
+    """Train once with the apt lists pointed at; evaluate, search and mine then find the same set."""
+    import moco_retrieval.data.debian as debian
+
+    monkeypatch.delenv(ENV_DEBIAN_DIR, raising=False)
+    monkeypatch.setattr(debian, "DEFAULT_LISTS_DIR", str(tmp_path / "no-apt-lists"))
+    cache = str(tmp_path / "cache")
+    with pytest.raises(DataError, match="cannot build the Debian data set"):  # nothing built, nothing pointed at
+        ensure_debian_dataset(DataConfig(cache_dir=cache), verbose=False)
+    write_control(tmp_path / "in")
+    monkeypatch.setenv(ENV_DEBIAN_DIR, str(tmp_path / "in"))
+    out = ensure_debian_dataset(DataConfig(cache_dir=cache), verbose=False)
+    monkeypatch.delenv(ENV_DEBIAN_DIR)
+    assert ensure_debian_dataset(DataConfig(cache_dir=cache), verbose=False) == out
+    # another builder option is another set: not silently replaced by the recorded one
+    with pytest.raises(DataError, match="cannot build the Debian data set"):
+        ensure_debian_dataset(DataConfig(cache_dir=cache), eval_fraction=0.5, verbose=False)
+    # an explicit setting still wins, and becomes the default
+    write_control(tmp_path / "in2", reverse=True)
+    (tmp_path / "in2" / "Packages").write_text((tmp_path / "in2" / "Packages").read_text().replace("src04", "src44"))
+    other = ensure_debian_dataset(DataConfig(cache_dir=cache, debian_dir=str(tmp_path / "in2")), verbose=False)
+    assert other != out
+    assert ensure_debian_dataset(DataConfig(cache_dir=cache), verbose=False) == other
+    # a recorded set that was deleted is not used
+    import shutil
+
+    shutil.rmtree(other)
+    with pytest.raises(DataError, match="cannot build the Debian data set"):
+        ensure_debian_dataset(DataConfig(cache_dir=cache), verbose=False)
 
 
 def test_ensure_debian_dataset_error_lists_locations(tmp_path, monkeypatch):

@@ -123,7 +123,6 @@ class DumpQueue(Callback):
                    f"{self.folder}/rank{trainer.global_rank}.pt")
 
 
-@pytest.mark.timeout(300) if hasattr(pytest.mark, "timeout") else (lambda f: f)
 def test_two_gloo_ranks_share_one_queue(tiny_dir, tmp_path):
     m = make_module(tiny_dir, queue_size=64)
     dm = SyntheticData(m.encoder.tokenize, batch_size=4, batches=3)

@@ -217,3 +217,47 @@ def test_wandb_objects():
     table = wandb_topk_table(res.run, evalset.qrels, evalset.queries, evalset.corpus, n=3, k=5)
     assert isinstance(table, wandb.Table)
     assert table.columns == TABLE_COLUMNS and len(table.data) == 15
+
+
+def _captured_figures(monkeypatch):
+    from moco_retrieval.evaluation import report
+
+    figures, make = [], report._figure
+
+    def capture(*a, **kw):
+        figures.append(make(*a, **kw))
+        return figures[-1]
+
+    monkeypatch.setattr(report, "_figure", capture)
+    return figures
+
+
+def _result(pos, unrel, curve):
+    from moco_retrieval.evaluation.encode import EvalResult
+
+    geometry = {"unrelated_cos_mean": float(np.mean(unrel)), "positive_cos_mean": float(np.mean(pos)),
+                "cos_gap": float(np.mean(pos) - np.mean(unrel))}
+    return EvalResult(metrics={}, per_query={}, geometry=geometry, positive_cosines=pos, unrelated_cosines=unrel,
+                      run={}, recall_curve=curve, timings={})
+
+
+def test_plots_keep_the_legend_off_the_histograms_and_zoom_recall(tmp_path, monkeypatch):
+    """The MiniLM shape: a tall unrelated peak near 0.1 on the left, positives near 0.65."""
+    from moco_retrieval.evaluation.report import plot_cosine_histograms, plot_recall_curves
+
+    rng = np.random.default_rng(0)
+    res = {"base": _result(np.clip(rng.normal(0.65, 0.12, 600), -1, 1), rng.normal(0.1, 0.08, 20000),
+                           list(np.linspace(0.80, 0.99, 100))),
+           "trained": _result(np.clip(rng.normal(0.7, 0.1, 600), -1, 1), rng.normal(0.03, 0.08, 20000),
+                              list(np.linspace(0.84, 0.995, 100)))}
+    figures = _captured_figures(monkeypatch)
+    plot_cosine_histograms(res, tmp_path / "c.png")
+    plot_recall_curves(res, tmp_path / "r.png")
+    hist, recall = figures
+    hist.canvas.draw()
+    for ax in hist.axes:
+        box = ax.get_legend().get_window_extent()
+        bars = [p.get_window_extent() for p in ax.patches if p.get_height() > 0]
+        assert bars and not any(b.overlaps(box) for b in bars)
+    low, high = recall.axes[0].get_ylim()
+    assert 0.7 <= low < 0.80 and high >= 0.995  # not 0-1: the band where the curves differ fills the plot

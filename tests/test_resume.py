@@ -120,7 +120,7 @@ def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_e
     # the position in the epoch: the data module's sampler state, through the resumable loader
     assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 0, "batches_done": stop}]
     part1 = losses(run_dir / "csv" / "metrics.csv")
-    assert sorted(part1) == list(range(stop)), part1
+    assert sorted(part1) == list(range(1, stop + 1)), part1  # logged at the step each batch completes
 
     resumed = subprocess.run(cli(run_dir, *extra, "ckpt_path=last"), cwd=tmp_path, env=cli_env,
                              capture_output=True, text=True, timeout=300)
@@ -131,9 +131,9 @@ def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_e
     # the resumed attempt logs to csv/resume-1/ and leaves the first attempt's history as it was
     ref_losses, part2 = losses(ref_dir / "csv" / "metrics.csv"), losses(run_dir / "csv" / "resume-1" / "metrics.csv")
     assert losses(run_dir / "csv" / "metrics.csv") == part1
-    assert sorted(ref_losses) == list(range(STEPS))
-    assert sorted(part2) == list(range(stop, STEPS))  # no batch trained twice, none skipped
-    for step in range(STEPS):
+    assert sorted(ref_losses) == list(range(1, STEPS + 1))
+    assert sorted(part2) == list(range(stop + 1, STEPS + 1))  # no batch trained twice, none skipped
+    for step in range(1, STEPS + 1):
         got = part1.get(step, part2.get(step))
         assert got == pytest.approx(ref_losses[step], rel=1e-5, abs=1e-6), f"train/loss at step {step}"
 

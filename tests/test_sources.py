@@ -66,8 +66,8 @@ def test_each_side_reads_only_its_files(tmp_path):
         load_eval_pool(DataConfig(kind="jsonl", eval_dir=str(tmp_path / "nope")))
     with pytest.raises(DataError, match=re.escape("data.dir is required with data=beir")):
         load_eval_pool(DataConfig(kind="beir"))
-    with pytest.raises(DataError, match="data.kind='csv': expected one of debian, jsonl, beir"):
-        load_training_pairs(DataConfig(kind="csv"))
+    with pytest.raises(DataError, match="data.kind=.xml.: expected one of debian, jsonl, parquet, csv, beir"):
+        load_training_pairs(DataConfig(kind="xml"))
     # both sides: every required path is checked before any file is read
     with pytest.raises(DataError, match=re.escape("data.eval_dir is required with data=jsonl")):
         load(DataConfig(kind="jsonl", train_path=str(tmp_path / "bad.jsonl")))

@@ -22,7 +22,10 @@ def compose_train(overrides):
         return compose("train", overrides=overrides)
 
 
-def test_smoke_experiment_end_to_end(tmp_path, debian_dir):
+def test_smoke_experiment_end_to_end(tmp_path, debian_dir, capsys):
+    import csv as csv_module
+    import re
+
     from moco_retrieval.train import train
 
     # W&B offline (conftest sets WANDB_MODE=offline): it must neither hang nor need a network
@@ -42,6 +45,24 @@ def test_smoke_experiment_end_to_end(tmp_path, debian_dir):
     assert sorted(p.name for p in (tmp_path / "plots").glob("cosines-step*.png")) == ["cosines-step10.png"]
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    # a time-stamped metrics line after each validation (not only at the end), with the best so far
+    out = capsys.readouterr().out
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d "
+    lines = re.findall(stamp + r"validation at step (\d+): recall@1 (0\.\d{4})  ndcg@10 0\.\d{4}  "
+                       r"unrelated cos [+-]\d\.\d{3}  best recall@1 (0\.\d{4}) \(step (\d+)\)", out)
+    assert [int(step) for step, *_ in lines] == [10]  # 160 pairs / 16 = 10 steps, validation every 10
+    assert float(lines[0][1]) == pytest.approx(saved["val/recall@1"], abs=1e-4)
+    assert re.search(stamp + r"epoch 0 step 5/10 \(50%\) .* eta [\d.]+ min \(validations included\)", out)
+    # the whole resolved config is the logged hyperparameters (data.*, trainer.*, not only the module's)
+    hparams = OmegaConf.load(tmp_path / "csv" / "hparams.yaml")
+    assert hparams.data.batch_size == 16 and hparams.trainer.val_check_interval == 10
+    assert hparams.logger.tags == ["smoke"] and hparams.objective.queue_size == 256
+    # one step numbering: the CSV's, the checkpoint's name and the console's
+    rows = list(csv_module.DictReader((tmp_path / "csv" / "metrics.csv").open()))
+    assert {int(r["step"]) for r in rows if r["val/recall@1"]} == {10}
+    assert {int(r["step"]) for r in rows if r["train/loss"]} == {5, 10}
+    assert {int(r["step"]) for r in rows if r["lr-AdamW"]} == {5, 10}
+    assert [p.name for p in (tmp_path / "checkpoints").glob("best-*.ckpt")] == ["best-10.ckpt"]
 
 
 def test_experiment_presets_compose():
@@ -66,7 +87,7 @@ def test_every_preset_builds_its_module(preset, tmp_path, monkeypatch):
         assert cfg.objective.name == "feature_memory" and module.key_encoder is None
 
 
-@pytest.mark.parametrize("override", ["objective.queue_sise=10", "model.pooling_mode=cls", "data=parquet"])
+@pytest.mark.parametrize("override", ["objective.queue_sise=10", "model.pooling_mode=cls", "data=xlsx"])
 def test_typo_in_override_is_an_error(override):
     with pytest.raises(Exception) as err:
         compose_train([override])
@@ -161,3 +182,54 @@ def test_checkpoint_files_are_readable_like_other_files(tmp_path):
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "x.ckpt").stat().st_mode) == 0o644
     assert [p.name for p in tmp_path.iterdir()] == ["x.ckpt"]  # no temporary left behind
+
+
+def test_eta_counts_the_validations_still_to_come():
+    from types import SimpleNamespace
+
+    from moco_retrieval.progress import LogLineProgress, validations_left
+
+    assert validations_left(0, 570, 100) == 6  # 100..500 and the final one at 570
+    assert validations_left(500, 570, 100) == 1
+    assert validations_left(0, 500, 100) == 5  # the last step is a validation point: no extra one
+    assert validations_left(570, 570, 100) == 0
+    assert validations_left(3, 10, None) == 1  # once per epoch, at the end
+    dm = SimpleNamespace(eval_set=SimpleNamespace(corpus=range(3283), queries=range(3283)), cfg=SimpleNamespace(batch_size=64))
+    trainer = SimpleNamespace(val_check_interval=100, check_val_every_n_epoch=None, accumulate_grad_batches=1,
+                              num_training_batches=570, datamodule=dm)
+    p = LogLineProgress()
+    rate = 1 / 6.3  # steps per second
+    # before any validation ran: estimated from the pool (about 3 minutes each on the main job)
+    est = p.validation_seconds(trainer, 6.3)
+    assert 120 < est < 240
+    assert p.eta_seconds(trainer, 0, 570, rate) == pytest.approx(570 * 6.3 + 6 * est)
+    p._val_seconds = [100.0, 140.0]  # once timed, the mean of the measured ones
+    assert p.eta_seconds(trainer, 200, 570, rate) == pytest.approx(370 * 6.3 + 4 * 120.0)
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, debian_dir, capsys):
+    """ckpt_path=last (a requeued job) logs into the same W&B run (offline here), not a new one."""
+    from moco_retrieval.loggers import RUN_ID_FILE
+    from moco_retrieval.train import train
+
+    small = ["+experiment=smoke", "logger=wandb", "data.max_train_examples=64", "data.max_eval_queries=16",
+             "data.max_eval_docs=32", "trainer.val_check_interval=2", "trainer.log_every_n_steps=1",
+             "ckpt_path=last"]
+    run = tmp_path / "run"
+    train(OmegaConf.to_object(compose_train(small + ["trainer.max_steps=2"])), run)
+    run_id = (run / "wandb" / RUN_ID_FILE).read_text().strip()
+    train(OmegaConf.to_object(compose_train(small + ["trainer.max_steps=4"])), run)
+    assert (run / "wandb" / RUN_ID_FILE).read_text().strip() == run_id
+    attempts = sorted(p.name for p in (run / "wandb").glob("offline-run-*"))
+    assert len(attempts) == 2 and all(name.endswith(f"-{run_id}") for name in attempts)
+    assert f"continuing {run_id}" in capsys.readouterr().out
+
+
+def test_wandb_run_id_is_kept_only_when_resuming(tmp_path):
+    from moco_retrieval.loggers import wandb_run_id
+
+    first = wandb_run_id(tmp_path / "run", resume=False)
+    assert wandb_run_id(tmp_path / "run", resume=True) == first  # the requeued attempt
+    assert wandb_run_id(tmp_path / "other", resume=True) != first  # nothing stored there: a new run
+    fresh = wandb_run_id(tmp_path / "run", resume=False)  # a fresh start over the old run directory
+    assert fresh != first and wandb_run_id(tmp_path / "run", resume=True) == fresh

@@ -193,19 +193,19 @@ def _is_index_file(p: Path) -> bool:
 
 
 def find_index_files(lists_dir: os.PathLike | str) -> tuple[list[Path], list[Path]]:
-    """(translation files, packages files) in a folder: apt's ``*_main_i18n_Translation-en*`` and
-    ``*_Packages*``, else plain ``Translation-en*`` and ``Packages*``. Raises DataError when
-    either kind is missing."""
+    """(translation files, packages files) in a folder: apt's ``*_i18n_Translation-en*`` and
+    ``*_Packages*`` (every component: Debian's main, contrib; Ubuntu's main, universe, ...), else
+    plain ``Translation-en*`` and ``Packages*``. Raises DataError when either kind is missing."""
     d = Path(lists_dir)
     if not d.is_dir():
         raise DataError(f"{d}: no such directory (expected apt lists with Translation-en and Packages files); {APT_UPDATE_HINT}")
-    tr = sorted(p for p in d.glob("*_main_i18n_Translation-en*") if _is_index_file(p))
+    tr = sorted(p for p in d.glob("*_i18n_Translation-en*") if _is_index_file(p))
     tr = tr or sorted(p for p in d.glob("Translation-en*") if _is_index_file(p))
     pk = sorted(p for p in d.glob("*_Packages*") if _is_index_file(p))
     pk = pk or sorted(p for p in d.glob("Packages*") if _is_index_file(p))
     missing = []
     if not tr:
-        missing.append("no *_main_i18n_Translation-en* (or Translation-en*) file")
+        missing.append("no *_i18n_Translation-en* (or Translation-en*) file")
     if not pk:
         missing.append("no *_Packages* (or Packages*) file")
     if missing:
@@ -480,15 +480,79 @@ def resolve_debian_inputs(debian_dir: Optional[str]) -> tuple[list[Path], list[P
     return tr, pk, label
 
 
+RECORD_FILE = "debian-default.json"
+_announced: set[str] = set()
+
+
+def record_build(cache: Path, out: Path, label: str, options: dict) -> None:
+    """Remember ``out`` as the cache's default Debian set, so that later commands without
+    ``data.debian_dir`` / ``$MOCO_RETRIEVAL_DEBIAN_DIR`` find it (written atomically: ranks race)."""
+    record = {"dir": out.name, "source": label, **options}
+    path = cache / RECORD_FILE
+    try:
+        if json.loads(path.read_text(encoding="utf-8")) == record:
+            return
+    except (OSError, ValueError):
+        pass
+    fd, tmp = tempfile.mkstemp(prefix=f".{RECORD_FILE}.", dir=cache)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    os.chmod(tmp, 0o666 & ~_umask())
+    os.replace(tmp, path)
+
+
+def recorded_build(cache: Path, options: dict) -> Optional[tuple[Path, str]]:
+    """``(folder, where it was built from)`` of the cache's default Debian set, when one was
+    recorded with these builder options and is still there; else None."""
+    try:
+        record = json.loads((cache / RECORD_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or any(record.get(k) != v for k, v in options.items()):
+        return None
+    out = cache / str(record.get("dir", ""))
+    if not str(record.get("dir", "")).startswith("debian-") or not (out / "manifest.json").is_file():
+        return None
+    return out, str(record.get("source", "?"))
+
+
+def _announce_recorded(recorded: tuple[Path, str]) -> None:
+    out, source = recorded
+    if str(out) in _announced:
+        return
+    _announced.add(str(out))
+    print(f"[moco_retrieval] Debian data set: {out} (built from {source}; data.debian_dir=DIR or "
+          f"${ENV_DEBIAN_DIR}=DIR selects other apt lists)", file=sys.stderr)
+
+
+def _umask() -> int:
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
 def ensure_debian_dataset(
     cfg, eval_fraction: float = DEFAULT_EVAL_FRACTION, dedup: str = "first-paragraph", verbose: bool = True
 ) -> Path:
     """The built Debian data set for ``cfg`` (a DataConfig), building it on first use.
 
+    Inputs: ``cfg.debian_dir``, else ``$MOCO_RETRIEVAL_DEBIAN_DIR``, else the set this cache last
+    built or used (``debian-default.json``: train once with the apt lists pointed at, and every
+    later command finds the same set), else ``/var/lib/apt/lists``.
+
     Cached under ``cfg.cache_dir`` (default ``$MOCO_RETRIEVAL_CACHE`` or ``~/.cache/moco_retrieval``)
     as ``debian-<key>``, the key being a hash of the builder version, the options and the inputs'
     sha256: new apt lists give a new build. Built atomically, so concurrent ranks are safe."""
     _check_options(eval_fraction, dedup)
+    cache = Path(getattr(cfg, "cache_dir", None) or default_cache_dir()).expanduser()
+    options = {"builder_version": BUILDER_VERSION, "eval_fraction": eval_fraction, "dedup": dedup}
+    explicit = getattr(cfg, "debian_dir", None) or os.environ.get(ENV_DEBIAN_DIR)
+    if not explicit:
+        recorded = recorded_build(cache, options)
+        if recorded is not None:
+            if verbose:
+                _announce_recorded(recorded)
+            return recorded[0]
     tr, pk, label = resolve_debian_inputs(getattr(cfg, "debian_dir", None))
     inputs = _inputs_manifest(tr, pk)
     key_src = json.dumps(
@@ -496,9 +560,9 @@ def ensure_debian_dataset(
         sort_keys=True,
     )
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
-    cache = Path(getattr(cfg, "cache_dir", None) or default_cache_dir()).expanduser()
     out = cache / f"debian-{key}"
     if (out / "manifest.json").is_file():
+        record_build(cache, out, label, options)
         return out
     cache.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -516,6 +580,7 @@ def ensure_debian_dataset(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    record_build(cache, out, label, options)
     if verbose:
         c = manifest["counts"]
         print(
@@ -546,5 +611,7 @@ __all__ = [
     "write_debian",
     "resolve_debian_inputs",
     "ensure_debian_dataset",
+    "record_build",
+    "recorded_build",
     "default_cache_dir",
 ]

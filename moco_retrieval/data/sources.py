@@ -1,9 +1,10 @@
-"""Loading by ``data.kind`` (debian | jsonl | beir), with the seeded subsets and caps.
+"""Loading by ``data.kind`` (debian | jsonl | parquet | csv | beir), with the seeded subsets and caps.
 
 The one place that knows which files a data config names:
 
 * ``debian``: :func:`~.debian.ensure_debian_dataset` -> ``train.jsonl`` + ``eval/`` (split ``test``).
-* ``jsonl``: ``cfg.train_path`` pairs; ``cfg.eval_dir`` BEIR folder, split ``cfg.eval_split``.
+* ``jsonl``, ``parquet``, ``csv``: ``cfg.train_path`` pairs (parquet / csv: tabular.py, columns
+  ``cfg.columns``); ``cfg.eval_dir`` BEIR folder, split ``cfg.eval_split``.
 * ``beir``: ``cfg.dir``; train from ``qrels/<train_split>.tsv``, eval from ``qrels/<eval_split>.tsv``.
 
 :func:`load_training_pairs` reads only the training side (``jsonl`` needs only ``train_path``),
@@ -35,7 +36,8 @@ from .formats import (
     read_pairs_jsonl_located,
 )
 
-KINDS = ("debian", "jsonl", "beir")
+KINDS = ("debian", "jsonl", "parquet", "csv", "beir")
+PAIR_KINDS = ("jsonl", "parquet", "csv")  # a file of training pairs + a BEIR folder for validation
 
 
 @dataclass
@@ -143,7 +145,7 @@ def _need(cfg: Any, key: str, kind: str, what: str, file: bool) -> Path:
     return p
 
 
-_TRAIN_FILE = "a JSONL file of training pairs"
+_TRAIN_FILE = "a {} file of training pairs"
 _EVAL_DIR = "a BEIR-layout folder for validation"
 _BEIR_DIR = "a BEIR folder with corpus.jsonl, queries.jsonl, qrels/"
 
@@ -159,7 +161,7 @@ def _eval_location(cfg: Any, kind: str, folder: Optional[Path] = None) -> tuple[
     """``(BEIR folder, split)`` of the evaluation pool."""
     if kind == "debian":
         return (folder or debian_folder(cfg)) / "eval", "test"
-    if kind == "jsonl":
+    if kind in PAIR_KINDS:
         return _need(cfg, "eval_dir", kind, _EVAL_DIR, file=False), cfg.eval_split
     return _need(cfg, "dir", kind, _BEIR_DIR, file=False), cfg.eval_split
 
@@ -170,6 +172,22 @@ def _eval_location(cfg: Any, kind: str, folder: Optional[Path] = None) -> tuple[
 def _located_pairs(path: Path, folder: Optional[Path] = None) -> TrainingPairs:
     located = read_pairs_jsonl_located(path)
     return TrainingPairs([p for _, p in located], [f"{path}:{line}" for line, _ in located], folder)
+
+
+def _table_pairs(path: Path, kind: str, columns: Any) -> TrainingPairs:
+    from .tabular import read_pairs_table_located
+
+    located = read_pairs_table_located(path, kind, columns)
+    return TrainingPairs([p for _, p in located], [f"{path}: row {row}" for row, _ in located])
+
+
+def _train_file(cfg: Any, kind: str) -> Path:
+    return _need(cfg, "train_path", kind, _TRAIN_FILE.format(kind.upper() if kind != "parquet" else "Parquet"), file=True)
+
+
+def _pairs_file(cfg: Any, kind: str) -> TrainingPairs:
+    path = _train_file(cfg, kind)
+    return _located_pairs(path) if kind == "jsonl" else _table_pairs(path, kind, _value(cfg, "columns"))
 
 
 def _beir_pairs(cfg: Any, d: Path, train: EvalSet) -> TrainingPairs:
@@ -206,8 +224,8 @@ def load_training_pairs(cfg: Any) -> TrainingPairs:
     if kind == "debian":
         d = debian_folder(cfg)
         data = _located_pairs(d / "train.jsonl", d)
-    elif kind == "jsonl":
-        data = _located_pairs(_need(cfg, "train_path", kind, _TRAIN_FILE, file=True))
+    elif kind in PAIR_KINDS:
+        data = _pairs_file(cfg, kind)
     else:
         d = _need(cfg, "dir", kind, _BEIR_DIR, file=False)
         data = _beir_pairs(cfg, d, read_beir(d, cfg.train_split))
@@ -227,8 +245,8 @@ def load(cfg: Any) -> tuple[TrainingPairs, EvalPool]:
     """Both sides (what training needs): :func:`load_training_pairs` and :func:`load_eval_pool`,
     checking every required path before reading anything, and reading a BEIR folder's corpus once."""
     kind = _check_kind(cfg)
-    if kind == "jsonl":
-        _need(cfg, "train_path", kind, _TRAIN_FILE, file=True)
+    if kind in PAIR_KINDS:
+        _train_file(cfg, kind)
         _need(cfg, "eval_dir", kind, _EVAL_DIR, file=False)
     if kind != "beir":
         train = load_training_pairs(cfg)
@@ -244,13 +262,13 @@ def load_documents(cfg: Any) -> tuple[dict[str, str], str]:
     """Every document of a data config, uncapped: ``({doc id: text}, description)`` (the search corpus).
 
     ``debian``: the training positives (the package name as id) and the held-out corpus;
-    ``beir``: ``dir``'s corpus.jsonl; ``jsonl``: the training positives of ``train_path`` and/or
-    ``eval_dir``'s corpus (at least one of them)."""
+    ``beir``: ``dir``'s corpus.jsonl; ``jsonl`` / ``parquet`` / ``csv``: the training positives of
+    ``train_path`` and/or ``eval_dir``'s corpus (at least one of them)."""
     kind = cfg.kind
     docs: dict[str, str] = {}
 
-    def add_pairs(path: Any) -> None:
-        for pair in read_pairs_jsonl(path):
+    def add_pairs(pairs: list[Pair]) -> None:
+        for pair in pairs:
             docs.setdefault(pair.query_id or str(pair.doc_id), pair.positive)
 
     def add_corpus(path: Path) -> None:
@@ -259,7 +277,7 @@ def load_documents(cfg: Any) -> tuple[dict[str, str], str]:
 
     if kind == "debian":
         d = debian_folder(cfg)
-        add_pairs(d / "train.jsonl")
+        add_pairs(read_pairs_jsonl(d / "train.jsonl"))
         add_corpus(d / "eval" / "corpus.jsonl")
         return docs, f"Debian package descriptions ({d})"
     if kind == "beir":
@@ -267,19 +285,20 @@ def load_documents(cfg: Any) -> tuple[dict[str, str], str]:
             raise DataError("data.dir is required with data=beir (or give corpus=PATH)")
         p = Path(cfg.dir).expanduser() / "corpus.jsonl"
         return read_corpus(p), str(p)
-    if kind == "jsonl":
+    if kind in PAIR_KINDS:
         if _value(cfg, "train_path"):
-            add_pairs(cfg.train_path)
+            add_pairs(_pairs_file(cfg, kind).pairs)
         if _value(cfg, "eval_dir"):
             add_corpus(Path(cfg.eval_dir).expanduser() / "corpus.jsonl")
         if not docs:
-            raise DataError("data=jsonl: set data.train_path and/or data.eval_dir (or give corpus=PATH)")
+            raise DataError(f"data={kind}: set data.train_path and/or data.eval_dir (or give corpus=PATH)")
         return docs, "data.train_path + data.eval_dir"
     raise DataError(f"data.kind={kind!r}: expected one of {', '.join(KINDS)}")
 
 
 __all__ = [
     "KINDS",
+    "PAIR_KINDS",
     "TrainingPairs",
     "EvalPool",
     "subset",

@@ -87,9 +87,9 @@ def encode_texts(
     desc = description or f"encoding {n:,} {noun}"
     bar = None
     if show_progress:
-        from tqdm.auto import tqdm
+        from moco_retrieval.progress import progress_bar  # tqdm on a terminal, plain lines in a log file
 
-        bar = tqdm(total=n, desc=desc, unit=" texts" if kind == "doc" else " queries", leave=False)
+        bar = progress_bar(n, desc, " texts" if kind == "doc" else " queries")
     chunks: list[np.ndarray] = []
     try:
         with torch.no_grad():

@@ -237,19 +237,25 @@ def plot_cosine_histograms(
     axes = fig.subplots(n, 1, sharex=True, squeeze=False)[:, 0]
     for ax, (name, r) in zip(axes, res.items()):
         g = r.geometry
+        peak = 0.0
         if len(r.unrelated_cosines):
-            ax.hist(r.unrelated_cosines, bins=edges, density=True, alpha=0.55, color="#7f7f7f",
-                    label=f"unrelated, {len(r.unrelated_cosines):,} pairs (mean {_fmt(g.get('unrelated_cos_mean'), True, 2)})")
+            heights, *_ = ax.hist(r.unrelated_cosines, bins=edges, density=True, alpha=0.55, color="#7f7f7f",
+                                  label=f"unrelated, {len(r.unrelated_cosines):,} pairs (mean {_fmt(g.get('unrelated_cos_mean'), True, 2)})")
+            peak = max(peak, float(np.max(heights)))
         if len(r.positive_cosines):
-            ax.hist(r.positive_cosines, bins=edges, density=True, alpha=0.55, color="#1f77b4",
-                    label=f"positive, {len(r.positive_cosines):,} pairs (mean {_fmt(g.get('positive_cos_mean'), True, 2)})")
+            heights, *_ = ax.hist(r.positive_cosines, bins=edges, density=True, alpha=0.55, color="#1f77b4",
+                                  label=f"positive, {len(r.positive_cosines):,} pairs (mean {_fmt(g.get('positive_cos_mean'), True, 2)})")
+            peak = max(peak, float(np.max(heights)))
         for key, color in (("unrelated_cos_mean", "#404040"), ("positive_cos_mean", "#0b4f8a")):
             v = g.get(key)
             if v is not None and math.isfinite(v):
                 ax.axvline(v, color=color, linestyle="--", linewidth=1)
         ax.set_title(f"{name}: gap {_fmt(g.get('cos_gap'), True, 2)}", fontsize=10)
         ax.set_ylabel("density")
-        ax.legend(fontsize=8, loc="upper left")
+        # headroom above both peaks for the legend, so it covers neither histogram
+        if peak > 0:
+            ax.set_ylim(0, peak * 1.45)
+        ax.legend(fontsize=8, loc="upper left", ncol=2, frameon=False)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("cosine similarity (query, document)")
     fig.tight_layout()
@@ -277,9 +283,12 @@ def plot_recall_curves(results: EvalResult | Mapping[str, EvalResult], path: str
     ax.set_xticks([t for t in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000) if t <= max(top, 2)])
     ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_ylim(0, 1.02)
+    # from just below the lowest recall@1, not from 0: the curves differ in a narrow band near 1
+    firsts = [r.recall_curve[0] for r in res.values() if len(r.recall_curve)]
+    floor = max(0.0, math.floor((min(firsts, default=0.0) - 0.03) * 20) / 20)
+    ax.set_ylim(floor, 1.005)
     ax.set_xlabel("k (log scale)")
-    ax.set_ylabel("recall@k")
+    ax.set_ylabel("recall@k" + (f" (axis from {floor:.2f})" if floor > 0 else ""))
     ax.set_title("Recall at k")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, loc="lower right")

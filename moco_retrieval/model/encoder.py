@@ -21,7 +21,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
+from moco_retrieval.progress import progress_bar
 
 from moco_retrieval.config import ModelConfig
 from moco_retrieval.model.backbone import (
@@ -263,7 +263,7 @@ class TextEncoder(nn.Module):
         device = tower.special_ids.device
         was_training = tower.backbone.training
         tower.backbone.eval()
-        bar = tqdm(total=len(missing), desc=f"encoding {kind} features", unit="text", disable=not progress)
+        bar = progress_bar(len(missing), f"encoding {kind} features", " texts") if progress else None
         try:
             with torch.no_grad(), torch.autocast(device.type, enabled=False):
                 for start in range(0, len(missing), batch_size):
@@ -272,9 +272,11 @@ class TextEncoder(nn.Module):
                     feats = tower.features(tok["input_ids"].to(device), tok["attention_mask"].to(device))
                     cache.add(chunk, max_len, feats)
                     cache.computed += len(chunk)
-                    bar.update(len(chunk))
+                    if bar is not None:
+                        bar.update(len(chunk))
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
             tower.backbone.train(was_training and not tower.frozen)
         return len(missing)
 

@@ -1,0 +1,59 @@
+"""Before a long encoding: what will be encoded and about how long it will take here, measured on
+a sample (encoding ~40k Debian descriptions takes a quarter of an hour on a CPU; a user should
+know that before waiting, and be pointed at the smaller choices)."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Sequence
+
+from moco_retrieval.progress import log_line
+
+SAMPLE = 64  # texts timed; spread over the length order, so long and short ones count
+QUIET_BELOW_S = 20.0  # below this, the forecast is one short line without advice
+
+
+def sample_for_timing(texts: Sequence[str], n: int = SAMPLE) -> list[str]:
+    """``n`` texts spread evenly over the texts sorted by length (all of them when fewer)."""
+    if len(texts) <= n:
+        return list(texts)
+    ordered = sorted(texts, key=len)
+    step = len(ordered) / n
+    return [ordered[int(i * step)] for i in range(n)]
+
+
+def estimate_seconds(encoder: Any, texts: Sequence[str], kind: str, batch_size: int) -> float:
+    """Seconds to encode ``texts`` as ``kind``, from timing a length-spread sample of them."""
+    from moco_retrieval.evaluation.encode import encode_texts
+
+    sample = sample_for_timing(texts)
+    if not sample:
+        return 0.0
+    t0 = time.perf_counter()
+    encode_texts(encoder, sample, kind, min(batch_size, len(sample)), show_progress=False)
+    return (time.perf_counter() - t0) * len(texts) / len(sample)
+
+
+def device_of(encoder: Any) -> str:
+    p = next(iter(encoder.parameters()), None) if hasattr(encoder, "parameters") else None
+    return str(p.device) if p is not None else "cpu"
+
+
+def announce_encoding(encoder: Any, jobs: list[tuple[Sequence[str], str]], what: str, batch_size: int,
+                      hint: str = "") -> float:
+    """One line on stderr before encoding: how many texts of ``what``, on which device, about how
+    long (``jobs``: ``(texts, kind)`` pairs); ``hint`` (a smaller choice) when it is long."""
+    seconds = sum(estimate_seconds(encoder, texts, kind, batch_size) for texts, kind in jobs)
+    counts = " + ".join(f"{len(t):,} {'queries' if k == 'query' else 'documents'}" for t, k in jobs)
+    msg = f"encoding {counts} ({what}) on {device_of(encoder)}: about {_duration(seconds)}"
+    if seconds >= QUIET_BELOW_S and hint:
+        msg += f"; {hint}"
+    log_line(msg, file=sys.stderr)
+    return seconds
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+__all__ = ["sample_for_timing", "estimate_seconds", "announce_encoding"]

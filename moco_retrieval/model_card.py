@@ -1,0 +1,137 @@
+"""The model card (``README.md``) of an exported model directory, filled with what training knows,
+as sentence-transformers' own trainer fills it: base model, objective and its settings, data,
+steps, the held-out metrics of the exported step, and how to load it.
+
+What a checkpoint does not hold is read from its run directory (``RUN/checkpoints/X.ckpt``):
+``config.yaml`` (data) and ``csv/**/metrics.csv`` (the validation of the exported step, else
+``metrics.json`` for ``last.ckpt``). Whatever is missing is left out, never guessed.
+"""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+# the packaged backbones by their published names
+KNOWN_BACKBONES = {"minilm": "sentence-transformers/all-MiniLM-L6-v2"}
+OBJECTIVE_TEXT = {
+    "moco": "MoCo: queries against a momentum (EMA) key encoder's documents and a FIFO queue of its past keys",
+    "two_queue": "two-queue MoCo: query->document and document->query, each against an EMA encoder and a queue",
+    "inbatch": "in-batch InfoNCE: every other document of the (global) batch is a negative",
+    "feature_memory": "in-batch InfoNCE plus a queue of frozen-backbone features re-projected by the trained head",
+}
+SHOWN_METRICS = ("recall@1", "recall@10", "mrr@10", "ndcg@10", "map@100")
+
+
+def run_dir_of(checkpoint: str | Path) -> Optional[Path]:
+    p = Path(checkpoint).expanduser().resolve()
+    return p.parent.parent if p.parent.name == "checkpoints" else None
+
+
+def validation_at(run_dir: Path, step: int, checkpoint_name: str) -> Optional[dict[str, float]]:
+    """The held-out metrics logged at ``step`` in the run's CSV logs; for ``last.ckpt`` the run's
+    final ``metrics.json`` when the CSV has none."""
+    for path in sorted(run_dir.glob("csv/**/metrics.csv")):
+        with open(path, newline="", encoding="utf-8") as f:
+            for row in csv.DictReader(f):
+                if row.get("val/recall@1") and row.get("step") and int(float(row["step"])) == step:
+                    return {k[4:]: float(v) for k, v in row.items() if k.startswith("val/") and v}
+    final = run_dir / "metrics.json"
+    if checkpoint_name == "last.ckpt" and final.is_file():
+        return {k[4:]: float(v) for k, v in json.loads(final.read_text(encoding="utf-8")).items() if k.startswith("val/")}
+    return None
+
+
+def training_record(checkpoint: Optional[str]) -> dict[str, Any]:
+    """What the card says about training: ``objective``, ``optim`` (the checkpoint's
+    hyperparameters) and ``data`` (the run's config.yaml)."""
+    record: dict[str, Any] = {}
+    if not checkpoint:
+        return record
+    import torch
+
+    # mmap: only the small hyperparameters are read, not the weights again
+    hp = torch.load(Path(checkpoint).expanduser(), map_location="cpu", weights_only=True, mmap=True).get("hyper_parameters") or {}
+    for key in ("objective", "optim"):
+        if key in hp:
+            record[key] = hp[key]
+    run_dir = run_dir_of(checkpoint)
+    if run_dir is None:
+        return record
+    config = run_dir / "config.yaml"
+    if config.is_file():
+        record["data"] = OmegaConf.to_container(OmegaConf.load(config).get("data", {}))
+    record["run_dir"] = str(run_dir)
+    return record
+
+
+def _data_line(data: dict) -> str:
+    kind = data.get("kind")
+    if kind == "debian":
+        what = "Debian package descriptions (query: short description, document: long description, group: source package)"
+    elif kind == "jsonl":
+        what = f"JSONL pairs `{data.get('train_path')}`, validated on `{data.get('eval_dir')}`"
+    elif kind == "beir":
+        what = f"the BEIR folder `{data.get('dir')}` (qrels/{data.get('train_split')}.tsv, validated on qrels/{data.get('eval_split')}.tsv)"
+    else:
+        what = f"data kind {kind!r}"
+    cap = data.get("max_train_examples")
+    return what + (f", capped at {cap:,} pairs" if cap else "") + f"; batch size {data.get('batch_size')}"
+
+
+def _settings(cfg: dict, skip: tuple = ("name",)) -> str:
+    return ", ".join(f"`{k}={v}`" for k, v in cfg.items() if k not in skip)
+
+
+def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Optional[dict], out_name: str) -> str:
+    """The README.md text: YAML front matter for the Hugging Face hub, then the card."""
+    backbone = str(desc.get("backbone") or model_cfg.get("backbone") or "")
+    base = KNOWN_BACKBONES.get(Path(backbone).name if "/" in backbone else backbone, backbone)
+    if backbone and base == backbone and Path(backbone).name:
+        base = Path(backbone).name  # a local folder: its name, not this machine's path
+    objective = record.get("objective") or {}
+    front = ["---", "library_name: sentence-transformers", "pipeline_tag: sentence-similarity",
+             "tags:", "- sentence-transformers", "- sentence-similarity", "- feature-extraction", "- moco-retrieval"]
+    if base:
+        front.append(f"base_model: {base}")
+    front.append("---")
+    lines = [*front, "", f"# {out_name}", "",
+             f"A dense-retrieval bi-encoder trained with moco-retrieval from `{base or 'a random init'}`: "
+             f"{desc.get('dim')}-dimensional embeddings, {model_cfg.get('pooling')} pooling, head `{model_cfg.get('head')}`, "
+             f"{'cosine similarity (normalized)' if model_cfg.get('normalize') else 'dot product (not normalized)'}; "
+             f"queries truncated at {model_cfg.get('query_max_len')} tokens, documents at {model_cfg.get('doc_max_len')}.", "",
+             "## Training", ""]
+    if desc.get("source") == "checkpoint":
+        lines.append(f"- Exported: the {'query' if side == 'query' else 'momentum key'} encoder at step "
+                     f"{desc.get('global_step')} (epoch {desc.get('epoch')}) of `{Path(str(desc.get('path'))).name}`")
+    else:
+        lines.append("- Exported: the untrained base encoder (no checkpoint)")
+    if objective:
+        name = objective.get("name")
+        lines.append(f"- Objective: {OBJECTIVE_TEXT.get(name, name)} (`objective={name}`); {_settings(objective)}")
+    if record.get("optim"):
+        lines.append(f"- Optimizer: AdamW, {_settings(record['optim'])}")
+    if record.get("data"):
+        lines.append(f"- Data: {_data_line(record['data'])}")
+    lines.append("")
+    if metrics:
+        shown = [k for k in SHOWN_METRICS if k in metrics]
+        lines += [f"## Held-out metrics (validation at step {desc.get('global_step')})", "",
+                  "| " + " | ".join(shown) + " | mean unrelated cosine |",
+                  "|" + "---|" * (len(shown) + 1),
+                  "| " + " | ".join(f"{metrics[k]:.4f}" for k in shown)
+                  + f" | {metrics.get('unrelated_cos_mean', float('nan')):+.3f} |", ""]
+    lines += ["## Usage", "", "```python", "from sentence_transformers import SentenceTransformer", "",
+              f'model = SentenceTransformer("{out_name}")',
+              'queries = model.encode_query(["resize images from the command line"])',
+              'docs = model.encode_document(["ImageMagick converts, edits and composes images."])',
+              "print(model.similarity(queries, docs))", "```", "",
+              "`encode_query` / `encode_document` truncate as in training; the moco-retrieval commands "
+              f"also read this folder: `python -m moco_retrieval.evaluate model_dir={out_name}`.", ""]
+    return "\n".join(lines)
+
+
+__all__ = ["model_card", "training_record", "validation_at", "run_dir_of", "KNOWN_BACKBONES"]
