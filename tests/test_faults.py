@@ -40,6 +40,22 @@ def compose_cfg(command: str, overrides: list[str]):
 HOLD = "import sys, time; from moco_retrieval.run_lock import RunLock; RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)"
 
 
+def test_training_on_a_run_dir_another_process_holds_is_refused_before_anything_is_written(tmp_path):
+    from moco_retrieval.train import train
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        cfg = OmegaConf.to_object(compose_cfg("train", ["+experiment=smoke", "ckpt_path=last"]))
+        with pytest.raises(RunDirLocked, match=f"pid {holder.pid} on host {re.escape(socket.gethostname())}"):
+            train(cfg, tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]
+
+
+@pytest.mark.slow  # ~30 s on a busy machine: the command's start-up
 def test_second_training_on_a_locked_run_dir_stops_naming_the_holder(tmp_path):
     run_dir = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True)
@@ -343,3 +359,26 @@ def test_under_torchrun_devices_and_nodes_come_from_the_launcher(monkeypatch):
     monkeypatch.delenv("GROUP_RANK")
     kw = trainer_kwargs(TrainerConfig(devices=1, num_nodes=1))
     assert (kw["devices"], kw["num_nodes"]) == (1, 1)
+
+
+# ---- a truncated last.ckpt in a real run -----------------------------------------------------------------
+
+@pytest.mark.slow  # two short trainings: ~40 s on a busy machine
+def test_truncated_last_checkpoint_resumes_from_the_previous_one(tmp_path, debian_dir, capfd, one_thread):
+    from moco_retrieval.train import train
+
+    small = ["+experiment=smoke", "data.max_train_examples=128", "data.max_eval_queries=16", "data.max_eval_docs=32",
+             "trainer.val_check_interval=3", "logger=none", "ckpt_path=last"]
+    train(OmegaConf.to_object(compose_cfg("train", small + ["trainer.max_steps=4"])), tmp_path)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert read_checkpoint(last)["global_step"] == 4 and read_checkpoint(previous_of(last))["global_step"] == 3
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])  # as a bad copy or a damaged disk leaves it
+    (last.parent / ".last.ckpt.0123abcd.tmp").write_bytes(b"x" * 4096)  # and a write a SIGKILL cut short
+    capfd.readouterr()
+    train(OmegaConf.to_object(compose_cfg("train", small)), tmp_path)  # the requeued job: 8 steps in all
+    out, err = capfd.readouterr()
+    assert f"ckpt_path={last}: cannot read it as a checkpoint" in err
+    assert f"resuming from the previous checkpoint {previous_of(last)}" in err
+    assert "removed 1 temporary file(s)" in err
+    assert read_checkpoint(last)["global_step"] == 8
+    assert not list(last.parent.glob(".*.tmp")) and not (tmp_path / LOCK_NAME).exists()
