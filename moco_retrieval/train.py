@@ -1,14 +1,17 @@
 """The main job: ``python -m moco_retrieval.train [+experiment=NAME] [overrides...]``.
 
-Composes the config (strict: see config.py), builds data module -> Lightning module -> trainer,
-fits, runs a final validation and writes into the run directory:
+Composes the config (strict, ranges checked: see config.py), takes the run directory's lock
+(run_lock.py), checks the checkpoint to resume from, reads and checks the data, then builds the
+Lightning module -> trainer, fits, runs a final validation and writes into the run directory:
 ``checkpoints/last.ckpt`` and ``checkpoints/best-*.ckpt`` (by val/recall@1), ``metrics.json``
 (final validation metrics, flat keys), ``config.yaml`` (resolved) and the loggers' files.
 
 Preemption (see preemption.py): on SIGTERM or SIGUSR1 the run finishes the current step, writes
 ``checkpoints/last.ckpt`` atomically and exits with status 128 + signal (143 / 138) without a final
 validation or ``metrics.json``. A requeued job runs the same command with the same ``run_dir`` and
-``ckpt_path=last``, which resumes from that checkpoint (and starts fresh when there is none yet).
+``ckpt_path=last``, which resumes from that checkpoint (or from ``last.prev.ckpt`` when it cannot
+be read; it starts fresh, and says so, when there is none yet). Known errors (errors.py) end the
+command with one message and status 2.
 """
 from __future__ import annotations
 
