@@ -107,7 +107,8 @@ def build(cfg: TrainConfig, run_dir: Path,
     """The module, the data module (``dm``: one that has read its data already) and the trainer."""
     module = RetrievalModule.from_config(cfg)
     enc = module.encoder
-    dm = dm or RetrievalDataModule(cfg.data, n_negatives=cfg.data.n_negatives)
+    if dm is None:
+        dm = RetrievalDataModule(cfg.data, n_negatives=cfg.data.n_negatives)
     dm.tokenize = enc.tokenize if enc.needs_tokens else None
     checkpoints = ModelCheckpoint(
         dirpath=run_dir / "checkpoints",
@@ -186,19 +187,24 @@ def _train(cfg: TrainConfig, run_dir: Path) -> dict:
     if trainer.is_global_zero:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     with distributed.exit_when_peers_stall(cfg.trainer.process_group_timeout, lambda: trainer.global_step):
-        try:
-            trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
-        except Preempted:  # checkpoint written on every rank's behalf; the status says "requeue me"
-            distributed.teardown()
-            raise
-        if module.last_val_step != trainer.global_step:  # the end of fit was not a validation point
-            trainer.validate(module, datamodule=dm, verbose=False)
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-        if trainer.is_global_zero:
-            (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-            print(f"final validation: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()) if "@" in k))
-            print(f"run directory: {run_dir}")
+        return _fit(module, dm, trainer, ckpt_path, run_dir)
+
+
+def _fit(module: RetrievalModule, dm: RetrievalDataModule, trainer: L.Trainer, ckpt_path: Optional[str],
+         run_dir: Path) -> dict:
+    try:
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+    except Preempted:  # checkpoint written on every rank's behalf; the status says "requeue me"
         distributed.teardown()
+        raise
+    if module.last_val_step != trainer.global_step:  # the end of fit was not a validation point
+        trainer.validate(module, datamodule=dm, verbose=False)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    if trainer.is_global_zero:
+        (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        print(f"final validation: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()) if "@" in k))
+        print(f"run directory: {run_dir}")
+    distributed.teardown()
     return metrics
 
 
