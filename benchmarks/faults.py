@@ -313,8 +313,13 @@ def main() -> None:
             row = run_case(case, Path(tmp))
             print(f"{row['key']}: status {row['status']} in {row['seconds']} s: {row['sees'][:160]}", flush=True)
             rows.append(row)
+    record = Path(args.out).with_suffix(".json")
+    if args.only and record.exists():  # a partial rerun replaces its rows, keeps the others
+        new = {r["key"]: r for r in rows}
+        old = {r["key"]: r for r in json.loads(record.read_text())}
+        rows = [new.get(c.key) or old[c.key] for c in CASES if c.key in new or c.key in old]
     write_table(rows, Path(args.out))
-    Path(args.out).with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    record.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -148,6 +148,15 @@ def remove_stale_temporaries(folder: Path) -> list[Path]:
     return removed
 
 
+def set_aside_unreadable(last: Path) -> None:
+    """After a fallback to ``last.prev.ckpt``: move the unreadable ``last.ckpt`` to
+    ``last.ckpt.unreadable`` (kept to look at), so that the next write does not make it the
+    predecessor."""
+    if last.is_file():
+        os.replace(last, last.with_name(last.name + ".unreadable"))
+        _note(f"moved the unreadable {last.name} to {last.name}.unreadable")
+
+
 def _first_readable(candidates: Iterable[Path]) -> Optional[str]:
     """The first candidate that reads as a checkpoint; a warning for each one that does not."""
     for i, c in enumerate(candidates):
@@ -188,4 +197,4 @@ def resolve_ckpt_path(ckpt_path: Optional[str], run_dir: Path) -> Optional[str]:
 
 
 __all__ = ["AtomicCheckpointIO", "LAST", "atomic_torch_save", "previous_of", "read_checkpoint",
-           "remove_stale_temporaries", "resolve_ckpt_path"]
+           "remove_stale_temporaries", "resolve_ckpt_path", "set_aside_unreadable"]

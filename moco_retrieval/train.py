@@ -35,7 +35,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from moco_retrieval import distributed
-from moco_retrieval.checkpointing import AtomicCheckpointIO, remove_stale_temporaries, resolve_ckpt_path
+from moco_retrieval.checkpointing import (LAST, AtomicCheckpointIO, previous_of, remove_stale_temporaries,
+                                          resolve_ckpt_path, set_aside_unreadable)
 from moco_retrieval.cluster import is_rank_zero, on_slurm, torchrun_devices
 from moco_retrieval.config import TrainConfig, TrainerConfig, register_configs
 from moco_retrieval.data.datamodule import RetrievalDataModule
@@ -157,6 +158,9 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> Optional[str]:
     if is_rank_zero():  # (rank 0 holds the run directory's lock: no write of this run is under way)
         remove_stale_temporaries(run_dir / "checkpoints")
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
+    last = run_dir / "checkpoints" / LAST
+    if ckpt_path == str(previous_of(last)) and is_rank_zero():  # the fallback: keep the good one as predecessor
+        set_aside_unreadable(last)
     if cfg.ckpt_path is None and (run_dir / "checkpoints" / "last.ckpt").exists() and is_rank_zero():
         print(f"[moco_retrieval] warning: {run_dir / 'checkpoints' / 'last.ckpt'} exists but ckpt_path is not set: "
               "training starts from scratch and overwrites it (ckpt_path=last resumes)", file=sys.stderr)

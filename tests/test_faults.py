@@ -381,4 +381,6 @@ def test_truncated_last_checkpoint_resumes_from_the_previous_one(tmp_path, debia
     assert f"resuming from the previous checkpoint {previous_of(last)}" in err
     assert "removed 1 temporary file(s)" in err
     assert read_checkpoint(last)["global_step"] == 8
+    assert read_checkpoint(previous_of(last))["global_step"] == 6  # not the damaged file, which was set aside
+    assert (last.parent / "last.ckpt.unreadable").exists()
     assert not list(last.parent.glob(".*.tmp")) and not (tmp_path / LOCK_NAME).exists()
