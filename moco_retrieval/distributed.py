@@ -1,8 +1,13 @@
-"""torch.distributed helpers: rank queries, all-gather with and without gradient, teardown.
+"""torch.distributed helpers: rank queries, all-gather with and without gradient, teardown, and
+the exit of a rank whose peers stopped answering.
 
 All of them are no-ops on a single process, so the same code runs with and without DDP.
 """
 from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -49,3 +54,29 @@ def teardown() -> None:
     if is_dist():
         dist.barrier()
         dist.destroy_process_group()
+
+
+_TIMEOUT = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
+
+
+def is_collective_timeout(e: BaseException) -> bool:
+    """A collective gave up waiting for a peer (gloo: "Timed out waiting ...ms for recv")."""
+    return isinstance(e, RuntimeError) and bool(_TIMEOUT.search(str(e)))
+
+
+@contextmanager
+def exit_when_peers_stall(timeout_s: int, step: Callable[[], int]) -> Iterator[None]:
+    """A collective that timed out (a rank stopped, stuck or gone; ``trainer.process_group_timeout``)
+    ends this rank with one message saying what it waited for, status 1, instead of a traceback."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not (world_size() > 1 and is_collective_timeout(e)):
+            raise
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise SystemExit(
+            f"[moco_retrieval] rank {rank()} of {world_size()}: waited {timeout_s} s "
+            f"(trainer.process_group_timeout) for the other ranks in a collective at step {step()} "
+            f"and they did not come: a rank is stopped, stuck or gone. Resume with ckpt_path=last once "
+            f"every rank runs. (torch.distributed: {first})"
+        ) from None

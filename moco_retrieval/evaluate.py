@@ -29,6 +29,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from moco_retrieval.config import EvalConfig, ModelConfig, register_configs, to_config
+from moco_retrieval.errors import ConfigError, reports_user_errors
 from moco_retrieval.model.loading import describe_spec, load_encoder
 
 register_configs()
@@ -125,10 +126,11 @@ def run_evaluate(cfg: Any, out_dir: str | Path) -> dict[str, Path]:
 
 
 @hydra.main(config_path="pkg://moco_retrieval.conf", config_name="evaluate", version_base="1.3")
+@reports_user_errors("evaluate")
 def main(cfg: DictConfig) -> None:
     missing = sorted(k for k in OmegaConf.missing_keys(cfg) if k != "data.train_path")  # not read here
     if missing:
-        raise SystemExit("missing required config values: " + ", ".join(missing))
+        raise ConfigError("missing required config values: " + ", ".join(missing))
     out_dir = cfg.out_dir or HydraConfig.get().runtime.output_dir
     run_evaluate(cfg, out_dir)
 

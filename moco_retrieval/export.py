@@ -36,6 +36,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from moco_retrieval.config import register_configs
+from moco_retrieval.errors import ConfigError, reports_user_errors
 from moco_retrieval.model.loading import META_FILE, load_encoder
 from moco_retrieval.model.momentum import ENCODERS
 
@@ -182,9 +183,9 @@ def _head_layers(head: torch.nn.Module) -> list[tuple[torch.nn.Linear, torch.nn.
 def run_export(cfg: Any) -> Path:
     """Export the configured encoder (an ``ExportConfig``, or a DictConfig of one); returns the directory."""
     if cfg.encoder not in ENCODERS:
-        raise SystemExit(f"encoder={cfg.encoder!r}: expected one of {ENCODERS}")
+        raise ConfigError(f"encoder={cfg.encoder!r}: expected one of {ENCODERS}")
     if cfg.encoder == "key" and not cfg.checkpoint:
-        raise SystemExit("encoder=key needs checkpoint=PATH (a base model has no key encoder)")
+        raise ConfigError("encoder=key needs checkpoint=PATH (a base model has no key encoder)")
     enc, desc = load_encoder(checkpoint=cfg.checkpoint, model=cfg.model, encoder=cfg.encoder)
     side = "doc" if cfg.encoder == "key" else "query"
     out = export_encoder(enc, cfg.out_dir, side=side, source=desc, overwrite=bool(cfg.overwrite))
@@ -195,10 +196,11 @@ def run_export(cfg: Any) -> Path:
 
 
 @hydra.main(config_path="pkg://moco_retrieval.conf", config_name="export", version_base="1.3")
+@reports_user_errors("export")
 def main(cfg: DictConfig) -> None:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
-        raise SystemExit("missing required config values: " + ", ".join(missing) + " (e.g. out_dir=DIR)")
+        raise ConfigError("missing required config values: " + ", ".join(missing) + " (e.g. out_dir=DIR)")
     run_export(cfg)
 
 

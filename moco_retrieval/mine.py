@@ -18,6 +18,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from moco_retrieval.config import register_configs
+from moco_retrieval.errors import ConfigError, reports_user_errors
 
 register_configs()
 logging.getLogger("faiss.loader").setLevel(logging.WARNING)
@@ -30,11 +31,12 @@ def to_mine_config(cfg: DictConfig):
         cfg.data.eval_dir = None
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
-        raise SystemExit("missing required config values: " + ", ".join(missing) + " (e.g. output=FILE)")
+        raise ConfigError("missing required config values: " + ", ".join(missing) + " (e.g. output=FILE)")
     return OmegaConf.to_object(cfg)
 
 
 @hydra.main(config_path="pkg://moco_retrieval.conf", config_name="mine", version_base="1.3")
+@reports_user_errors("mine")
 def main(cfg: DictConfig) -> None:
     from moco_retrieval.mining import run_mine
 

@@ -34,6 +34,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from moco_retrieval.config import EvalConfig, ModelConfig, cache_root, register_configs, to_config
+from moco_retrieval.errors import ConfigError, reports_user_errors
 from moco_retrieval.model.loading import load_encoder
 
 register_configs()
@@ -207,7 +208,7 @@ def run_search(cfg: Any, out=None) -> list[dict]:
 
     out = out or sys.stdout
     if cfg.format not in ("text", "json"):
-        raise SystemExit(f"format={cfg.format!r}: expected text or json")
+        raise ConfigError(f"format={cfg.format!r}: expected text or json")
     eval_cfg = to_config(EvalConfig, cfg.eval)
     corpus, corpus_desc = load_corpus(cfg.corpus, cfg.data)
     identity = _model_identity(cfg)
@@ -239,6 +240,7 @@ def run_search(cfg: Any, out=None) -> list[dict]:
 
 
 @hydra.main(config_path="pkg://moco_retrieval.conf", config_name="search", version_base="1.3")
+@reports_user_errors("search")
 def main(cfg: DictConfig) -> None:
     run_search(cfg)
 

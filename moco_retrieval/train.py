@@ -1,14 +1,17 @@
 """The main job: ``python -m moco_retrieval.train [+experiment=NAME] [overrides...]``.
 
-Composes the config (strict: see config.py), builds data module -> Lightning module -> trainer,
-fits, runs a final validation and writes into the run directory:
+Composes the config (strict, ranges checked: see config.py), takes the run directory's lock
+(run_lock.py), checks the checkpoint to resume from, reads and checks the data, then builds the
+Lightning module -> trainer, fits, runs a final validation and writes into the run directory:
 ``checkpoints/last.ckpt`` and ``checkpoints/best-*.ckpt`` (by val/recall@1), ``metrics.json``
 (final validation metrics, flat keys), ``config.yaml`` (resolved) and the loggers' files.
 
 Preemption (see preemption.py): on SIGTERM or SIGUSR1 the run finishes the current step, writes
 ``checkpoints/last.ckpt`` atomically and exits with status 128 + signal (143 / 138) without a final
 validation or ``metrics.json``. A requeued job runs the same command with the same ``run_dir`` and
-``ckpt_path=last``, which resumes from that checkpoint (and starts fresh when there is none yet).
+``ckpt_path=last``, which resumes from that checkpoint (or from ``last.prev.ckpt`` when it cannot
+be read; it starts fresh, and says so, when there is none yet). Known errors (errors.py) end the
+command with one message and status 2.
 """
 from __future__ import annotations
 
@@ -17,7 +20,10 @@ import logging
 import signal
 import sys
 import warnings
+from contextlib import nullcontext
+from datetime import timedelta
 from pathlib import Path
+from typing import Optional
 
 import hydra
 import lightning as L
@@ -29,15 +35,18 @@ from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from moco_retrieval import distributed
-from moco_retrieval.checkpointing import AtomicCheckpointIO, resolve_ckpt_path
-from moco_retrieval.cluster import on_slurm
+from moco_retrieval.checkpointing import (LAST, AtomicCheckpointIO, previous_of, remove_stale_temporaries,
+                                          resolve_ckpt_path, set_aside_unreadable)
+from moco_retrieval.cluster import is_rank_zero, on_slurm, torchrun_devices
 from moco_retrieval.config import TrainConfig, TrainerConfig, register_configs
 from moco_retrieval.data.datamodule import RetrievalDataModule
+from moco_retrieval.errors import reports_user_errors
 from moco_retrieval.evaluation.callback import ValidationReport
 from moco_retrieval.lightning_module import RetrievalModule
 from moco_retrieval.loggers import build_loggers, finish_loggers, log_config
 from moco_retrieval.preemption import Preempted, PreemptionCheckpoint, sigterm_exit_status
 from moco_retrieval.progress import progress_callback
+from moco_retrieval.run_lock import RunLock
 
 register_configs()
 # The key encoder is in eval mode on purpose (no dropout in keys); faiss announces each CPU
@@ -57,15 +66,17 @@ warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and i
 
 
 def trainer_kwargs(cfg: TrainerConfig) -> dict:
-    """Lightning Trainer arguments from the config; ``precision: auto`` is bf16-mixed on a GPU."""
+    """Lightning Trainer arguments from the config; ``precision: auto`` is bf16-mixed on a GPU.
+    Under torchrun, devices and nodes are the launcher's (its processes are already running)."""
     precision = cfg.precision
     if precision == "auto":
         gpu = torch.cuda.is_available() and cfg.accelerator in ("auto", "gpu", "cuda")
         precision = "bf16-mixed" if gpu else "32-true"
+    devices, num_nodes = torchrun_devices() or (cfg.devices, cfg.num_nodes)
     kw = dict(
         accelerator=cfg.accelerator,
-        devices=cfg.devices,
-        num_nodes=cfg.num_nodes,
+        devices=devices,
+        num_nodes=num_nodes,
         strategy=cfg.strategy,
         precision=precision,
         max_epochs=cfg.max_epochs,
@@ -84,30 +95,36 @@ def trainer_kwargs(cfg: TrainerConfig) -> dict:
     return kw
 
 
-def ddp_strategy() -> DDPStrategy:
+def ddp_strategy(timeout_s: int = 1800) -> DDPStrategy:
     """DDP without the per-step broadcast of buffers from rank 0: every rank enqueues the same
     all-gathered keys, so the queue (K x d buffers) stays identical without it (each checkpoint
     records every rank's fingerprint, see preemption.py), and copying it every step costs
-    K x d x 4 bytes (200 MB at 65k x 768). The buffers are still synced once, at the start."""
+    K x d x 4 bytes (200 MB at 65k x 768). The buffers are still synced once, at the start.
+    ``timeout_s``: how long a collective waits for the other ranks (trainer.process_group_timeout)."""
     import inspect
 
     from torch.nn.parallel import DistributedDataParallel
 
+    timeout = timedelta(seconds=timeout_s)
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
-        return DDPStrategy(forward_sync_buffers=False)  # torch >= 2.13: broadcast_buffers is deprecated
-    return DDPStrategy(broadcast_buffers=False)
+        return DDPStrategy(forward_sync_buffers=False, timeout=timeout)  # torch >= 2.13: broadcast_buffers is deprecated
+    return DDPStrategy(broadcast_buffers=False, timeout=timeout)
 
 
-def build(cfg: TrainConfig, run_dir: Path) -> tuple[RetrievalModule, RetrievalDataModule, L.Trainer]:
+def build(cfg: TrainConfig, run_dir: Path,
+          dm: Optional[RetrievalDataModule] = None) -> tuple[RetrievalModule, RetrievalDataModule, L.Trainer]:
+    """The module, the data module (``dm``: one that has read its data already) and the trainer."""
     module = RetrievalModule.from_config(cfg)
     enc = module.encoder
-    dm = RetrievalDataModule(cfg.data, tokenize=enc.tokenize if enc.needs_tokens else None, n_negatives=cfg.data.n_negatives)
+    if dm is None:
+        dm = RetrievalDataModule(cfg.data, n_negatives=cfg.data.n_negatives)
+    dm.tokenize = enc.tokenize if enc.needs_tokens else None
     checkpoints = ModelCheckpoint(
         dirpath=run_dir / "checkpoints",
         filename="best-{step}",
         monitor="val/recall@1",
         mode="max",
-        save_top_k=1,
+        save_top_k=cfg.trainer.keep_best_checkpoints,
         auto_insert_metric_name=False,
     )
     # checkpoints/last.ckpt, what `ckpt_path=last` resumes from, holds the latest state: written at
@@ -130,8 +147,8 @@ def build(cfg: TrainConfig, run_dir: Path) -> tuple[RetrievalModule, RetrievalDa
     if slurm:
         plugins.append(SLURMEnvironment(auto_requeue=True, requeue_signal=signal.SIGUSR1))
     kw = trainer_kwargs(cfg.trainer)
-    if kw["strategy"] == "ddp":
-        kw["strategy"] = ddp_strategy()
+    if kw["strategy"] == "ddp" or (kw["strategy"] == "auto" and torchrun_devices() is not None):
+        kw["strategy"] = ddp_strategy(cfg.trainer.process_group_timeout)
     trainer = L.Trainer(
         default_root_dir=str(run_dir),
         logger=loggers or False,
@@ -142,13 +159,37 @@ def build(cfg: TrainConfig, run_dir: Path) -> tuple[RetrievalModule, RetrievalDa
     return module, dm, trainer
 
 
+def prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> Optional[str]:
+    """Before data and model: remove what killed checkpoint writes left, check the checkpoint to
+    resume from (CheckpointError naming it when it cannot be read); return its path."""
+    if is_rank_zero():  # (rank 0 holds the run directory's lock: no write of this run is under way)
+        remove_stale_temporaries(run_dir / "checkpoints")
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
+    last = run_dir / "checkpoints" / LAST
+    if ckpt_path == str(previous_of(last)) and is_rank_zero():  # the fallback: keep the good one as predecessor
+        set_aside_unreadable(last)
+    if cfg.ckpt_path is None and (run_dir / "checkpoints" / "last.ckpt").exists() and is_rank_zero():
+        print(f"[moco_retrieval] warning: {run_dir / 'checkpoints' / 'last.ckpt'} exists but ckpt_path is not set: "
+              "training starts from scratch and overwrites it (ckpt_path=last resumes)", file=sys.stderr)
+    return ckpt_path
+
+
 def train(cfg: TrainConfig, run_dir: Path) -> dict:
-    """Fit, validate once more at the end, write metrics.json and config.yaml; return the metrics."""
+    """Fit, validate once more at the end, write metrics.json and config.yaml; return the metrics.
+    Rank 0 holds the run directory's lock (run_lock.py) throughout."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    with RunLock(run_dir) if is_rank_zero() else nullcontext():
+        return _train(cfg, run_dir)
+
+
+def _train(cfg: TrainConfig, run_dir: Path) -> dict:
+    ckpt_path = prepare_run_dir(cfg, run_dir)
+    # the data is read and checked first: bad input stops the run before the model and the loggers start
+    dm = RetrievalDataModule(cfg.data, n_negatives=cfg.data.n_negatives)
+    dm.setup("fit")
     L.seed_everything(cfg.seed, workers=True)
-    module, dm, trainer = build(cfg, run_dir)
-    dm.setup("fit")  # reads and checks the data now: bad input stops the run before training
+    module, dm, trainer = build(cfg, run_dir, dm)
     if module.encoder.frozen:  # every frozen feature computed (or loaded) once, up front
         module.encoder.warm_features(
             queries=[p.query for p in dm.train_pairs] + list(dm.eval_set.queries.values()),
@@ -156,10 +197,12 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
         )
     if trainer.is_global_zero:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
-    if cfg.ckpt_path is None and (run_dir / "checkpoints" / "last.ckpt").exists() and trainer.is_global_zero:
-        print(f"[moco_retrieval] warning: {run_dir / 'checkpoints' / 'last.ckpt'} exists but ckpt_path is not set: "
-              "training starts from scratch and overwrites it (ckpt_path=last resumes)", file=sys.stderr)
+    with distributed.exit_when_peers_stall(cfg.trainer.process_group_timeout, lambda: trainer.global_step):
+        return _fit(module, dm, trainer, ckpt_path, run_dir)
+
+
+def _fit(module: RetrievalModule, dm: RetrievalDataModule, trainer: L.Trainer, ckpt_path: Optional[str],
+         run_dir: Path) -> dict:
     try:
         trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
     except Preempted:  # checkpoint written on every rank's behalf; the status says "requeue me"
@@ -179,6 +222,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
 
 
 @hydra.main(config_path="pkg://moco_retrieval.conf", config_name="train", version_base="1.3")
+@reports_user_errors("train")
 def main(cfg: DictConfig) -> None:
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir)
     with sigterm_exit_status():  # a SIGTERM Lightning handles itself exits 143 too, not 0

@@ -33,7 +33,8 @@ def make_cfg(tmp_path: Path, n=40, repeat_ids=False, negatives=None, **kw) -> Da
     for i in range(n):
         r = {"query": f"query {i}", "positive": f"document {i}", "query_id": f"q{i}"}
         if repeat_ids:
-            r["doc_id"] = f"doc{i % 7}"  # 7 distinct documents
+            r["doc_id"] = f"doc{i % 7}"  # 7 distinct documents (one text per id)
+            r["positive"] = f"document {i % 7}"
             r["group"] = f"grp{i % 5}" if i % 2 else None  # 5 groups and rows without a group
         if negatives is not None:
             r["negatives"] = negatives(i)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from moco_retrieval.config import DataConfig
+from moco_retrieval.errors import ConfigError
 from moco_retrieval.data.formats import Pair, read_pairs_jsonl
 from moco_retrieval.mining import (
     MiningFilters,
@@ -362,5 +363,5 @@ def test_mine_command_config_and_outputs(tmp_path, capsys):
     assert stats["candidates"]["removed"]["positive"] > 0 and stats["model"]["source"] == "base"
     assert "removed by group" in capsys.readouterr().out
     with initialize_config_module(config_module="moco_retrieval.conf", version_base="1.3"):
-        with pytest.raises(SystemExit, match="output"):
+        with pytest.raises(ConfigError, match="output"):
             to_mine_config(compose("mine", overrides=["data=jsonl"]))

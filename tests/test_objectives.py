@@ -171,7 +171,7 @@ def test_learnable_temperature_is_clamped_and_trained(batch):
 
 
 def test_moco_rejects_empty_queue():
-    with pytest.raises(ValueError, match="queue_size must be > 0"):
+    with pytest.raises(ValueError, match=r"objective.queue_size=0: must be >= 1"):  # refused with the config
         MoCoObjective(MoCoConfig(queue_size=0), 8)
 
 

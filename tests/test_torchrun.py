@@ -19,11 +19,11 @@ import csv
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import lightning as L
@@ -33,7 +33,9 @@ import torch
 from moco_retrieval import preemption
 
 REPO = Path(__file__).resolve().parents[1]
-TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+# torchrun as this interpreter's module: its workers then run this interpreter, and so this checkout's
+# code (a `torchrun` script elsewhere on PATH starts another Python, with whatever install it has)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 BATCH, RANKS, STEPS = 16, 2, 8  # 256 pairs = 8 steps of 2 x 16
 PROGRESS = re.compile(r"\bstep (\d+)/(\d+)\b")  # rank 0's progress lines (moco_retrieval/progress.py)
 
@@ -90,8 +92,6 @@ def worker_pid(torchrun_pid: int, local_rank: int) -> int:
 
 
 def _setup(tmp_path_factory) -> tuple[dict, Path]:
-    if TORCHRUN is None:
-        pytest.skip("torchrun is not installed")
     debian = REPO.parent / "shared" / "data" / "debian-bookworm"
     if not debian.exists():
         pytest.skip(f"the shared Debian snapshot is not at {debian} (needed by the smoke experiment)")
@@ -103,7 +103,7 @@ def _setup(tmp_path_factory) -> tuple[dict, Path]:
 
 def command(tmp: Path) -> list[str]:
     return [
-        TORCHRUN, "--standalone", f"--nproc_per_node={RANKS}", "-m", "moco_retrieval.train",
+        *TORCHRUN, "--standalone", f"--nproc_per_node={RANKS}", "-m", "moco_retrieval.train",
         "+experiment=smoke", "trainer=ddp", "trainer.accelerator=cpu", f"trainer.devices={RANKS}",
         f"data.batch_size={BATCH}", f"data.max_train_examples={BATCH * RANKS * STEPS}",
         "data.max_eval_queries=32", "data.max_eval_docs=64", "trainer.log_every_n_steps=1",
@@ -230,3 +230,31 @@ def test_preempted_ddp_job_resumes_and_completes(interrupted):
     with open(interrupted["base"] / "rank0" / "csv" / "metrics.csv", newline="") as f:
         train_steps = sorted(int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss"))
     assert train_steps == list(range(stop, STEPS))
+
+
+@pytest.mark.slow  # ~55 s on a busy 2-core machine (two interpreters starting, 5 s of waiting)
+def test_stalled_rank_ends_the_others_after_the_process_group_timeout(tmp_path_factory):
+    """SIGSTOP rank 1 after step 2: rank 0 waits `trainer.process_group_timeout` (5 s here, not
+    Lightning's 30 min) at its next collective and exits with a message naming what it waited for.
+    `trainer=ddp` without trainer.devices: under torchrun the launcher's 2 processes are the devices."""
+    env, tmp = _setup(tmp_path_factory)
+    cmd = [a for a in command(tmp) if not a.startswith("trainer.devices=")] + ["trainer.process_group_timeout=5"]
+    stopped: list[int] = []
+
+    def stop_rank_1_then_kill_it_once_rank_0_gives_up(proc, line):
+        m = PROGRESS.search(line)
+        if m and int(m.group(1)) >= 2 and not stopped:
+            stopped.append(worker_pid(proc.pid, 1))
+            os.kill(stopped[0], signal.SIGSTOP)
+            stopped.append(time.monotonic())
+        elif "waited 5 s" in line and stopped:
+            stopped.append(time.monotonic())
+            os.kill(stopped[0], signal.SIGKILL)  # (torchrun would SIGTERM it, then SIGKILL 30 s later)
+
+    rc, out = launch(cmd, env, tmp, stop_rank_1_then_kill_it_once_rank_0_gives_up, timeout=240)
+    assert len(stopped) == 3, out[-3000:]
+    assert rc != 0
+    m = re.search(r"rank 0 of 2: waited 5 s \(trainer.process_group_timeout\) for the other ranks in a collective "
+                  r"at step (\d+)", out)
+    assert m and int(m.group(1)) >= 2, out[-3000:]
+    assert 4 <= stopped[2] - stopped[1] < 60  # it gave up after the timeout, not Lightning's 1800 s

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Union
 
+from moco_retrieval.errors import UserError
+
 from .ids import NO_GROUP, doc_id_for_text, stable_id
 
 PathLike = Union[str, os.PathLike]
@@ -40,7 +42,7 @@ _MAX_ID = (1 << 63) - 1
 QRELS_HEADER = ("query-id", "corpus-id", "score")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Bad input data; the message names the file, the line and what was expected."""
 
 
@@ -104,7 +106,7 @@ def iter_jsonl(path: PathLike, what: str = "JSON objects") -> Iterator[tuple[int
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise _error(
-                    p, lineno, f"malformed JSON ({exc.msg} at column {exc.colno}); expected one JSON object per line"
+                    p, lineno, f"malformed JSON ({exc.msg}: column {exc.colno}); expected one JSON object per line"
                 ) from None
             if not isinstance(obj, dict):
                 raise _error(p, lineno, f"expected a JSON object, got {_type_name(obj)}")
@@ -241,8 +243,24 @@ def read_pairs_jsonl(path: PathLike) -> list[Pair]:
 
 
 def read_pairs_jsonl_located(path: PathLike) -> list[tuple[int, Pair]]:
-    """Like :func:`read_pairs_jsonl`, with each pair's line number (for later error messages)."""
-    return [(line, pair_from_json(obj, path, line)) for line, obj in iter_jsonl(path, "training pairs")]
+    """Like :func:`read_pairs_jsonl`, with each pair's line number (for later error messages).
+
+    A given ``doc_id`` names one document: the same id on two lines with different positive texts
+    is an error naming both lines (those documents would mask each other as false negatives)."""
+    out = []
+    given: dict[int, tuple[int, int]] = {}  # doc_id -> (first line, id of its positive's text)
+    for line, obj in iter_jsonl(path, "training pairs"):
+        pair = pair_from_json(obj, path, line)
+        if obj.get("doc_id") is not None:
+            first, text_id = given.setdefault(pair.doc_id, (line, doc_id_for_text(pair.positive)))
+            if text_id != doc_id_for_text(pair.positive):
+                raise _error(
+                    path, line, f"doc_id {obj['doc_id']!r} is also on line {first} with a different 'positive' text; "
+                    "expected one text per doc_id (give the two documents different ids, or leave doc_id out "
+                    "to derive it from the text)"
+                )
+        out.append((line, pair))
+    return out
 
 
 def pair_to_json(pair: Pair) -> dict:
@@ -296,12 +314,20 @@ def beir_doc_text(title: str, text: str) -> str:
     return title + sep + text
 
 
+def _check_id_token(did: str, path: Path, line: int) -> str:
+    """BEIR ids go into TREC run and qrels files, whose fields are separated by whitespace."""
+    if any(c.isspace() for c in did):
+        raise _error(path, line, f"_id {did!r} contains whitespace; expected an id without spaces, tabs or "
+                                 "newlines (TREC run files cannot hold it)")
+    return did
+
+
 def _read_corpus(path: Path) -> tuple[dict[str, str], dict[str, int]]:
     corpus: dict[str, str] = {}
     groups: dict[str, int] = {}
     first_line: dict[str, int] = {}
     for line, obj in iter_jsonl(path, "corpus documents {'_id', 'title', 'text'}"):
-        did = _id_str(obj, "_id", path, line, required=True)
+        did = _check_id_token(_id_str(obj, "_id", path, line, required=True), path, line)
         text = _req_str(obj, "text", path, line, allow_empty=True)
         title = obj.get("title")
         if title is None:
@@ -329,7 +355,7 @@ def _read_queries(path: Path) -> dict[str, str]:
     queries: dict[str, str] = {}
     first_line: dict[str, int] = {}
     for line, obj in iter_jsonl(path, "queries {'_id', 'text'}"):
-        qid = _id_str(obj, "_id", path, line, required=True)
+        qid = _check_id_token(_id_str(obj, "_id", path, line, required=True), path, line)
         text = _req_str(obj, "text", path, line)
         if qid in queries:
             raise _error(path, line, f"duplicate _id {qid!r} (first on line {first_line[qid]}); expected unique ids")

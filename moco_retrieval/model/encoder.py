@@ -24,6 +24,7 @@ from torch import nn
 from moco_retrieval.progress import progress_bar
 
 from moco_retrieval.config import ModelConfig
+from moco_retrieval.errors import ConfigError
 from moco_retrieval.model.backbone import (
     BACKBONE_KINDS,
     bag_of_wordpieces,
@@ -44,24 +45,24 @@ HEAD_INITS = ("random", "identity")
 
 def _make_head(kind: str, hidden: int, out: int, init: str) -> nn.Module:
     if kind not in HEADS:
-        raise ValueError(f"model.head={kind!r}: expected one of {HEADS}")
+        raise ConfigError(f"model.head={kind!r}: expected one of {HEADS}")
     if init not in HEAD_INITS:
-        raise ValueError(f"model.head_init={init!r}: expected one of {HEAD_INITS}")
+        raise ConfigError(f"model.head_init={init!r}: expected one of {HEAD_INITS}")
     if kind == "none":
         if out != hidden:
-            raise ValueError(f"model.head_dim={out} needs a head (model.head=linear|mlp): the backbone gives {hidden}")
+            raise ConfigError(f"model.head_dim={out} needs a head (model.head=linear|mlp): the backbone gives {hidden}")
         return nn.Identity()
     if kind == "linear":
         head = nn.Linear(hidden, out)
         if init == "identity":
             if out != hidden:
-                raise ValueError(f"model.head_init=identity needs model.head_dim == hidden size ({hidden}), got {out}")
+                raise ConfigError(f"model.head_init=identity needs model.head_dim == hidden size ({hidden}), got {out}")
             with torch.no_grad():
                 head.weight.copy_(torch.eye(hidden))
                 head.bias.zero_()
         return head
     if init == "identity":
-        raise ValueError("model.head_init=identity applies to model.head=linear only")
+        raise ConfigError("model.head_init=identity applies to model.head=linear only")
     return nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, out))
 
 
@@ -174,9 +175,9 @@ class TextEncoder(nn.Module):
             ("head_init", cfg.head_init, HEAD_INITS),
         ]:
             if value not in allowed:
-                raise ValueError(f"model.{key}={value!r}: expected one of {allowed}")
+                raise ConfigError(f"model.{key}={value!r}: expected one of {allowed}")
         if cfg.backbone_kind == "bag_of_wordpieces" and cfg.pooling != "mean":
-            raise ValueError("model.backbone_kind=bag_of_wordpieces pools by mean: set model.pooling=mean")
+            raise ConfigError("model.backbone_kind=bag_of_wordpieces pools by mean: set model.pooling=mean")
         model, tokenizer = load_backbone(*resolve_backbone(cfg))
         self.tokenizer = tokenizer
         self.normalize = bool(cfg.normalize)

@@ -22,7 +22,9 @@ from typing import Any, Optional
 import torch
 from omegaconf import OmegaConf
 
+from moco_retrieval.checkpointing import read_checkpoint
 from moco_retrieval.config import ModelConfig, to_config
+from moco_retrieval.errors import CheckpointError, ConfigError, ModelLoadError, ModelNotFoundError
 from moco_retrieval.model.encoder import TextEncoder, build_encoder
 from moco_retrieval.model.momentum import ENCODERS, state_dict_prefix
 
@@ -31,15 +33,9 @@ META_FILE = "moco_retrieval.json"  # written next to an exported model: its Mode
 
 def load_checkpoint(path: str | Path) -> dict:
     """A Lightning checkpoint of ``RetrievalModule`` (tensors and plain containers only)."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise FileNotFoundError(f"checkpoint={path}: no such file")
-    try:
-        ckpt = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - re-raised with the path
-        raise OSError(f"checkpoint={path}: cannot read it as a checkpoint ({type(e).__name__}: {e})") from e
+    ckpt = read_checkpoint(path, "checkpoint")
     if "state_dict" not in ckpt or "model" not in (ckpt.get("hyper_parameters") or {}):
-        raise ValueError(
+        raise CheckpointError(
             f"checkpoint={path}: not a moco_retrieval training checkpoint (expected state_dict and "
             "hyper_parameters.model)"
         )
@@ -64,13 +60,13 @@ def load_checkpoint_encoder(path: str | Path, encoder: str = "query") -> tuple[T
     """The ``TextEncoder`` of a training checkpoint: its query encoder, or (``encoder="key"``) its
     momentum key encoder. Returns ``(encoder, description)``."""
     if encoder not in ENCODERS:
-        raise ValueError(f"encoder={encoder!r}: expected one of {ENCODERS}")
+        raise ConfigError(f"encoder={encoder!r}: expected one of {ENCODERS}")
     ckpt = load_checkpoint(path)
     cfg = to_config(ModelConfig, ckpt["hyper_parameters"]["model"])
     prefix = state_dict_prefix(encoder)
     state = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
     if not state:
-        raise ValueError(
+        raise ConfigError(
             f"checkpoint={path} has no {encoder} encoder weights"
             + (" (objective=inbatch or feature_memory has no key encoder: use encoder=query)" if encoder == "key" else "")
         )
@@ -93,11 +89,11 @@ def load_model_dir(path: str | Path, fallback: Optional[ModelConfig] = None) -> 
     or any local Hugging Face model directory, built with ``fallback``'s pooling/head/normalize."""
     d = Path(path).expanduser()
     if not d.is_dir():
-        raise FileNotFoundError(f"model_dir={path}: no such directory")
+        raise ModelNotFoundError(f"model_dir={path}: no such directory")
     meta_path = d / META_FILE
     if not meta_path.is_file():
         if fallback is None:
-            raise FileNotFoundError(f"model_dir={path}: no {META_FILE} (not written by moco_retrieval.export)")
+            raise ModelNotFoundError(f"model_dir={path}: no {META_FILE} (not written by moco_retrieval.export)")
         cfg = to_config(ModelConfig, {**OmegaConf.to_container(OmegaConf.structured(fallback)), "path": str(d)})
         enc = build_encoder(cfg)
         enc.eval()
@@ -110,7 +106,7 @@ def load_model_dir(path: str | Path, fallback: Optional[ModelConfig] = None) -> 
     dense_dirs = [d / m["path"] for m in json.loads((d / "modules.json").read_text()) if m["type"].endswith("Dense")]
     linears = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
     if len(linears) != len(dense_dirs):
-        raise ValueError(f"model_dir={path}: {len(dense_dirs)} Dense modules for a head with {len(linears)} layers")
+        raise ModelLoadError(f"model_dir={path}: {len(dense_dirs)} Dense modules for a head with {len(linears)} layers")
     for lin, dd in zip(linears, dense_dirs):
         sd = _read_dense(dd)
         with torch.no_grad():
@@ -136,7 +132,7 @@ def load_encoder(
     """The encoder of a checkpoint, of an exported model directory, or (neither) the untrained
     base encoder described by ``model`` (a ModelConfig, DictConfig or dict)."""
     if checkpoint and model_dir:
-        raise ValueError("give checkpoint=PATH or model_dir=PATH, not both")
+        raise ConfigError("give checkpoint=PATH or model_dir=PATH, not both")
     if checkpoint:
         return load_checkpoint_encoder(checkpoint, encoder)
     fallback = to_config(ModelConfig, model)
@@ -156,7 +152,7 @@ def describe_spec(spec: str) -> dict[str, Optional[str]]:
         return {"model_dir": spec}
     if p.is_file():
         return {"checkpoint": spec}
-    raise FileNotFoundError(f"{spec!r}: not 'base', a checkpoint file or a model directory")
+    raise ModelNotFoundError(f"{spec!r}: not 'base', a checkpoint file or a model directory")
 
 
 __all__ = [

@@ -1,0 +1,85 @@
+"""Known errors and how a command reports them.
+
+A :class:`UserError` is a problem with what the user gave (data, config, a checkpoint file, a
+model folder, the run directory, the disk), not a bug: its message says what is wrong and where.
+:func:`reports_user_errors` wraps each command's task function (under ``@hydra.main``) so that
+such an error prints its message alone, wrapped to be read, and exits with status 2; anything
+else is a bug and keeps Hydra's traceback. ``HYDRA_FULL_ERROR=1`` shows the full traceback of a
+known error too.
+
+The subclasses also derive from the built-in exception callers used to catch (``ValueError``,
+``OSError``), so ``except ValueError`` keeps working where it did.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import textwrap
+from typing import Any, Callable
+
+USER_ERROR_STATUS = 2  # as argparse and most Unix tools exit on a usage error
+WIDTH = 100
+
+
+class UserError(Exception):
+    """Bad input the user can fix; the message names the file, line or key and what was expected."""
+
+
+class ConfigError(UserError, ValueError):
+    """A config value out of its range, contradicting another, or missing."""
+
+
+class CheckpointError(UserError, OSError):
+    """A checkpoint that cannot be read or written (names the file)."""
+
+
+class ModelLoadError(UserError, OSError):
+    """A model folder that cannot be loaded (names the folder and the key that chose it)."""
+
+
+class ModelNotFoundError(ModelLoadError, FileNotFoundError):
+    """A model folder or file that is not there."""
+
+
+class MissingPackageError(UserError, ModuleNotFoundError):
+    """An optional package the config asks for is not installed."""
+
+
+def wrap_message(message: str, width: int = WIDTH) -> str:
+    """Each line of ``message`` wrapped at ``width`` (paths and ids never broken)."""
+    out = []
+    for line in str(message).splitlines() or [""]:
+        indent = line[: len(line) - len(line.lstrip())]
+        out.append(textwrap.fill(line, width=width, subsequent_indent=indent + "  ", break_long_words=False,
+                                 break_on_hyphens=False) if line.strip() else line)
+    return "\n".join(out)
+
+
+def report(error: UserError, command: str) -> str:
+    return wrap_message(f"{command}: error: {error}")
+
+
+def reports_user_errors(command: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator for a command's task function, placed under ``@hydra.main``:
+    a :class:`UserError` prints its message and exits with status 2 (see the module docstring)."""
+
+    def decorate(task: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(task)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return task(*args, **kwargs)
+            except UserError as e:
+                if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                    raise
+                print(report(e, command), file=sys.stderr, flush=True)
+                raise SystemExit(USER_ERROR_STATUS) from None
+
+        return run
+
+    return decorate
+
+
+__all__ = ["UserError", "ConfigError", "CheckpointError", "ModelLoadError", "ModelNotFoundError",
+           "MissingPackageError", "USER_ERROR_STATUS",
+           "reports_user_errors", "wrap_message"]
