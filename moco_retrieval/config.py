@@ -176,15 +176,28 @@ class LoggerConfig:
     log_tables: bool = True  # W&B table of sample queries with their top-5
 
 
+INDEX_KINDS = ("flat", "ivf", "ivfpq", "hnsw")  # evaluation/index.py builds them
+
+
 @dataclass
 class EvalConfig:
-    index: str = "flat"  # flat | ivf | hnsw
-    nlist: int = 1024
-    nprobe: int = 32
+    """The FAISS index (evaluation/index.py; docs/scaling.md says which to pick) and the search depth."""
+
+    index: str = "flat"  # flat (exact, the default) | ivf | ivfpq (millions of documents) | hnsw
+    nlist: int = 1024  # ivf, ivfpq: k-means cells (about 1-4 x sqrt(documents))
+    nprobe: int = 32  # ivf, ivfpq: cells searched per query
+    pq_m: int = 48  # ivfpq: bytes per document (sub-vectors); must divide the embedding dimension
     hnsw_m: int = 32
     ef_search: int = 128
     top_k: int = 100
     sample_queries: int = 20
+
+    def __post_init__(self) -> None:
+        if self.index not in INDEX_KINDS:
+            raise ValueError(f"eval.index={self.index!r}: expected one of {', '.join(INDEX_KINDS)}")
+        for key in ("nlist", "nprobe", "pq_m", "hnsw_m", "ef_search", "top_k"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"eval.{key}={getattr(self, key)}: expected a positive integer")
 
 
 @dataclass
@@ -360,6 +373,7 @@ __all__ = [
     "TrainerConfig",
     "LoggerConfig",
     "EvalConfig",
+    "INDEX_KINDS",
     "TrainConfig",
     "MineConfig",
     "EvaluateConfig",
