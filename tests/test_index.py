@@ -163,3 +163,23 @@ def test_eval_config_rejects_unknown_index_and_non_positive_sizes():
         to_config(EvalConfig, {"nprobe": 0})
     with pytest.raises(ValueError, match="pq_bits"):
         to_config(EvalConfig, {"pq_bits": 4})  # not an option: codes are one byte per sub-vector
+
+
+def test_evaluation_over_ivfpq_holds_exact_scores_of_its_candidates():
+    from moco_retrieval.config import EvalConfig
+    from moco_retrieval.evaluation.encode import evaluate_embeddings
+
+    docs, queries = _clustered(3000), _clustered(30, seed=1)
+    doc_ids, query_ids = [f"d{i}" for i in range(3000)], [f"q{i}" for i in range(30)]
+    qrels = {q: {doc_ids[int(np.argmax(docs @ queries[i]))]: 1} for i, q in enumerate(query_ids)}
+    res = evaluate_embeddings(doc_ids, docs, query_ids, queries, qrels,
+                              EvalConfig(index="ivfpq", nlist=16, nprobe=16, pq_m=8, top_k=50))
+    for i, q in enumerate(query_ids):
+        hits = res.run[q]
+        assert len(hits) == 50
+        exact = {d: float(docs[int(d[1:])] @ queries[i]) for d in hits}
+        assert hits == pytest.approx(exact, abs=1e-5)
+        assert list(hits.values()) == sorted(hits.values(), reverse=True)
+        nearest = next(iter(qrels[q]))
+        assert (next(iter(hits)) == nearest) == (nearest in hits)  # among the candidates: ranked first
+    assert res.metrics["recall@1"] > 0.5

@@ -1,8 +1,8 @@
 """Encoding split across ranks: each of two gloo ranks encodes its block, the blocks are gathered,
 and every rank ends with what one process computes; embeddings stream into a memory-mapped file.
 
-Validation sharding under a real two-rank training run is checked by tests/test_torchrun.py
-(its validation metrics equal one process's over the whole pool).
+Validation under a real two-rank training run is checked by tests/test_torchrun.py (its
+validation metrics equal one process's over the whole pool).
 """
 from __future__ import annotations
 
@@ -45,6 +45,26 @@ def _rows(rank: int, n: int) -> np.ndarray:
     return (np.arange(n * 3, dtype=np.float32).reshape(n, 3) + 1000 * rank)
 
 
+def _validate(tiny_dir: str) -> dict:
+    """The module's validation pass as Lightning drives it: this rank's val batches through
+    ``validation_step``, then the rows the epoch end scores (gathered when the pool is split)."""
+    from moco_retrieval.config import DataConfig, InBatchConfig, OptimConfig
+    from moco_retrieval.data.datamodule import RetrievalDataModule
+    from moco_retrieval.lightning_module import RetrievalModule
+
+    torch.manual_seed(0)
+    module = RetrievalModule(ModelConfig(backbone="tiny", path=tiny_dir), InBatchConfig(), OptimConfig()).eval()
+    dm = RetrievalDataModule.from_loaded(DataConfig(kind="jsonl", eval_batch_size=4), [], _evalset(),
+                                         tokenize=module.encoder.tokenize)
+    module.on_validation_epoch_start()
+    with torch.no_grad():
+        batches = list(dm.val_dataloader())
+        for i, batch in enumerate(batches):
+            module.validation_step(batch, i)
+    return {"shard": dm.eval_shard(), "local_docs": sum((b["ids"] for b in batches if b["kind"] == "doc"), []),
+            "doc": module._val_rows("doc", dm), "query": module._val_rows("query", dm)}
+
+
 def _worker(rank, port, tiny_dir, folder):
     import torch.distributed as dist
 
@@ -62,6 +82,7 @@ def _worker(rank, port, tiny_dir, folder):
         out["unequal"] = all_gather_rows(_rows(rank, 5 if rank == 0 else 3), chunk_rows=2)
         res = evaluate_encoder(enc, _evalset(), EvalConfig(top_k=5), batch_size=4, show_progress=False)
         out["metrics"], out["run"] = res.metrics, res.run
+        out["validation"] = _validate(tiny_dir)
         torch.save(out, os.path.join(folder, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -92,6 +113,12 @@ def test_two_gloo_ranks_encode_half_each_and_gather_what_one_process_encodes(tmp
         np.testing.assert_array_equal(got["empty_rank"], _rows(0, 5))
         np.testing.assert_array_equal(got["unequal"], np.concatenate([_rows(0, 5), _rows(1, 3)]))
         assert got["metrics"] == pytest.approx(reference.metrics, abs=1e-6)
+        val, pool = got["validation"], _evalset()
+        assert val["shard"] == (rank, W) and val["local_docs"] == list(pool.corpus)[[0, 12][rank] : [12, 23][rank]]
+        for kind, texts in (("doc", pool.corpus), ("query", pool.queries)):
+            ids, rows = val[kind]
+            assert ids == list(texts)  # every rank scores the whole pool, in pool order
+            np.testing.assert_allclose(rows, encode_texts(enc, list(texts.values()), kind, 4, False), rtol=0, atol=1e-5)
         assert {q: list(hits) for q, hits in got["run"].items()} == {q: list(hits) for q, hits in reference.run.items()}
 
 

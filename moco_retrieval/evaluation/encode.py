@@ -19,7 +19,7 @@ import torch
 from moco_retrieval.distributed import all_gather_rows, rank, shard_range, world_size
 
 from .geometry import compute_geometry
-from .index import build_index_from_config, results_to_run, search
+from .index import build_index_from_config, rerank_exact, results_to_run, search
 from .metrics import evaluate_run, recall_curve
 
 
@@ -173,7 +173,9 @@ def evaluate_embeddings(
     geometry_seed: int = 0,
 ) -> EvalResult:
     """Index ``doc_emb`` (as given: no normalization here), search ``cfg.top_k`` per query,
-    score the run against ``qrels`` and measure the geometry of the pool.
+    score the run against ``qrels`` and measure the geometry of the pool. With ``ivfpq`` the
+    ``top_k`` candidates are re-scored exactly with ``doc_emb`` (which may be a memory map), so
+    the run holds true scores and only documents outside the candidates are missed.
 
     ``cfg`` is an ``EvalConfig`` (index, nlist, nprobe, hnsw_m, ef_search, top_k). recall@100
     and map@100 only see the ``top_k`` retrieved documents. ``normalize``: whether the model
@@ -196,6 +198,8 @@ def evaluate_embeddings(
     timings["index"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     scores, indices = search(index, q_emb, cfg.top_k)
+    if cfg.index == "ivfpq":  # PQ scores are the quantized vectors': re-score the candidates with the real ones
+        scores, indices = rerank_exact(q_emb, indices, d_emb, indices.shape[1])
     timings["search"] = time.perf_counter() - t0
     run = results_to_run(scores, indices, query_ids, doc_ids)
     # score only the queries of the pool (qrels may cover more than was encoded)
