@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -62,9 +61,11 @@ def _common():
     return common
 
 
-def rss_mb() -> float:
+def rss_mb(field: str = "VmRSS") -> float:
+    """This process's resident memory now (VmRSS) or its peak (VmHWM: reset by exec, unlike
+    ru_maxrss, which a child inherits from the process that forked it)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024.0
     return float("nan")
 
@@ -207,7 +208,7 @@ def measure(spec: dict) -> dict:
             log(f"    {spec['index']} nprobe {nprobe} rerank {p['rerank']}: recall@10 {p['recall@10']:.3f}, "
                 f"{p['search_ms_per_query']:.2f} ms/query")
     return {"build_s": build_s, "index_bytes": index_bytes, "rss_before_build_mb": rss_before,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, "points": points}
+            "peak_rss_mb": rss_mb("VmHWM"), "points": points}
 
 
 def run_child(spec: dict) -> dict:
@@ -256,11 +257,15 @@ def run_size(n: int, args, cache: Path, done: dict, cut: list[str]) -> None:
     corpus = corpus_file(args.work_dir, n, args.seed, args.clusters)
     gen_s = time.perf_counter() - t0
     queries = draw(args.seed, 1, 0, args.queries, args.clusters)
-    qpath, epath = args.work_dir / f"queries_{n}.npy", args.work_dir / f"exact_{n}.npy"
-    np.save(qpath, queries)
-    log(f"n={n:,}: exact top-10 of {args.queries} queries, chunk by chunk")
-    exact, exact_s = exact_top10(VectorFile(corpus), queries)
-    np.save(epath, exact)
+    stem = corpus.name.replace("corpus_", "").removesuffix(".npy") + f"_q{args.queries}"
+    qpath, epath = args.work_dir / f"queries_{stem}.npy", args.work_dir / f"exact_{stem}.npy"
+    if exact_key in done and epath.is_file() and qpath.is_file() and np.array_equal(np.load(qpath), queries):
+        exact = np.load(epath)  # the ground truth of these queries over this corpus, from an earlier run
+    else:
+        log(f"n={n:,}: exact top-10 of {args.queries} queries, chunk by chunk")
+        exact, exact_s = exact_top10(VectorFile(corpus), queries)
+        np.save(qpath, queries)
+        np.save(epath, exact)
     if exact_key not in done:
         rec = {"key": exact_key, "n": n, "index": "exact (chunked numpy)", "search_ms_per_query": 1000 * exact_s / args.queries,
                "generate_s": gen_s, "raw_bytes": n * DIM * 4}
