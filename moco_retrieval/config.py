@@ -311,11 +311,17 @@ class LoggerConfig:
     log_tables: bool = True  # W&B table of sample queries with their top-5
 
 
+INDEX_KINDS = ("flat", "ivf", "ivfpq", "hnsw")  # evaluation/index.py builds them
+
+
 @dataclass
 class EvalConfig(RangeChecked):
-    index: str = "flat"  # flat | ivf | hnsw
-    nlist: int = 1024
-    nprobe: int = 32
+    """The FAISS index (evaluation/index.py; docs/scaling.md says which to pick) and the search depth."""
+
+    index: str = "flat"  # flat (exact, the default) | ivf | ivfpq (millions of documents) | hnsw
+    nlist: int = 1024  # ivf, ivfpq: k-means cells (about 1-4 x sqrt(documents))
+    nprobe: int = 32  # ivf, ivfpq: cells searched per query
+    pq_m: int = 48  # ivfpq: bytes per document (sub-vectors); must divide the embedding dimension
     hnsw_m: int = 32
     ef_search: int = 128
     top_k: int = 100
@@ -323,9 +329,14 @@ class EvalConfig(RangeChecked):
 
     SECTION: ClassVar[str] = "eval"
     RANGES: ClassVar[dict[str, Range]] = {
-        "nlist": AT_LEAST_ONE, "nprobe": AT_LEAST_ONE, "hnsw_m": AT_LEAST_ONE, "ef_search": AT_LEAST_ONE,
-        "top_k": AT_LEAST_ONE, "sample_queries": NON_NEGATIVE,
+        "nlist": AT_LEAST_ONE, "nprobe": AT_LEAST_ONE, "pq_m": AT_LEAST_ONE, "hnsw_m": AT_LEAST_ONE,
+        "ef_search": AT_LEAST_ONE, "top_k": AT_LEAST_ONE, "sample_queries": NON_NEGATIVE,
     }
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.index not in INDEX_KINDS:
+            raise ConfigError(f"eval.index={self.index!r}: expected one of {', '.join(INDEX_KINDS)}")
 
 
 @dataclass
@@ -506,6 +517,7 @@ __all__ = [
     "TrainerConfig",
     "LoggerConfig",
     "EvalConfig",
+    "INDEX_KINDS",
     "TrainConfig",
     "MineConfig",
     "EvaluateConfig",

@@ -9,6 +9,7 @@ import re
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -34,6 +35,58 @@ def all_gather_no_grad(x: Tensor) -> Tensor:
     out = [torch.empty_like(x) for _ in range(world_size())]
     dist.all_gather(out, x.contiguous())
     return torch.cat(out, dim=0)
+
+
+def shard_range(n: int, rank: int, world: int) -> tuple[int, int]:
+    """``[start, stop)`` of rank ``rank``'s contiguous block of ``n`` items: blocks in rank order,
+    sizes differing by at most one, so concatenating them in rank order gives the items back."""
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def _comm_device() -> torch.device:
+    # NCCL moves only CUDA tensors; gloo only CPU ones
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def row_counts(n_local: int) -> list[int]:
+    """Every rank's ``n_local``, in rank order."""
+    if world_size() == 1:
+        return [int(n_local)]
+    return [int(c) for c in all_gather_no_grad(torch.tensor([int(n_local)], device=_comm_device())).tolist()]
+
+
+@torch.no_grad()
+def all_gather_rows(local: np.ndarray, out: np.ndarray | None = None, chunk_rows: int = 65_536) -> np.ndarray:
+    """Every rank's rows ``[n_r, d]`` (float32; ``n_r`` may differ, 0 included) concatenated in
+    rank order, on every rank: into ``out`` (``[sum n_r, d]``, e.g. a ``np.memmap``) or a new array.
+
+    Sent ``chunk_rows`` rows per rank at a time, so the transfer buffers stay small whatever the
+    total. ``local`` may be this rank's block of ``out`` itself (other ranks' rows land elsewhere).
+    """
+    counts = row_counts(len(local))
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    d = local.shape[1]
+    if out is None:
+        out = np.empty((int(starts[-1]), d), np.float32)
+    if out.shape != (int(starts[-1]), d):
+        raise ValueError(f"out has shape {out.shape}, the gathered rows {(int(starts[-1]), d)}")
+    device = _comm_device() if world_size() > 1 else torch.device("cpu")
+    for c in range(0, max(counts), chunk_rows):
+        rows = min(chunk_rows, max(counts) - c)
+        piece = torch.zeros((rows, d), dtype=torch.float32)
+        mine = np.asarray(local[c : c + rows], dtype=np.float32)
+        piece[: len(mine)] = torch.from_numpy(np.ascontiguousarray(mine))
+        gathered = all_gather_no_grad(piece.to(device)).cpu().numpy()
+        for r, n_r in enumerate(counts):
+            valid = max(0, min(n_r - c, rows))
+            if valid:
+                out[starts[r] + c : starts[r] + c + valid] = gathered[r * rows : r * rows + valid]
+    return out
 
 
 def all_gather_with_grad(x: Tensor) -> Tensor:

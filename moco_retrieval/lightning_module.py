@@ -7,10 +7,12 @@ import math
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from omegaconf import OmegaConf
 
 from moco_retrieval.config import EvalConfig, ModelConfig, ObjectiveConfig, OptimConfig, TrainConfig, objective_config, to_config
+from moco_retrieval.distributed import all_gather_rows, row_counts, shard_range
 from moco_retrieval.evaluation.encode import evaluate_embeddings
 from moco_retrieval.gradcache import GradCache
 from moco_retrieval.model.encoder import build_encoder
@@ -217,19 +219,34 @@ class RetrievalModule(L.LightningModule):
         self._val_outputs[kind].append(emb)
 
     def on_validation_epoch_end(self) -> None:
-        out = self._val_outputs
-        if not out.get("doc"):
+        if not self._val_outputs.get("doc"):
             return
         dm = self.trainer.datamodule
+        doc_ids, docs = self._val_rows("doc", dm)
+        query_ids, queries = self._val_rows("query", dm)
         result = evaluate_embeddings(
-            out["doc_ids"], torch.cat(out["doc"]).numpy(), out["query_ids"], torch.cat(out["query"]).numpy(),
-            dm.eval_set.qrels, self.eval_cfg, normalize=self.encoder.normalize,
+            doc_ids, docs, query_ids, queries, dm.eval_set.qrels, self.eval_cfg, normalize=self.encoder.normalize,
         )
         self.last_val_result, self.last_val_step = result, self.global_step
         logged = {f"val/{k}": float(v) for k, v in result.metrics.items()}
         logged.update({f"val/{k}": float(v) for k, v in result.geometry.items() if isinstance(v, (int, float))})
         logged.update({f"val/{k}": v for k, v in self.objective.stats(self.global_step).items()})
-        # identical on every rank (each encodes the whole pool), so no reduction is needed
+        # identical on every rank (each holds the whole pool's embeddings), so no reduction is needed
         logged["step"] = float(self.global_step)  # the steps completed, as in best-STEP.ckpt
         self.log_dict(logged, sync_dist=False)
         self._val_outputs = {}
+
+    def _val_rows(self, kind: str, dm) -> tuple[list, np.ndarray]:
+        """``(ids, embeddings)`` of the validated ``kind`` rows: this rank's, gathered from every
+        rank in rank order when the data module split the pool (``eval_shard``)."""
+        ids, parts = self._val_outputs[f"{kind}_ids"], self._val_outputs[kind]
+        local = torch.cat(parts).numpy() if parts else np.zeros((0, self.encoder.dim), np.float32)
+        rank, world = dm.eval_shard()
+        if world == 1:
+            return ids, local
+        pool = list(dm.eval_set.corpus if kind == "doc" else dm.eval_set.queries)
+        blocks = [shard_range(len(pool), r, world) for r in range(world)]
+        if ids != pool[blocks[rank][0] : blocks[rank][0] + len(ids)]:
+            raise RuntimeError(f"rank {rank} validated {kind} rows that are not its block of the pool")
+        counts = row_counts(len(local))
+        return [i for (start, _), n in zip(blocks, counts) for i in pool[start : start + n]], all_gather_rows(local)

@@ -409,7 +409,7 @@ def mine_hard_negatives(
 ) -> MiningResult:
     """Encode the corpus of ``pairs`` (their positives) and their queries with ``encoder`` (a
     ``TextEncoder``, or any ``encoder(side, kind)`` module) and mine (see the module docstring)."""
-    from moco_retrieval.evaluation.encode import encode_texts
+    from moco_retrieval.evaluation.encode import encode_texts_sharded as encode_texts  # 1/N per rank under a process group
 
     if not pairs:
         raise ValueError("no training pairs to mine for")

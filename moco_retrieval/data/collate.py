@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from moco_retrieval.distributed import shard_range
+
 from .formats import DataError, EvalSet, Negative, Pair
 
 Tokenize = Callable[[list[str], str], dict]
@@ -109,11 +111,14 @@ class EvalItems(Dataset):
     def __getitem__(self, i: int) -> tuple[str, str, str]:
         return self.items[i]
 
-    def batches(self, batch_size: int) -> list[list[int]]:
-        """Index batches of one kind each: documents first, then queries."""
-        n = len(self.items)
-        out = [list(range(s, min(s + batch_size, self.n_docs))) for s in range(0, self.n_docs, batch_size)]
-        out += [list(range(s, min(s + batch_size, n))) for s in range(self.n_docs, n, batch_size)]
+    def batches(self, batch_size: int, rank: int = 0, world_size: int = 1) -> list[list[int]]:
+        """Index batches of one kind each: documents first, then queries; of rank ``rank``'s
+        contiguous block of each (``distributed.shard_range``) when ``world_size > 1``."""
+        n_queries = len(self.items) - self.n_docs
+        d0, d1 = shard_range(self.n_docs, rank, world_size)
+        q0, q1 = (self.n_docs + i for i in shard_range(n_queries, rank, world_size))
+        out = [list(range(s, min(s + batch_size, d1))) for s in range(d0, d1, batch_size)]
+        out += [list(range(s, min(s + batch_size, q1))) for s in range(q0, q1, batch_size)]
         return out
 
 

@@ -164,12 +164,22 @@ class RetrievalDataModule(L.LightningDataModule):
             load_fn=self.load_state_dict,
         )
 
+    def eval_shard(self) -> tuple[int, int]:
+        """``(rank, world size)`` that validation splits the eval pool over: each rank encodes its
+        block of the documents and of the queries, and the module gathers them. ``(0, 1)`` (every
+        rank the whole pool) on one process, or when the pool has fewer documents or queries than
+        there are ranks: a rank without a batch would skip the validation loop and the gather."""
+        rank, world = dist_rank_world()
+        if world == 1 or min(len(self.eval_set.corpus), len(self.eval_set.queries)) < world:
+            return 0, 1
+        return rank, world
+
     def val_dataloader(self) -> DataLoader:
-        """The whole eval pool on every rank (no sharding): documents, then queries."""
+        """This rank's share of the eval pool (:meth:`eval_shard`): documents, then queries."""
         items = EvalItems(self.eval_set)
         return DataLoader(
             items,
-            batch_sampler=items.batches(self.cfg.eval_batch_size),
+            batch_sampler=items.batches(self.cfg.eval_batch_size, *self.eval_shard()),
             collate_fn=EvalCollator(self.tokenize),
             num_workers=self.cfg.num_workers,
         )

@@ -8,6 +8,7 @@ encoder returns them (cosine when it normalizes, raw dot product when it does no
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -15,8 +16,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from moco_retrieval.distributed import all_gather_rows, rank, shard_range, world_size
+
 from .geometry import compute_geometry
-from .index import build_index_from_config, results_to_run, search
+from .index import build_index_from_config, rerank_exact, results_to_run, search
 from .metrics import evaluate_run, recall_curve
 
 
@@ -56,6 +59,13 @@ def _to_device(side: dict, device: torch.device | None) -> dict:
     return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in side.items()}
 
 
+def embedding_file(path: str | os.PathLike, n: int, dim: int) -> np.ndarray:
+    """A new ``.npy`` file of ``[n, dim]`` float32 rows, memory-mapped for writing: pass it as
+    ``out=`` and the embeddings stream to disk instead of being held (``np.load(path,
+    mmap_mode="r")`` reads it back; FAISS indexes read it in chunks)."""
+    return np.lib.format.open_memmap(os.fspath(path), mode="w+", dtype=np.float32, shape=(int(n), int(dim)))
+
+
 def encode_texts(
     encoder: Any,
     texts: Sequence[str],
@@ -65,13 +75,16 @@ def encode_texts(
     *,
     description: str | None = None,
     sort_by_length: bool = True,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Embeddings ``float32 [len(texts), d]`` of ``texts`` as ``kind`` ("query" or "doc").
 
     Batched, under ``torch.no_grad`` with the encoder in eval mode (its mode is restored after).
     The side dict is ``{"texts": ..., **encoder.tokenize(texts, kind)}`` when
     ``encoder.needs_tokens``, else ``{"texts": ...}``. Texts are encoded longest first, so each
-    batch pads to similar lengths, and returned in the order given.
+    batch pads to similar lengths, and returned in the order given. Each batch's rows are written
+    into ``out`` (``[len(texts), d]``, e.g. :func:`embedding_file`'s memory map; it is returned)
+    as they come, so nothing but one batch is held; without ``out`` a new array receives them.
     """
     if kind not in ("query", "doc"):
         raise ValueError(f"kind must be 'query' or 'doc', got {kind!r}")
@@ -90,7 +103,8 @@ def encode_texts(
         from moco_retrieval.progress import progress_bar  # tqdm on a terminal, plain lines in a log file
 
         bar = progress_bar(n, desc, " texts" if kind == "doc" else " queries")
-    chunks: list[np.ndarray] = []
+    if out is not None and len(out) != n:
+        raise ValueError(f"out has {len(out)} rows for {n} texts")
     try:
         with torch.no_grad():
             for start in range(0, n, batch_size):
@@ -99,8 +113,10 @@ def encode_texts(
                 side: dict[str, Any] = {"texts": batch}
                 if needs_tokens:
                     side.update(encoder.tokenize(batch, kind))
-                out = encoder(_to_device(side, device), kind)
-                chunks.append(out.detach().float().cpu().numpy())
+                emb = encoder(_to_device(side, device), kind).detach().float().cpu().numpy()
+                if out is None:
+                    out = np.empty((n, emb.shape[1]), np.float32)
+                out[np.asarray(idx, dtype=np.int64)] = emb
                 if bar is not None:
                     bar.update(len(batch))
     finally:
@@ -108,13 +124,41 @@ def encode_texts(
             bar.close()
         if was_training and hasattr(encoder, "train"):
             encoder.train(True)
-    if not chunks:
-        dim = int(getattr(encoder, "dim", 0) or 0)
-        return np.zeros((0, dim), np.float32)
-    emb = np.concatenate(chunks, axis=0)
-    result = np.empty_like(emb)
-    result[np.asarray(order, dtype=np.int64)] = emb
-    return np.ascontiguousarray(result, dtype=np.float32)
+    if out is None:  # no texts
+        return np.zeros((0, int(getattr(encoder, "dim", 0) or 0)), np.float32)
+    return out
+
+
+def encode_texts_sharded(
+    encoder: Any,
+    texts: Sequence[str],
+    kind: str,
+    batch_size: int = 256,
+    show_progress: bool = True,
+    *,
+    description: str | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """:func:`encode_texts` split across the ranks of the process group: each rank encodes its
+    contiguous block (``distributed.shard_range``: 1/N of the texts), then the blocks are
+    all-gathered in rank order, so every rank returns every row in the order given, as one
+    process would (up to float rounding: batches pad differently). Every rank must call it with
+    the same texts. ``out``: this rank's ``[len(texts), d]`` destination (a memory map from
+    :func:`embedding_file` keeps the pool on disk: the block is encoded straight into it and
+    the others' rows are written there as they arrive). One process: :func:`encode_texts`.
+    """
+    world = world_size()
+    if world == 1:
+        return encode_texts(encoder, texts, kind, batch_size, show_progress, description=description, out=out)
+    texts = list(texts)
+    start, stop = shard_range(len(texts), rank(), world)
+    if out is not None and len(out) != len(texts):
+        raise ValueError(f"out has {len(out)} rows for {len(texts)} texts")
+    noun = "queries" if kind == "query" else "documents"
+    desc = description or f"encoding {stop - start:,} of {len(texts):,} {noun} (rank {rank()} of {world})"
+    local = encode_texts(encoder, texts[start:stop], kind, batch_size, show_progress, description=desc,
+                         out=None if out is None else out[start:stop])
+    return all_gather_rows(local, out=out)
 
 
 def evaluate_embeddings(
@@ -129,7 +173,9 @@ def evaluate_embeddings(
     geometry_seed: int = 0,
 ) -> EvalResult:
     """Index ``doc_emb`` (as given: no normalization here), search ``cfg.top_k`` per query,
-    score the run against ``qrels`` and measure the geometry of the pool.
+    score the run against ``qrels`` and measure the geometry of the pool. With ``ivfpq`` the
+    ``top_k`` candidates are re-scored exactly with ``doc_emb`` (which may be a memory map), so
+    the run holds true scores and only documents outside the candidates are missed.
 
     ``cfg`` is an ``EvalConfig`` (index, nlist, nprobe, hnsw_m, ef_search, top_k). recall@100
     and map@100 only see the ``top_k`` retrieved documents. ``normalize``: whether the model
@@ -152,6 +198,8 @@ def evaluate_embeddings(
     timings["index"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     scores, indices = search(index, q_emb, cfg.top_k)
+    if cfg.index == "ivfpq":  # PQ scores are the quantized vectors': re-score the candidates with the real ones
+        scores, indices = rerank_exact(q_emb, indices, d_emb, indices.shape[1])
     timings["search"] = time.perf_counter() - t0
     run = results_to_run(scores, indices, query_ids, doc_ids)
     # score only the queries of the pool (qrels may cover more than was encoded)
@@ -202,19 +250,24 @@ def evaluate_encoder(
     batch_size: int = 256,
     *,
     show_progress: bool = True,
+    doc_out: np.ndarray | None = None,
 ) -> EvalResult:
     """Encode ``evalset.corpus`` and ``evalset.queries`` with ``encoder`` and evaluate.
 
-    Timings hold ``encode_docs``, ``encode_queries`` and ``encode`` (their sum) next to
-    ``index`` and ``search``: evaluation time is mostly encoding.
+    Under a process group each rank encodes 1/N of each and the blocks are gathered
+    (:func:`encode_texts_sharded`); every rank gets the same result. ``doc_out``: where the
+    document embeddings go (:func:`embedding_file` keeps them on disk). Timings hold
+    ``encode_docs``, ``encode_queries`` and ``encode`` (their sum) next to ``index`` and
+    ``search``: evaluation time is mostly encoding.
     """
     doc_ids = list(evalset.corpus.keys())
     query_ids = list(evalset.queries.keys())
     t0 = time.perf_counter()
-    doc_emb = encode_texts(encoder, [evalset.corpus[d] for d in doc_ids], "doc", batch_size, show_progress)
+    doc_emb = encode_texts_sharded(encoder, [evalset.corpus[d] for d in doc_ids], "doc", batch_size, show_progress,
+                                   out=doc_out)
     t_docs = time.perf_counter() - t0
     t0 = time.perf_counter()
-    query_emb = encode_texts(encoder, [evalset.queries[q] for q in query_ids], "query", batch_size, show_progress)
+    query_emb = encode_texts_sharded(encoder, [evalset.queries[q] for q in query_ids], "query", batch_size, show_progress)
     t_queries = time.perf_counter() - t0
     normalize = getattr(encoder, "normalize", None)
     result = evaluate_embeddings(
@@ -230,4 +283,4 @@ def evaluate_encoder(
     return result
 
 
-__all__ = ["EvalResult", "encode_texts", "evaluate_embeddings", "evaluate_encoder"]
+__all__ = ["EvalResult", "embedding_file", "encode_texts", "encode_texts_sharded", "evaluate_embeddings", "evaluate_encoder"]
