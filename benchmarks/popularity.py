@@ -210,7 +210,7 @@ def report(recs, controls, n_pairs, eval_set, counts, popularity, epochs, seeds,
           "## recall@1 by the positive's popularity (training pairs of that document)", "",
           md_table(["run"] + [f"{b} ({q_per_bucket.get(b, 0)} q)" for b in labels],
                    [[n] + [f3(s["buckets"].get(b, {}).get("recall@1")) for b in labels] for n, s in summ.items()]), "",
-          "Training pairs per document popularity: " + ", ".join(f"{b}: {sum(c * k for k, c in counts.items() if bucket_of(k) == b):,}"
+          "Training pairs whose document has that popularity: " + ", ".join(f"{b}: {sum(c for k, c in counts.items() if bucket_of(k) == b):,}"
                                                                for b in labels[1:]) + ".", ""]
     if controls:
         ctl = {}
@@ -235,9 +235,10 @@ def plot(summ, labels, path: Path) -> None:
         return
     fig = figure(7.0, 4.0)
     ax = fig.add_subplot(1, 1, 1)
-    for n, s in summ.items():
+    bases = list(dict.fromkeys(n.replace(" + logQ", "") for n in summ))
+    for n, s in summ.items():  # one colour per objective; dashed: with logQ
         xs = [i for i, b in enumerate(labels) if b in s["buckets"]]
-        ax.plot(xs, [s["buckets"][labels[i]]["recall@1"] for i in xs], marker="o",
+        ax.plot(xs, [s["buckets"][labels[i]]["recall@1"] for i in xs], marker="o", color=f"C{bases.index(n.replace(' + logQ', ''))}",
                 linestyle="--" if "logQ" in n else "-", label=n)
     ax.set_xticks(range(len(labels)), labels)
     ax.set_xlabel("training pairs of the positive document (popularity)")

@@ -135,7 +135,8 @@ class Objective(nn.Module):
 
     def masked_stats(self, rows: int) -> dict[str, float]:
         """Candidates masked per query since the last call, by rule (id, group, guide)."""
-        out = {f"masked_by_{k}": v / max(1, rows) for k, v in self._masked.items()}
+        rules = (("id", "group") if self.mask_false_negatives else ()) + (("guide",) if self.guide is not None else ())
+        out = {f"masked_by_{k}": self._masked[k] / max(1, rows) for k in rules}
         self._masked = dict.fromkeys(self._masked, 0)
         return out
 
