@@ -111,6 +111,32 @@ def by_bucket(result, eval_set, popularity) -> dict:
                 "ndcg@10": sum(x["ndcg@10"] for x in v) / len(v)} for b, v in per.items() if v}
 
 
+class Cached:
+    """Runs each (bench, name, seed) once; records appended to the JSONL cache, which later runs read."""
+
+    def __init__(self, cache: Path, epochs: int, deadline: str | None):
+        self.cache, self.epochs, self.deadline = cache, epochs, deadline
+        self.done = {r["key"]: r for r in read_jsonl(cache)}
+        self.cut: list[str] = []
+
+    def run(self, bench, name: str, overrides: list[str], seed: int, buckets) -> None:
+        key = f"{name}|seed={seed}|epochs={self.epochs}|pairs={len(bench.train_pairs)}"
+        self.done.update({r["key"]: r for r in read_jsonl(self.cache)})  # a parallel process may have done it
+        if key in self.done:
+            return
+        if self.deadline and time.strftime("%H:%M", time.gmtime()) >= self.deadline:
+            self.cut.append(f"{name} seed {seed}")
+            return
+        cfg = compose_cfg(FROZEN_BASE + overrides + [f"trainer.max_epochs={self.epochs}", f"seed={seed}", f"data.seed={seed}"])
+        r = bench.fit_eval(cfg)
+        rec = {"key": key, "name": name, "seed": seed, "metrics": dict(r["metrics"]), "train_s": r["train_s"],
+               "steps": r["steps"], "unrelated_cos_mean": r["geometry"].get("unrelated_cos_mean"),
+               "buckets": buckets(r["result"])}
+        append_jsonl(self.cache, rec)
+        self.done[key] = rec
+        log(f"{name} seed {seed}: recall@1 {rec['metrics']['recall@1']:.4f} ({rec['train_s']:.0f}s)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="8,000 training pairs, 1 epoch, seed 0, in-batch only")
@@ -135,49 +161,26 @@ def main(argv=None) -> int:
     cache = out_dir / f"{prefix}_runs.jsonl"
     t0 = time.time()
     pairs, eval_set, popularity = build_skewed()
-    if q:
+    if q:  # a slice; popularity counted over it
         pairs = pairs[:: max(1, len(pairs) // 8000)][:8000]
+        pop = collections.Counter(p.doc_id for p in pairs)
+        popularity = {did: pop.get(int(did), 0) for did in popularity}
     bench = SkewedBench(pairs, eval_set)
     counts = collections.Counter(popularity[str(p.doc_id)] for p in pairs)
     log(f"B8: {len(pairs):,} pairs over {sum(1 for v in popularity.values() if v):,} documents "
         f"(most popular: {max(popularity.values())} pairs); pool {len(eval_set.corpus):,} docs, {len(eval_set.queries):,} queries")
-    done = {r["key"]: r for r in read_jsonl(cache)}
-    cut = []
+    runner = Cached(cache, epochs, args.deadline)
     for s in seeds:
         for name in RUNS:
-            key = f"{name}|seed={s}|epochs={epochs}|pairs={len(pairs)}"
-            done.update({r["key"]: r for r in read_jsonl(cache)})
-            if key in done or name not in only:
-                continue
-            if args.deadline and time.strftime("%H:%M", time.gmtime()) >= args.deadline:
-                cut.append(f"{name} seed {s}")
-                continue
-            cfg = compose_cfg(FROZEN_BASE + RUNS[name] + [f"trainer.max_epochs={epochs}", f"seed={s}", f"data.seed={s}"])
-            r = bench.fit_eval(cfg)
-            rec = {"key": key, "name": name, "seed": s, "metrics": dict(r["metrics"]), "train_s": r["train_s"],
-                   "steps": r["steps"], "unrelated_cos_mean": r["geometry"].get("unrelated_cos_mean"),
-                   "buckets": by_bucket(r["result"], eval_set, popularity)}
-            append_jsonl(cache, rec)
-            done[key] = rec
-            log(f"{name} seed {s}: recall@1 {rec['metrics']['recall@1']:.4f} ({rec['train_s']:.0f}s)")
+            if name in only:
+                runner.run(bench, name, RUNS[name], s, lambda res: by_bucket(res, eval_set, popularity))
     if any(n in only for n in CONTROLS):
         std_bench = Bench(max_train_examples=8000 if q else None)
         for s in seeds:
             for name, ov in CONTROLS.items():
-                key = f"{name}|seed={s}|epochs={epochs}|pairs={len(std_bench.train_pairs)}"
-                done.update({r["key"]: r for r in read_jsonl(cache)})
-                if key in done or name not in only:
-                    continue
-                if args.deadline and time.strftime("%H:%M", time.gmtime()) >= args.deadline:
-                    cut.append(f"{name} seed {s}")
-                    continue
-                cfg = compose_cfg(FROZEN_BASE + ov + [f"trainer.max_epochs={epochs}", f"seed={s}", f"data.seed={s}"])
-                r = std_bench.fit_eval(cfg)
-                rec = {"key": key, "name": name, "seed": s, "metrics": dict(r["metrics"]), "train_s": r["train_s"],
-                       "steps": r["steps"], "unrelated_cos_mean": r["geometry"].get("unrelated_cos_mean"), "buckets": {}}
-                append_jsonl(cache, rec)
-                done[key] = rec
-                log(f"{name} seed {s}: recall@1 {rec['metrics']['recall@1']:.4f} ({rec['train_s']:.0f}s)")
+                if name in only:
+                    runner.run(std_bench, name, ov, s, lambda res: {})
+    done, cut = runner.done, runner.cut
     recs = [r for r in done.values() if r["key"].endswith(f"|epochs={epochs}|pairs={len(pairs)}")]
     controls = [r for r in done.values() if r["name"] in CONTROLS and r["key"].split("|")[2] == f"epochs={epochs}"]
     report(recs, controls, len(pairs), eval_set, counts, popularity, epochs, seeds, cut, out_dir, prefix, time.time() - t0, q)

@@ -4,7 +4,6 @@ and two gloo ranks, and the module's guide encoder."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -273,24 +272,11 @@ def run(steps, rank, world):
     return out
 
 
-def _worker(rank, port, steps, folder):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=W)
-    try:
-        torch.save(run(steps, rank, W), os.path.join(folder, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 def test_two_gloo_ranks_equal_one_process_with_guide_and_logq(tmp_path):
-    import torch.multiprocessing as mp
-    from test_two_queue import free_port
+    from gloo import on_ranks
 
     steps = make_steps()
-    mp.spawn(_worker, args=(free_port(), steps, str(tmp_path)), nprocs=W, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(W)]
+    ranks = on_ranks(run, (steps,), W, tmp_path)
     single = run(steps, 0, 1)
     assert {"guide_queue.queue_keys", "logq.logq_interval", "logq.logq_last"} <= set(single["state"])
     for key, v in single["state"].items():  # queue, guide queue and frequency estimates

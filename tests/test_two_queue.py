@@ -2,8 +2,6 @@
 batch, the module's wiring, and two gloo ranks against one process on the global batch."""
 from __future__ import annotations
 
-import os
-import socket
 
 import pytest
 import torch
@@ -211,29 +209,11 @@ def run(steps, rank, world):
     return out
 
 
-def _worker(rank, port, steps, folder):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=W)
-    try:
-        torch.save(run(steps, rank, W), os.path.join(folder, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_gloo_ranks_hold_identical_queues_equal_to_one_process(tmp_path):
-    import torch.multiprocessing as mp
+    from gloo import on_ranks
 
     steps = make_steps()
-    mp.spawn(_worker, args=(free_port(), steps, str(tmp_path)), nprocs=W, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(W)]
+    ranks = on_ranks(run, (steps,), W, tmp_path)
     single = run(steps, 0, 1)
     for key, v in single["state"].items():  # both queues: keys, ids, groups, steps, pointer, fill
         for r in ranks:
