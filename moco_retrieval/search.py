@@ -153,7 +153,7 @@ def build_or_load_index(
         "model": model_identity,
         "corpus_sha256": _corpus_digest(doc_ids, texts),
         "documents": len(doc_ids),
-        "index": {k: getattr(eval_cfg, k) for k in ("index", "nlist", "hnsw_m")},
+        "index": {k: getattr(eval_cfg, k) for k in ("index", "nlist", "pq_m", "hnsw_m")},
     }
     if not rebuild:
         found = SearchIndex.load(index_dir, eval_cfg)

@@ -183,3 +183,24 @@ def test_evaluation_over_ivfpq_holds_exact_scores_of_its_candidates():
         nearest = next(iter(qrels[q]))
         assert (next(iter(hits)) == nearest) == (nearest in hits)  # among the candidates: ranked first
     assert res.metrics["recall@1"] > 0.5
+
+
+def test_saved_search_index_is_rebuilt_when_its_build_settings_change(tmp_path):
+    """search's saved index is reused for the same settings and rebuilt when nlist or pq_m change."""
+    from moco_retrieval.config import EvalConfig, ModelConfig
+    from moco_retrieval.model.encoder import build_encoder
+    from moco_retrieval.model.tiny import build_tiny_bert
+    from moco_retrieval.search import build_or_load_index
+
+    enc = build_encoder(ModelConfig(backbone="tiny", path=str(build_tiny_bert(tmp_path / "bert"))))
+    corpus = {f"d{i}": f"document {i} about topic {i % 17} and {i % 5}" for i in range(300)}
+
+    def built(**kw):
+        cfg = EvalConfig(**{"index": "ivfpq", "nlist": 2, "pq_m": 4, **kw})
+        return build_or_load_index(enc, corpus, cfg, tmp_path / "index", {"model": "tiny"}, progress=False)[1]
+
+    assert built() is True
+    assert built() is False  # same settings: loaded
+    assert built(nprobe=1) is False  # a search-time setting: still loaded
+    assert built(pq_m=8) is True
+    assert built(pq_m=8, nlist=4) is True
