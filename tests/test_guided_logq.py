@@ -145,7 +145,7 @@ def test_moco_loss_gradient_and_counts_equal_loops(mask, margin, threshold, logq
         assert torch.equal(obj.guide_queue.ids(), obj.queue.ids())
 
 
-def test_logq_changes_the_loss_only_when_on():
+def test_logq_changes_the_loss_when_on():
     q, k = unit(6, D, seed=7), unit(6, D, seed=8)
     meta = {"doc_id": IDS, "group": GROUPS}
     off = moco(logq=False)(q, k, meta, step=8)[0]

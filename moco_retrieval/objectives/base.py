@@ -123,9 +123,10 @@ class Objective(nn.Module):
             before = 0 if out is None else out[0].numel()
             fn = false_negative_pairs(pos_ids, pos_groups, cand_ids, cand_groups)
             out = fn if out is None else merge_pairs(out, fn, n)
-            n_id = int((cand_ids[out[1]] == pos_ids[out[0]]).sum()) - before  # own pairs match by id
-            self._masked["id"] += n_id
-            self._masked["group"] += out[0].numel() - before - n_id
+            # a device-side sum: the counts never wait for the device (own pairs match by id)
+            n_id = (cand_ids[out[1]] == pos_ids[out[0]]).sum() - before
+            self._masked["id"] = self._masked["id"] + n_id
+            self._masked["group"] = self._masked["group"] + (out[0].numel() - before - n_id)
         if self.guide is not None and guide is not None:
             before = 0 if out is None else out[0].numel()
             g = self.guide.pairs(*guide)
@@ -140,10 +141,11 @@ class Objective(nn.Module):
         self._masked = dict.fromkeys(self._masked, 0)
         return out
 
-    def observe(self, ids: Tensor, step: int) -> None:
-        """logQ: the global batch's documents were sampled at ``step`` (training forward only)."""
+    def observe(self, global_ids: Tensor | None, ids: Tensor, step: int) -> None:
+        """logQ: the global batch's documents were sampled at ``step`` (training forward only).
+        ``global_ids``: the batch's ids all-gathered already, or None (gathered here, once)."""
         if self.logq is not None and self.training:
-            self.logq.observe(all_gather_no_grad(ids), step)
+            self.logq.observe(all_gather_no_grad(ids) if global_ids is None else global_ids, step)
 
     def corrected(self, logits: Tensor, cand_ids: Tensor) -> Tensor:
         """Logits [B, N] (or [B] positives, with ids [B]) minus log q of their documents (logQ on)."""

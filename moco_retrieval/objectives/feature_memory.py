@@ -55,13 +55,13 @@ class FeatureMemoryObjective(Objective):
             tau = self.temperature()
             q, k = q.float() / tau, k.float()
             ids, groups = meta["doc_id"], meta["group"]
-            self.observe(ids, step)
             g = (meta["g_q"], meta["g_k"]) if self.fixed_guide else None
-            blocks = []
+            blocks, ids_all = [], None
             if self.batch_negatives:
                 keys, ids_all, groups_all = all_gather_with_grad(k), all_gather_no_grad(ids), all_gather_no_grad(groups)
                 g_b = (*g, all_gather_no_grad(g[1])) if g else None
                 blocks.append(self.batch_block(q, keys, rank() * q.shape[0], ids, groups, ids_all, groups_all, g_b))
+            self.observe(ids_all, ids, step)
             if meta.get("neg") is not None:
                 g_h = (*g, meta["g_neg"]) if g else None
                 blocks.append(Block(q @ meta["neg"].float().T,

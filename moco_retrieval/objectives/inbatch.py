@@ -50,9 +50,9 @@ class InBatchObjective(Objective):
         with torch.autocast(device_type=q.device.type, enabled=False):  # logits in fp32
             q, k = q.float(), k.float()
             ids, groups = meta["doc_id"], meta["group"]
-            self.observe(ids, step)
             k_all = self._gather(k, grad=True)
             ids_all, groups_all = self._gather(ids, grad=False), self._gather(groups, grad=False)
+            self.observe(ids_all if self.cross_device else None, ids, step)
             g = (meta["g_q"], meta["g_k"]) if self.fixed_guide else None
             inv_tau = 1.0 / self.temperature()
             extra = []

@@ -77,7 +77,9 @@ class MoCoObjective(Objective):
         if self.guide is None:
             return None
         if self.fixed_guide:
-            cands = {"batch": all_gather_no_grad(meta["g_k"]), "queue": self.guide_queue.keys()}
+            cands = {"queue": self.guide_queue.keys()}
+            if batch is not None:  # gathered once: after_backward enqueues these
+                cands["batch"] = all_gather_no_grad(meta["g_k"])
             if meta.get("g_neg") is not None:
                 cands["hard"] = meta["g_neg"]
             return GuideScores(meta["g_q"], meta["g_k"], cands)
@@ -114,13 +116,14 @@ class MoCoObjective(Objective):
         with torch.autocast(device_type=q.device.type, enabled=False):  # logits in fp32
             tau = self.temperature()
             q, k = q.float() / tau, k.detach().float()  # q scaled once: every block arrives as logits
-            self.observe(meta["doc_id"], step)
             batch = self.gathered(k, meta) if self.batch_negatives else None
+            self.observe(batch[1] if batch is not None else None, meta["doc_id"], step)
             hard = meta["neg"].detach().float() if meta.get("neg") is not None else None
             guide = self.doc_guide(meta, k, batch, hard)
             pos = self.corrected((q * k).sum(dim=1), meta["doc_id"])
             loss, stats = self.info_nce(pos, self.queue_blocks(q, meta, self.queue, batch, hard, guide), tau)
-        self._pending = (k, meta, step, batch) if self.training else None
+        g_batch = guide.candidates.get("batch") if guide is not None and self.fixed_guide else None
+        self._pending = (k, meta, step, batch, g_batch) if self.training else None
         return loss, stats
 
     @torch.no_grad()
@@ -128,23 +131,21 @@ class MoCoObjective(Objective):
         """Enqueue the keys of the last training ``forward`` (and the fixed guide's embeddings)."""
         if self._pending is None:
             return
-        k, meta, step, batch = self._pending
+        k, meta, step, batch, g_batch = self._pending
         self._pending = None
-        with_hard = self.enqueue_hard_negatives and meta.get("neg") is not None
-        if with_hard:
-            keys = torch.cat([k, meta["neg"].float()])
+        if self.enqueue_hard_negatives and meta.get("neg") is not None:
             ids, groups = torch.cat([meta["doc_id"], meta["neg_id"]]), torch.cat([meta["group"], meta["neg_group"]])
-            self.queue.enqueue(keys, ids, groups, step)
-        elif batch is not None:  # forward already all-gathered them
+            self.queue.enqueue(torch.cat([k, meta["neg"].float()]), ids, groups, step)
+            if self.guide_queue is not None:
+                self.guide_queue.enqueue(torch.cat([meta["g_k"], meta["g_neg"]]), ids, groups, step)
+        elif batch is not None:  # forward already all-gathered them (and the guide's, when fixed)
             self.queue.enqueue(*batch, step, gather=False)
+            if self.guide_queue is not None:
+                self.guide_queue.enqueue(g_batch, *batch[1:], step, gather=False)
         else:
-            ids, groups = meta["doc_id"], meta["group"]
-            self.queue.enqueue(k, ids, groups, step)
-        if self.guide_queue is not None:
-            g = torch.cat([meta["g_k"], meta["g_neg"]]) if with_hard else meta["g_k"]
-            ids = torch.cat([meta["doc_id"], meta["neg_id"]]) if with_hard else meta["doc_id"]
-            groups = torch.cat([meta["group"], meta["neg_group"]]) if with_hard else meta["group"]
-            self.guide_queue.enqueue(g, ids, groups, step)
+            self.queue.enqueue(k, meta["doc_id"], meta["group"], step)
+            if self.guide_queue is not None:
+                self.guide_queue.enqueue(meta["g_k"], meta["doc_id"], meta["group"], step)
 
     def stats(self, step: int) -> dict[str, float]:
         return self.queue.stats(step)

@@ -77,11 +77,13 @@ class TwoQueueObjective(MoCoObjective):
             # the global batch's ids and groups are the same for both sides: gathered once
             batch_q = (all_gather_no_grad(q_key), *batch_k[1:]) if batch_k is not None else None
             hard = meta["neg"].detach().float() if meta.get("neg") is not None else None
-            self.observe(meta["doc_id"], step)
+            self.observe(batch_k[1] if batch_k is not None else None, meta["doc_id"], step)
             ids = meta["doc_id"]
             doc_queue, query_queue = (self.queue, self.query_queue) if counts else (None, None)
-            blocks_qd = self.queue_blocks(q, meta, doc_queue, batch_k, hard, self.doc_guide(meta, k, batch_k, hard))
-            blocks_dq = self.queue_blocks(d, meta, query_queue, batch_q, None, self.query_guide(meta, k, q_key, batch_q))
+            guide_qd = self.doc_guide(meta, k, batch_k, hard)
+            blocks_qd = self.queue_blocks(q, meta, doc_queue, batch_k, hard, guide_qd)
+            guide_dq = self.query_guide(meta, k, q_key, batch_q)
+            blocks_dq = self.queue_blocks(d, meta, query_queue, batch_q, None, guide_dq)
             if self.same_side_negatives:  # q -> other query keys + query queue; d -> other doc keys + doc queue
                 blocks_qd += self.queue_blocks(q, meta, query_queue, batch_q)
                 blocks_dq += self.queue_blocks(d, meta, doc_queue, batch_k)
@@ -91,8 +93,11 @@ class TwoQueueObjective(MoCoObjective):
             loss = (loss_qd + w * loss_dq) / (1.0 + w)
         stats.update(loss=loss.detach(), loss_query_to_doc=loss_qd.detach(), loss_doc_to_query=loss_dq.detach(),
                      accuracy_doc_to_query=stats_dq["accuracy"])
-        self._pending = (k, meta, step, batch_k) if self.training else None
-        self._pending_queries = (q_key, meta, step, batch_q) if self.training else None
+        def fixed_batch(guide):  # the fixed guide's gathered batch embeddings, enqueued after backward
+            return guide.candidates.get("batch") if guide is not None and self.fixed_guide else None
+
+        self._pending = (k, meta, step, batch_k, fixed_batch(guide_qd)) if self.training else None
+        self._pending_queries = (q_key, meta, step, batch_q, fixed_batch(guide_dq)) if self.training else None
         return loss, stats
 
     def query_guide(self, meta: dict, k: Tensor, q_key: Tensor, batch_q: tuple | None) -> GuideScores | None:
@@ -100,7 +105,9 @@ class TwoQueueObjective(MoCoObjective):
         if self.guide is None:
             return None
         if self.fixed_guide:
-            cands = {"batch": all_gather_no_grad(meta["g_q"]), "queue": self.query_guide_queue.keys()}
+            cands = {"queue": self.query_guide_queue.keys()}
+            if batch_q is not None:  # gathered once: after_backward enqueues these
+                cands["batch"] = all_gather_no_grad(meta["g_q"])
             return GuideScores(meta["g_k"], meta["g_q"], cands)
         cands = {"queue": self.query_queue.keys()}
         if batch_q is not None:
@@ -111,14 +118,16 @@ class TwoQueueObjective(MoCoObjective):
     def after_backward(self) -> None:
         """Enqueue the last training batch's document keys and query keys."""
         if self._pending_queries is not None:
-            q_key, meta, step, batch = self._pending_queries
+            q_key, meta, step, batch, g_batch = self._pending_queries
             self._pending_queries = None
             if batch is not None:
                 self.query_queue.enqueue(*batch, step, gather=False)
+                if self.query_guide_queue is not None:
+                    self.query_guide_queue.enqueue(g_batch, *batch[1:], step, gather=False)
             else:
                 self.query_queue.enqueue(q_key, meta["doc_id"], meta["group"], step)
-            if self.query_guide_queue is not None:
-                self.query_guide_queue.enqueue(meta["g_q"], meta["doc_id"], meta["group"], step)
+                if self.query_guide_queue is not None:
+                    self.query_guide_queue.enqueue(meta["g_q"], meta["doc_id"], meta["group"], step)
         super().after_backward()
 
     def stats(self, step: int) -> dict[str, float]:
