@@ -9,8 +9,8 @@ one. Same optimizer as the main job (AdamW lr 2e-5, 10% warmup then linear decay
 * ours, in-batch negatives at batch 32, 64, 128, 256;
 * sentence-transformers (the ``bench`` extra): MNRL at 32, ``CachedMultipleNegativesRankingLoss``
   at 256 (mini-batches of 32), MNRL with GTE-style ``directions`` (q->d, q->q, d->q, d->d) at 32;
-* batch 32 + a queue: MoCo (``+experiment=queue65k``) and the two-queue objective
-  (``objective=two_queue``), K = 65,536 (18,240 keys queued by the end), and variants of it.
+* batch 32 + a queue: MoCo (``+experiment=queue65k objective=moco``) and the two-queue objective
+  (``+experiment=queue65k``, the main job), K = 65,536 (18,240 keys queued by the end), and variants of it.
 
 Each run is scored on the held-out pool (1,000 queries / 2,400 documents by default, B4's) every
 ``--eval-every`` pairs and at the end: recall@1, MRR@10, nDCG@10, mean unrelated cosine, against
@@ -43,8 +43,8 @@ import torch  # noqa: E402
 NAME = "finetune"
 BASE = [f"trainer={TRAINER}", "logger=none", "data=debian", "trainer.val_check_interval=null"]
 INBATCH = ["+experiment=inbatch256"]
-MOCO = ["+experiment=queue65k"]
-TWO_QUEUE = ["+experiment=two_queue65k"]
+MOCO = ["+experiment=queue65k", "objective=moco"]  # the main job before B6
+TWO_QUEUE = ["+experiment=queue65k"]
 GTE = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 
 # name -> (kind, batch, overrides or loss options, what it is); in order of priority

@@ -5,7 +5,7 @@ Three runs from the same all-MiniLM-L6-v2 weights, over the same batches of the 
 linear warmup 10% then linear decay), weight decay 0.01, gradient clipping 1.0, temperature 0.05
 (= MNRL's default scale 20) and max lengths (queries 32, documents 128 tokens):
 
-* ours, MoCo queue (``+experiment=queue65k``: K = 65,536, m 0.999, batch negatives on);
+* ours, MoCo queue (``+experiment=queue65k objective=moco``: K = 65,536, m 0.999, batch negatives on);
 * ours, in-batch negatives (``+experiment=inbatch256`` at the same batch);
 * sentence-transformers' ``MultipleNegativesRankingLoss`` (in-batch negatives, the tool our users
   would otherwise pick), trained with a plain PyTorch loop over the same batches.
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     cache.parent.mkdir(parents=True, exist_ok=True)
     done = {rec["name"]: rec["run"] for rec in read_jsonl(cache)}
     todo = {
-        "ours: MoCo queue K=65,536": lambda: run_ours(bench, "queue65k", steps, batch, pool),
+        "ours: MoCo queue K=65,536": lambda: run_ours(bench, "queue65k", steps, batch, pool, ["objective=moco"]),
         "ours: in-batch negatives": lambda: run_ours(bench, "inbatch256", steps, batch, pool),
         "sentence-transformers MNRL": lambda: run_peer(bench, steps, batch, pool, lr, warm, q_len, d_len),
         "base": lambda: {"metrics": evaluate_encoder(build_encoder(ModelConfig(backbone="minilm", head="none")), pool,

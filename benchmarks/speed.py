@@ -2,7 +2,7 @@
 
 Sections (each runs in its own child process, so its peak RSS is its own):
 
-* ``step``: training-step time of all-MiniLM-L6-v2 (``+experiment=queue65k``) at batch 64 for a
+* ``step``: training-step time of all-MiniLM-L6-v2 (``+experiment=queue65k objective=moco``) at batch 64 for a
   MoCo queue of K = 0, 4,096, 16,384, 65,536, 262,144 keys, side by side in one process: one
   module per K (same weights, same real Debian batches), queues pre-filled to K, measured in
   interleaved rounds; median step time per K and its ratio to K = 0 (K = 0: the same MoCo step,
@@ -68,11 +68,11 @@ def section_step(args) -> dict:
     ks = [int(k) for k in args.ks.split(",")]
     batch = args.batch_size
     bench = Bench()
-    cfg0 = compose_cfg(["trainer=cpu", "logger=none", "data=debian", "+experiment=queue65k", f"data.batch_size={batch}"])
+    cfg0 = compose_cfg(["trainer=cpu", "logger=none", "data=debian", "+experiment=queue65k", "objective=moco", f"data.batch_size={batch}"])
     dm = bench.datamodule(cfg0)
     modules, opts = {}, {}
     for k in ks:
-        cfg = compose_cfg(["trainer=cpu", "logger=none", "data=debian", "+experiment=queue65k", f"data.batch_size={batch}",
+        cfg = compose_cfg(["trainer=cpu", "logger=none", "data=debian", "+experiment=queue65k", "objective=moco", f"data.batch_size={batch}",
                            f"objective.queue_size={max(k, batch)}"])
         torch.manual_seed(0)
         m = RetrievalModule.from_config(cfg).to(dev)

@@ -67,8 +67,15 @@ def test_smoke_experiment_end_to_end(tmp_path, debian_dir, capsys):
 
 def test_experiment_presets_compose():
     q = compose_train(["+experiment=queue65k"])
-    assert (q.objective.name, q.objective.queue_size, q.data.batch_size, q.objective.momentum) == ("moco", 65536, 64, 0.999)
+    assert (q.objective.name, q.objective.queue_size, q.data.batch_size, q.objective.momentum) == ("two_queue", 65536, 64, 0.999)
     assert q.optim.lr == pytest.approx(2e-5) and q.objective.temperature == pytest.approx(0.05)
+    # the main job with another objective: only the objective changes (B6's comparisons, the README's)
+    for name in ("moco", "inbatch"):
+        other = compose_train(["+experiment=queue65k", f"objective={name}"])
+        assert other.objective.name == name and other.objective.temperature == pytest.approx(0.05)
+        assert (other.data.batch_size, other.optim.lr, other.trainer.max_epochs) == (64, q.optim.lr, 1)
+    moco = compose_train(["+experiment=queue65k", "objective=moco"])
+    assert (moco.objective.queue_size, moco.objective.momentum) == (65536, 0.999)
     b = compose_train(["+experiment=inbatch256"])
     assert (b.objective.name, b.data.batch_size) == ("inbatch", 256)
 
