@@ -290,6 +290,18 @@ def verdict(by: dict) -> list[str]:
     return out
 
 
+def curve_table(by: dict) -> list[str]:
+    """recall@1 / unrelated cosine of each run's first seed at every evaluation, by pairs seen."""
+    runs = {n: next((x for x in xs if x["seed"] == 0), xs[0]) for n, xs in by.items() if n != "base"}
+    at = sorted({p["pairs"] for r in runs.values() for p in r["curve"]})
+    if not at:
+        return []
+    rows = [[n] + [next((f"{p['recall@1']:.3f} / {p['unrelated_cos_mean']:+.3f}" for p in r["curve"] if p["pairs"] == a), "")
+                   for a in at] for n, r in runs.items()]
+    return ["recall@1 / mean unrelated cosine after each number of training pairs:", "",
+            md_table(["run"] + [f"{a:,} pairs" for a in at], rows)]
+
+
 def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str]) -> None:
     by: dict[str, list[dict]] = {}
     for r in records:
@@ -312,8 +324,10 @@ def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str]
     if base:
         b = base[0]["final"]
         md += [f"Untrained all-MiniLM-L6-v2 on this pool: recall@1 {b['recall@1']:.3f}, MRR@10 {b['mrr@10']:.3f}, "
-               f"nDCG@10 {b['ndcg@10']:.3f}, unrelated cosine {b['unrelated_cos_mean']:+.3f}.", ""]
+               f"nDCG@10 {b['ndcg@10']:.3f}, unrelated cosine {b['unrelated_cos_mean']:+.3f}"
+               + (f" (scored once, cached in {base[0]['from']})." if base[0].get("from") else "."), ""]
     md += [md_table(["run", "what", "batch", "seeds", "recall@1", "MRR@10", "nDCG@10", "unrelated cos", "s/step", "train s"], rows), "",
+           "## Along the way (seed 0)", "", *curve_table(by), "",
            "## The bar (issue 11)", "", *verdict(by), ""]
     missing = [f"{n} (seed {s})" for n in RUNS for s in range(3 if n in HEADLINE else 1)
                if not any(r["seed"] == s for r in by.get(n, []))]
@@ -348,21 +362,27 @@ def plots(by: dict, out_dir: Path, prefix: str) -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out_dir / f"{prefix}_vs_batch.png")
+    for x, xlabel, title, suffix in (("train_s", "training seconds (evaluation not counted)", "training time", "seconds"),
+                                      ("pairs", "training pairs seen (same pairs, same order)", "data seen", "pairs")):
+        curves(by, x, xlabel, f"B6: recall@1 against {title}", out_dir / f"{prefix}_vs_{suffix}.png")
+
+
+def curves(by: dict, x: str, xlabel: str, title: str, path: Path) -> None:
     fig = figure(6.4, 4.2)
     ax = fig.subplots()
-    start = [{"train_s": 0.0, "recall@1": by["base"][0]["final"]["recall@1"]}] if by.get("base") else []
+    start = [{x: 0.0, "recall@1": by["base"][0]["final"]["recall@1"]}] if by.get("base") else []
     for n, xs in by.items():
         if n == "base":
             continue
         c = start + xs[0]["curve"]  # every run starts from the untrained model (when it was scored)
-        ax.plot([p["train_s"] for p in c], [p["recall@1"] for p in c], marker=".", label=f"{n} (seed {xs[0]['seed']})")
-    ax.set_xlabel("training seconds (evaluation not counted)")
+        ax.plot([p[x] for p in c], [p["recall@1"] for p in c], marker=".", label=f"{n} (seed {xs[0]['seed']})")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("recall@1")
-    ax.set_title("B6: recall@1 against training time")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(out_dir / f"{prefix}_vs_seconds.png")
+    fig.savefig(path)
 
 
 # ----------------------------------------------------------------------------------- main
@@ -415,8 +435,21 @@ def main(argv=None) -> int:
                 append_jsonl(cache, rec)
                 done[key] = rec
     records = [r for r in done.values() if r["key"].endswith(f"|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}")]
+    if not any(r["name"] == "base" for r in records):
+        records += base_from_other_caches(out_dir, args)
     report(records, args, out_dir, prefix, cut)
     return 0
+
+
+def base_from_other_caches(out_dir: Path, args) -> list[dict]:
+    """The untrained model's scores do not depend on --pairs: reuse them from another run cache of
+    this folder scored on the same pool (B4's 4,800-pair cache holds one)."""
+    pool = f"|pool={args.max_queries}x{args.max_docs}"
+    for cache in sorted(out_dir.glob(f"{NAME}*_runs.jsonl")):
+        for r in read_jsonl(cache):
+            if r["name"] == "base" and r["key"].endswith(pool):
+                return [{**r, "from": cache.name}]
+    return []
 
 
 def base_record(bench, pool, key, args) -> dict:

@@ -196,5 +196,17 @@ def resolve_ckpt_path(ckpt_path: Optional[str], run_dir: Path) -> Optional[str]:
     return found
 
 
-__all__ = ["AtomicCheckpointIO", "LAST", "atomic_torch_save", "previous_of", "read_checkpoint",
+def check_same_objective(ckpt_path: str, objective: str) -> None:
+    """:class:`CheckpointError` when the checkpoint was trained with another objective: each holds
+    its own state (queues, EMA keys), so resuming across objectives cannot load; the message names
+    the override that resumes it (e.g. a MoCo run of ``+experiment=queue65k`` from before the main
+    job became the two-queue objective)."""
+    trained = (read_checkpoint(ckpt_path, "ckpt_path").get("hyper_parameters") or {}).get("objective") or {}
+    name = trained.get("name") if isinstance(trained, dict) else None
+    if name and name != objective:
+        raise CheckpointError(f"ckpt_path={ckpt_path}: trained with objective={name}, but this run's config has "
+                              f"objective={objective}; add objective={name} to resume it (or start a new run_dir)")
+
+
+__all__ = ["AtomicCheckpointIO", "LAST", "atomic_torch_save", "check_same_objective", "previous_of", "read_checkpoint",
            "remove_stale_temporaries", "resolve_ckpt_path", "set_aside_unreadable"]

@@ -35,7 +35,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from moco_retrieval import distributed
-from moco_retrieval.checkpointing import (LAST, AtomicCheckpointIO, previous_of, remove_stale_temporaries,
+from moco_retrieval.checkpointing import (LAST, AtomicCheckpointIO, check_same_objective, previous_of, remove_stale_temporaries,
                                           resolve_ckpt_path, set_aside_unreadable)
 from moco_retrieval.cluster import is_rank_zero, on_slurm, torchrun_devices
 from moco_retrieval.config import TrainConfig, TrainerConfig, register_configs
@@ -168,6 +168,8 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> Optional[str]:
     last = run_dir / "checkpoints" / LAST
     if ckpt_path == str(previous_of(last)) and is_rank_zero():  # the fallback: keep the good one as predecessor
         set_aside_unreadable(last)
+    if ckpt_path is not None:
+        check_same_objective(ckpt_path, cfg.objective.name)
     if cfg.ckpt_path is None and (run_dir / "checkpoints" / "last.ckpt").exists() and is_rank_zero():
         print(f"[moco_retrieval] warning: {run_dir / 'checkpoints' / 'last.ckpt'} exists but ckpt_path is not set: "
               "training starts from scratch and overwrites it (ckpt_path=last resumes)", file=sys.stderr)

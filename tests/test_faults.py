@@ -170,6 +170,22 @@ def test_ckpt_path_last_falls_back_to_the_previous_checkpoint(tmp_path, capsys):
         resolve_ckpt_path("last", tmp_path)
 
 
+def test_resuming_a_checkpoint_of_another_objective_names_the_override(tmp_path):
+    """A MoCo run of +experiment=queue65k from before the main job became two_queue: its requeued
+    ckpt_path=last must say what to add, before any model loads (not a state-dict traceback)."""
+    from moco_retrieval.train import prepare_run_dir
+
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    atomic_torch_save({"global_step": 3, "hyper_parameters": {"objective": {"name": "moco", "queue_size": 256}}}, last)
+    cfg = OmegaConf.to_object(compose_cfg("train", ["+experiment=smoke", "objective=two_queue", "ckpt_path=last"]))
+    with pytest.raises(CheckpointError) as err:
+        prepare_run_dir(cfg, tmp_path)
+    assert f"ckpt_path={last}: trained with objective=moco" in str(err.value)
+    assert "this run's config has objective=two_queue; add objective=moco" in str(err.value)
+    same = OmegaConf.to_object(compose_cfg("train", ["+experiment=smoke", "ckpt_path=last"]))  # smoke: moco
+    assert prepare_run_dir(same, tmp_path) == str(last)
+
+
 def test_ckpt_path_last_without_a_checkpoint_says_it_starts_from_step_0(tmp_path, capsys):
     assert resolve_ckpt_path("last", tmp_path / "typo") is None
     assert f"no checkpoint in {tmp_path / 'typo' / 'checkpoints'}: training starts from step 0" in capsys.readouterr().err
