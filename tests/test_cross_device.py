@@ -19,12 +19,10 @@ on rank 1 *is* a positive on rank 0).
 """
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.nn.functional as F
+from gloo import on_ranks
 
 W, B, N, D, DIN = 2, 3, 2, 8, 6  # ranks, rows per rank, hard negatives per row, dim, input dim
 TAU = 0.1
@@ -86,22 +84,8 @@ def run(data, rank, symmetric, world, ddp=False):
     return out
 
 
-def _worker(rank, port, data, folder):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=W)
-    try:
-        res = {sym: run(data, rank, sym, W, ddp=True) for sym in (False, True)}
-        torch.save(res, os.path.join(folder, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ranks_run(data, rank, world):
+    return {sym: run(data, rank, sym, world, ddp=True) for sym in (False, True)}
 
 
 def ref_row_losses(q, k, h, data, symmetric):
@@ -127,11 +111,8 @@ def ref_row_losses(q, k, h, data, symmetric):
 
 
 def test_two_gloo_ranks_equal_one_process_on_the_concatenated_batch(tmp_path):
-    import torch.multiprocessing as mp
-
     data = make_data()
-    mp.spawn(_worker, args=(free_port(), data, str(tmp_path)), nprocs=W, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(W)]
+    ranks = on_ranks(_ranks_run, (data,), W, tmp_path)
     for sym in (False, True):
         single = run(data, 0, sym, 1)
         # the definition, to tie per-rank losses to rows
@@ -197,42 +178,33 @@ class _Step(torch.nn.Module):
         return self.module.shared_step(batch)[0]
 
 
-def _gc_worker(rank, port, tiny_dir, folder):
+def _gc_rank(tiny_dir, rank, world):
     from types import SimpleNamespace
 
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=W)
-    try:
-        out = {}
-        for chunk in (GC_CHUNK, None):
-            m = _gc_module(tiny_dir, chunk)
-            ddp = torch.nn.parallel.DistributedDataParallel(_Step(m))
-            m._trainer = SimpleNamespace(world_size=W, strategy=SimpleNamespace(model=ddp))
-            m.on_fit_start()  # under grad cache: turns on DDP's static graph
-            m._trainer = None
-            assert ddp.static_graph == (chunk is not None)
-            for _ in range(2):  # the first iteration of a static graph is special: check two
-                m.zero_grad(set_to_none=True)
-                loss = ddp(_gc_batch(m, rank * GC_B, (rank + 1) * GC_B))
-                loss.backward()
-            out[chunk] = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-        torch.save(out, os.path.join(folder, f"gc{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    out = {}
+    for chunk in (GC_CHUNK, None):
+        m = _gc_module(tiny_dir, chunk)
+        ddp = torch.nn.parallel.DistributedDataParallel(_Step(m))
+        m._trainer = SimpleNamespace(world_size=world, strategy=SimpleNamespace(model=ddp))
+        m.on_fit_start()  # under grad cache: turns on DDP's static graph
+        m._trainer = None
+        assert ddp.static_graph == (chunk is not None)
+        for _ in range(2):  # the first iteration of a static graph is special: check two
+            m.zero_grad(set_to_none=True)
+            loss = ddp(_gc_batch(m, rank * GC_B, (rank + 1) * GC_B))
+            loss.backward()
+        out[chunk] = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    return out
 
 
 def test_grad_cache_under_ddp_equals_one_process_on_the_concatenated_batch(tmp_path):
     """Two gloo ranks, in-batch objective gathered across ranks, grad cache in chunks of 3: the
     DDP-averaged parameter gradients equal those of one process, without grad cache, on the
     concatenated batch of 8 (no dropout: one plain forward is the reference)."""
-    import torch.multiprocessing as mp
-
     from moco_retrieval.model.tiny import build_tiny_bert
 
     tiny_dir = str(build_tiny_bert(tmp_path / "tiny"))
-    mp.spawn(_gc_worker, args=(free_port(), tiny_dir, str(tmp_path)), nprocs=W, join=True)
+    ranks = on_ranks(_gc_rank, (tiny_dir,), W, tmp_path)
     torch.set_num_threads(1)
     m = _gc_module(tiny_dir, None)
     m.zero_grad(set_to_none=True)
@@ -240,7 +212,7 @@ def test_grad_cache_under_ddp_equals_one_process_on_the_concatenated_batch(tmp_p
     loss.backward()
     ref = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
     for r in range(W):
-        got = torch.load(tmp_path / f"gc{r}.pt")
+        got = ranks[r]
         for chunk in (GC_CHUNK, None):
             assert got[chunk].keys() == ref.keys()
             for name in ref:

@@ -7,7 +7,6 @@ validation metrics equal one process's over the whole pool).
 from __future__ import annotations
 
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -65,48 +64,35 @@ def _validate(tiny_dir: str) -> dict:
             "doc": module._val_rows("doc", dm), "query": module._val_rows("query", dm)}
 
 
-def _worker(rank, port, tiny_dir, folder):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=W)
-    try:
-        enc = _encoder(tiny_dir)
-        texts = _texts(37, 0)
-        out = {"memory": encode_texts_sharded(enc, texts, "doc", 4, False)}
-        on_disk = embedding_file(os.path.join(folder, f"docs{rank}.npy"), len(texts), enc.dim)
-        assert encode_texts_sharded(enc, texts, "doc", 4, False, out=on_disk) is on_disk
-        on_disk.flush()
-        # blocks of 5 and 0 rows, and of 5 and 3, sent 2 rows at a time
-        out["empty_rank"] = all_gather_rows(_rows(rank, 5 if rank == 0 else 0), chunk_rows=2)
-        out["unequal"] = all_gather_rows(_rows(rank, 5 if rank == 0 else 3), chunk_rows=2)
-        res = evaluate_encoder(enc, _evalset(), EvalConfig(top_k=5), batch_size=4, show_progress=False)
-        out["metrics"], out["run"] = res.metrics, res.run
-        out["validation"] = _validate(tiny_dir)
-        torch.save(out, os.path.join(folder, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rank(tiny_dir, folder, rank, world):
+    enc = _encoder(tiny_dir)
+    texts = _texts(37, 0)
+    out = {"memory": encode_texts_sharded(enc, texts, "doc", 4, False)}
+    on_disk = embedding_file(os.path.join(folder, f"docs{rank}.npy"), len(texts), enc.dim)
+    assert encode_texts_sharded(enc, texts, "doc", 4, False, out=on_disk) is on_disk
+    on_disk.flush()
+    # blocks of 5 and 0 rows, and of 5 and 3, sent 2 rows at a time
+    out["empty_rank"] = all_gather_rows(_rows(rank, 5 if rank == 0 else 0), chunk_rows=2)
+    out["unequal"] = all_gather_rows(_rows(rank, 5 if rank == 0 else 3), chunk_rows=2)
+    res = evaluate_encoder(enc, _evalset(), EvalConfig(top_k=5), batch_size=4, show_progress=False)
+    out["metrics"], out["run"] = res.metrics, res.run
+    out["validation"] = _validate(tiny_dir)
+    return out
 
 
 def test_two_gloo_ranks_encode_half_each_and_gather_what_one_process_encodes(tmp_path, one_thread):
-    import torch.multiprocessing as mp
+    from gloo import on_ranks
 
     from moco_retrieval.model.tiny import build_tiny_bert
 
     tiny_dir = str(build_tiny_bert(tmp_path / "tiny"))
-    mp.spawn(_worker, args=(_free_port(), tiny_dir, str(tmp_path)), nprocs=W, join=True)
+    ranks = on_ranks(_rank, (tiny_dir, str(tmp_path)), W, tmp_path, weights_only=False)
     enc = _encoder(tiny_dir)
     texts = _texts(37, 0)
     single = encode_texts(enc, texts, "doc", 4, False)
     reference = evaluate_encoder(enc, _evalset(), EvalConfig(top_k=5), batch_size=4, show_progress=False)
     for rank in range(W):
-        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        got = ranks[rank]
         # batches pad differently across the split, so equal up to float rounding
         np.testing.assert_allclose(got["memory"], single, rtol=0, atol=1e-5)
         np.testing.assert_allclose(np.load(tmp_path / f"docs{rank}.npy"), single, rtol=0, atol=1e-5)
