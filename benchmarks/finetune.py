@@ -290,9 +290,14 @@ def verdict(by: dict) -> list[str]:
     return out
 
 
+def seed0(xs: list[dict]) -> dict:
+    """The run of seed 0 (else the first): what the curves and the curve table show."""
+    return next((x for x in xs if x["seed"] == 0), xs[0])
+
+
 def curve_table(by: dict) -> list[str]:
-    """recall@1 / unrelated cosine of each run's first seed at every evaluation, by pairs seen."""
-    runs = {n: next((x for x in xs if x["seed"] == 0), xs[0]) for n, xs in by.items() if n != "base"}
+    """recall@1 / unrelated cosine of each run's seed 0 at every evaluation, by pairs seen."""
+    runs = {n: seed0(xs) for n, xs in by.items() if n != "base"}
     at = sorted({p["pairs"] for r in runs.values() for p in r["curve"]})
     if not at:
         return []
@@ -374,8 +379,9 @@ def curves(by: dict, x: str, xlabel: str, title: str, path: Path) -> None:
     for n, xs in by.items():
         if n == "base":
             continue
-        c = start + xs[0]["curve"]  # every run starts from the untrained model (when it was scored)
-        ax.plot([p[x] for p in c], [p["recall@1"] for p in c], marker=".", label=f"{n} (seed {xs[0]['seed']})")
+        run = seed0(xs)
+        c = start + run["curve"]  # every run starts from the untrained model (when it was scored)
+        ax.plot([p[x] for p in c], [p["recall@1"] for p in c], marker=".", label=f"{n} (seed {run['seed']})")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("recall@1")
     ax.set_title(title)

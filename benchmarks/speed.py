@@ -68,12 +68,12 @@ def section_step(args) -> dict:
     ks = [int(k) for k in args.ks.split(",")]
     batch = args.batch_size
     bench = Bench()
-    cfg0 = compose_cfg(["trainer=cpu", "logger=none", "data=debian", "+experiment=queue65k", "objective=moco", f"data.batch_size={batch}"])
+    job = ["trainer=cpu", "logger=none", "data=debian", "+experiment=queue65k", "objective=moco", f"data.batch_size={batch}"]
+    cfg0 = compose_cfg(job)
     dm = bench.datamodule(cfg0)
     modules, opts = {}, {}
     for k in ks:
-        cfg = compose_cfg(["trainer=cpu", "logger=none", "data=debian", "+experiment=queue65k", "objective=moco", f"data.batch_size={batch}",
-                           f"objective.queue_size={max(k, batch)}"])
+        cfg = compose_cfg(job + [f"objective.queue_size={max(k, batch)}"])
         torch.manual_seed(0)
         m = RetrievalModule.from_config(cfg).to(dev)
         m.train()

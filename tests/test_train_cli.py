@@ -74,8 +74,8 @@ def test_experiment_presets_compose():
         other = compose_train(["+experiment=queue65k", f"objective={name}"])
         assert other.objective.name == name and other.objective.temperature == pytest.approx(0.05)
         assert (other.data.batch_size, other.optim.lr, other.trainer.max_epochs) == (64, q.optim.lr, 1)
-    moco = compose_train(["+experiment=queue65k", "objective=moco"])
-    assert (moco.objective.queue_size, moco.objective.momentum) == (65536, 0.999)
+        if name == "moco":  # the main job before B6, exactly
+            assert (other.objective.queue_size, other.objective.momentum) == (65536, 0.999)
     b = compose_train(["+experiment=inbatch256"])
     assert (b.objective.name, b.data.batch_size) == ("inbatch", 256)
 
