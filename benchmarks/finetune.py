@@ -59,6 +59,8 @@ RUNS: dict[str, tuple[str, int, object, str]] = {
     "inbatch-128": ("ours", 128, INBATCH, "ours, in-batch negatives"),
     "mnrl_gte-32": ("mnrl", 32, {"directions": GTE}, "MNRL, directions q->d, q->q, d->q, d->d"),
     "two_queue_m0.995-32": ("ours", 32, TWO_QUEUE + ["objective.momentum=0.995"], "two-queue, m 0.995 (ALBEF)"),
+    "two_queue_m0.995_ib-32": ("ours", 32, TWO_QUEUE + ["objective.momentum=0.995", "objective.inbatch_weight=1.0"],
+                               "two-queue, m 0.995 + in-batch term (weight 1)"),
     "two_queue_cosine-32": ("ours", 32, TWO_QUEUE + ["objective.momentum=0.99", "objective.momentum_schedule=cosine"],
                             "two-queue, m cosine 0.99 -> 1"),
     "two_queue_k16k-32": ("ours", 32, TWO_QUEUE + ["objective.queue_size=16384"], "two-queue, K 16,384"),

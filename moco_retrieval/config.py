@@ -132,7 +132,7 @@ class ObjectiveConfig(RangeChecked):
     RANGES: ClassVar[dict[str, Range]] = {
         "temperature": POSITIVE, "temperature_min": POSITIVE, "temperature_max": POSITIVE,
         "label_smoothing": PROPER_FRACTION, "queue_size": AT_LEAST_ONE, "momentum": FRACTION,
-        "doc_to_query_weight": NON_NEGATIVE, "queue_warmup_steps": NON_NEGATIVE,
+        "doc_to_query_weight": NON_NEGATIVE, "queue_warmup_steps": NON_NEGATIVE, "inbatch_weight": NON_NEGATIVE,
         "guide_margin": Range(-2, 2), "guide_threshold": Range(-1, 1), "logq_alpha": Range(0, 1, lo_open=True),
         "logq_buckets": AT_LEAST_ONE,
     }  # (each subclass has the fields it uses; the rest are skipped)
@@ -188,6 +188,8 @@ class TwoQueueConfig(MoCoConfig):
     # also same-side negatives: queries against the other query keys and the query queue, documents
     # against the other document keys and the document queue (GTE's improved contrastive loss)
     same_side_negatives: bool = False
+    # weight of an added in-batch loss: queries against the trained encoder's documents, with gradient
+    inbatch_weight: float = 0.0
 
 
 @dataclass

@@ -46,9 +46,10 @@ def data():
                 ids=ids, groups=groups)
 
 
-def filled(weight=1.0, warmup=0, mask=True):
+def filled(weight=1.0, warmup=0, mask=True, inbatch=0.0):
     obj = TwoQueueObjective(TwoQueueConfig(queue_size=20, temperature=TAU, doc_to_query_weight=weight,
-                                           queue_warmup_steps=warmup, mask_false_negatives=mask), D)
+                                           queue_warmup_steps=warmup, mask_false_negatives=mask,
+                                           inbatch_weight=inbatch), D)
     obj.train()
     # queued keys carry the positives' ids (10, 12, 13) and groups (1, 2): they must be masked
     qd_ids = torch.tensor([10, 99, 12, 98, 97, 96, 13, 95, 94, 93])
@@ -84,6 +85,34 @@ def test_loss_and_gradient_equal_loop_reference(data, weight, mask):
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
     assert got[1].abs().sum() > 0  # the document side is trained (MoCo's is not)
+
+
+@pytest.mark.parametrize("mask", [True, False])
+def test_inbatch_term_equals_loop_reference(data, mask):
+    """inbatch_weight: the two-queue loss plus the weighted in-batch loss of queries against the
+    trained documents (the batch's own row the positive, false negatives masked)."""
+    obj = filled(mask=mask, inbatch=0.5)
+    q, d = data["q"].clone().requires_grad_(), data["d"].clone().requires_grad_()
+    meta = {"doc_id": data["ids"], "group": data["groups"], "d": d, "q_key": data["q_key"]}
+    dq, qq = obj.queue, obj.query_queue
+    doc_queue = (dq.keys().clone(), dq.ids().clone(), dq.groups().clone())
+    query_queue = (qq.keys().clone(), qq.ids().clone(), qq.groups().clone())
+    loss, stats = obj(q, data["k"], meta, step=3)
+    got = torch.autograd.grad(loss, [q, d])
+
+    q2, d2 = data["q"].clone().requires_grad_(), data["d"].clone().requires_grad_()
+    ids, groups = data["ids"], data["groups"]
+    l_qd = ref_direction(q2, data["k"], data["k"], ids, groups, [doc_queue], mask)
+    l_dq = ref_direction(d2, data["q_key"], data["q_key"], ids, groups, [query_queue], mask)
+    l_ib = ref_direction(q2, d2, d2, ids, groups, [], mask)
+    ref = (l_qd + l_dq) / 2 + 0.5 * l_ib
+    want = torch.autograd.grad(ref, [q2, d2])
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-5)
+    assert stats["loss_in_batch"].item() == pytest.approx(l_ib.item(), abs=1e-5)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+    plain, plain_stats = filled(mask=mask)(data["q"], data["k"], {**meta, "d": data["d"]}, step=3)
+    assert plain.item() == pytest.approx((l_qd + l_dq).item() / 2, abs=1e-5) and "loss_in_batch" not in plain_stats
 
 
 def test_same_side_negatives_equal_loop_reference(data):
@@ -190,10 +219,10 @@ def make_steps():
     return out
 
 
-def run(steps, rank, world):
+def run(steps, inbatch, rank, world):
     per = B if world > 1 else W * B
     sl = slice(rank * per, (rank + 1) * per)
-    obj = TwoQueueObjective(TwoQueueConfig(queue_size=16, temperature=TAU), D)
+    obj = TwoQueueObjective(TwoQueueConfig(queue_size=16, temperature=TAU, inbatch_weight=inbatch), D)
     obj.train()
     out = {"loss": [], "gq": [], "gd": []}
     for s, st in enumerate(steps):
@@ -209,12 +238,14 @@ def run(steps, rank, world):
     return out
 
 
-def test_two_gloo_ranks_hold_identical_queues_equal_to_one_process(tmp_path):
+@pytest.mark.parametrize("inbatch", [0.0, 1.0])
+def test_two_gloo_ranks_hold_identical_queues_equal_to_one_process(tmp_path, inbatch):
+    """With the in-batch term too: its documents are gathered with gradient, as in-batch negatives' are."""
     from gloo import on_ranks
 
     steps = make_steps()
-    ranks = on_ranks(run, (steps,), W, tmp_path)
-    single = run(steps, 0, 1)
+    ranks = on_ranks(run, (steps, inbatch), W, tmp_path)
+    single = run(steps, inbatch, 0, 1)
     for key, v in single["state"].items():  # both queues: keys, ids, groups, steps, pointer, fill
         for r in ranks:
             assert torch.equal(r["state"][key], v), key

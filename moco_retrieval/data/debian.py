@@ -54,13 +54,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
+from ..config import cache_root
 from .formats import DataError, write_jsonl, write_qrels
 from .ids import normalize_text, stable_id
 
 BUILDER_VERSION = 1
 DEFAULT_LISTS_DIR = "/var/lib/apt/lists"
 ENV_DEBIAN_DIR = "MOCO_RETRIEVAL_DEBIAN_DIR"
-ENV_CACHE_DIR = "MOCO_RETRIEVAL_CACHE"
 # 8% of sources: on bookworm 3,283 of the 39,796 pairs go to eval (>= 2,400 with a margin) and
 # 36,513 train pairs make about 570 steps at batch 64.
 DEFAULT_EVAL_FRACTION = 0.08
@@ -448,10 +448,6 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 # ----------------------------------------------------------------------------- training: cache
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get(ENV_CACHE_DIR) or Path.home() / ".cache" / "moco_retrieval")
-
-
 def resolve_debian_inputs(debian_dir: Optional[str]) -> tuple[list[Path], list[Path], str]:
     """Where the apt index files come from: ``data.debian_dir``, else ``$MOCO_RETRIEVAL_DEBIAN_DIR``,
     else ``/var/lib/apt/lists``. An explicit setting is used alone (no silent fallback)."""
@@ -544,7 +540,7 @@ def ensure_debian_dataset(
     as ``debian-<key>``, the key being a hash of the builder version, the options and the inputs'
     sha256: new apt lists give a new build. Built atomically, so concurrent ranks are safe."""
     _check_options(eval_fraction, dedup)
-    cache = Path(getattr(cfg, "cache_dir", None) or default_cache_dir()).expanduser()
+    cache = Path(getattr(cfg, "cache_dir", None) or cache_root()).expanduser()
     options = {"builder_version": BUILDER_VERSION, "eval_fraction": eval_fraction, "dedup": dedup}
     explicit = getattr(cfg, "debian_dir", None) or os.environ.get(ENV_DEBIAN_DIR)
     if not explicit:
@@ -613,5 +609,4 @@ __all__ = [
     "ensure_debian_dataset",
     "record_build",
     "recorded_build",
-    "default_cache_dir",
 ]

@@ -27,12 +27,22 @@ there; GTE's "improved contrastive loss", Li et al. 2023, "Towards General Text 
 Multi-stage Contrastive Learning"). A pair's own key on the other side is masked, as are keys
 sharing its document id or group; the guide does not score these blocks.
 
+``inbatch_weight`` adds a third loss, weighted: each query against the trained encoder's documents
+of the (global) batch, with gradient on both sides, i.e. in-batch negatives (inbatch.py), masked by
+id and group. XBM (Wang et al., "Cross-Batch Memory for Embedding Learning", CVPR 2020) sums a
+batch loss and a memory loss the same way. Why here: every key the two directions see comes from
+the EMA encoder, and queued keys are older than the batch's; the faster the EMA moves, the more
+the current embeddings can lower the queue's logits by drifting together away from older keys,
+and the space narrows into a cone (B6 measures it as mean unrelated cosine). The in-batch term
+contrasts current embeddings with each other, which that drift does not help. It costs one B x B
+product: both sides are embedded with gradient already. The guide does not score this term.
+
 Guided masking and logQ work as in MoCo, in both directions (the document -> query direction's
 guide scores query keys against the documents).
 
 Defaults: as MoCo (K 65,536 per queue, m 0.999, temperature 0.05), both directions weighted
 equally (``doc_to_query_weight`` 1), queues count from the first step (``queue_warmup_steps`` 0),
-no same-side negatives (B6 has not measured them yet).
+no same-side negatives and no in-batch term (``inbatch_weight`` 0; see B6 for what each measured).
 """
 from __future__ import annotations
 
@@ -40,7 +50,7 @@ import torch
 from torch import Tensor
 
 from moco_retrieval.config import TwoQueueConfig
-from moco_retrieval.distributed import all_gather_no_grad
+from moco_retrieval.distributed import all_gather_no_grad, all_gather_with_grad, rank
 from moco_retrieval.objectives.base import MOMENTUM, View
 from moco_retrieval.objectives.guided import GuideScores
 from moco_retrieval.objectives.moco import MoCoObjective
@@ -58,13 +68,14 @@ class TwoQueueObjective(MoCoObjective):
 
     def __init__(self, cfg: TwoQueueConfig, dim: int, guide_dim: int | None = None):
         super().__init__(cfg, dim, guide_dim)
-        if cfg.doc_to_query_weight < 0 or cfg.queue_warmup_steps < 0:
-            raise ValueError("objective.doc_to_query_weight and objective.queue_warmup_steps must be >= 0")
+        if min(cfg.doc_to_query_weight, cfg.queue_warmup_steps, cfg.inbatch_weight) < 0:
+            raise ValueError("objective.doc_to_query_weight, queue_warmup_steps and inbatch_weight must be >= 0")
         self.query_queue = NegativeQueue(cfg.queue_size, dim, cfg.queue_dtype)
         self.query_guide_queue = NegativeQueue(cfg.queue_size, guide_dim, cfg.queue_dtype) if self.fixed_guide else None
         self.doc_to_query_weight = float(cfg.doc_to_query_weight)
         self.queue_warmup_steps = int(cfg.queue_warmup_steps)
         self.same_side_negatives = bool(cfg.same_side_negatives)
+        self.inbatch_weight = float(cfg.inbatch_weight)
         self._pending_queries: tuple | None = None
 
     def forward(self, q: Tensor, k: Tensor, meta: dict, *, step: int = 0) -> tuple[Tensor, dict]:
@@ -91,6 +102,10 @@ class TwoQueueObjective(MoCoObjective):
             loss_dq, stats_dq = self.info_nce(self.corrected((d * q_key).sum(dim=1), ids), blocks_dq, tau)
             w = self.doc_to_query_weight
             loss = (loss_qd + w * loss_dq) / (1.0 + w)
+            if self.inbatch_weight > 0:
+                loss_ib = self.in_batch(q, meta["d"].float(), meta, batch_k, tau)
+                loss = loss + self.inbatch_weight * loss_ib
+                stats["loss_in_batch"] = loss_ib.detach()
         stats.update(loss=loss.detach(), loss_query_to_doc=loss_qd.detach(), loss_doc_to_query=loss_dq.detach(),
                      accuracy_doc_to_query=stats_dq["accuracy"])
         def fixed_batch(guide):  # the fixed guide's gathered batch embeddings, enqueued after backward
@@ -99,6 +114,16 @@ class TwoQueueObjective(MoCoObjective):
         self._pending = (k, meta, step, batch_k, fixed_batch(guide_qd)) if self.training else None
         self._pending_queries = (q_key, meta, step, batch_q, fixed_batch(guide_dq)) if self.training else None
         return loss, stats
+
+    def in_batch(self, q: Tensor, d: Tensor, meta: dict, batch_k: tuple | None, tau: Tensor) -> Tensor:
+        """In-batch InfoNCE: queries (already / tau) against the global batch's trained documents,
+        gathered with gradient; ``batch_k``: the gathered ids and groups, when already gathered."""
+        ids, groups = meta["doc_id"], meta["group"]
+        ids_all, groups_all = batch_k[1:] if batch_k is not None else (all_gather_no_grad(ids), all_gather_no_grad(groups))
+        offset = rank() * q.shape[0]
+        pos = self.corrected((q * d).sum(dim=1), ids)
+        block = self.batch_block(q, all_gather_with_grad(d), offset, ids, groups, ids_all, groups_all)
+        return self.info_nce(pos, [block], tau)[0]
 
     def query_guide(self, meta: dict, k: Tensor, q_key: Tensor, batch_q: tuple | None) -> GuideScores | None:
         """The guide's view of document -> query: documents as anchors, query keys as candidates."""
