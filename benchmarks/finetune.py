@@ -423,7 +423,6 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     prefix = f"{NAME}_quick" if q else (NAME if args.pairs == 18240 else f"{NAME}_{args.pairs}pairs")  # B4's setup: 4800
     cache = out_dir / f"{prefix}_runs.jsonl"
-    done = {r["key"]: r for r in read_jsonl(cache)}
     cut: list[str] = []
     if not args.report:
         from moco_retrieval.data.sources import cap_eval_set
@@ -433,16 +432,15 @@ def main(argv=None) -> int:
         for name in [n for n in args.only.split(",") if n]:
             for seed in [int(s) for s in args.seeds.split(",")]:
                 key = run_key(name, seed, args)
-                done.update({r["key"]: r for r in read_jsonl(cache)})  # a parallel process may have finished it
-                if key in done:
+                if any(r["key"] == key for r in read_jsonl(cache)):  # read each time: a parallel process may have finished it
                     continue
                 if args.deadline and time.strftime("%H:%M", time.gmtime()) >= args.deadline:
                     cut.append(f"{name} seed {seed}")
                     continue
                 rec = base_record(bench, pool, key, args) if name == "base" else do_run(bench, pool, name, seed, args)
                 append_jsonl(cache, rec)
-                done[key] = rec
-    records = [r for r in done.values() if r["key"].endswith(f"|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}")]
+    # read again: runs finished by parallel processes since belong in the report too
+    records = [r for r in read_jsonl(cache) if r["key"].endswith(f"|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}")]
     if not any(r["name"] == "base" for r in records):
         records += base_from_other_caches(out_dir, args)
     report(records, args, out_dir, prefix, cut)

@@ -59,10 +59,12 @@ def filled(weight=1.0, warmup=0, mask=True, inbatch=0.0):
     return obj
 
 
-@pytest.mark.parametrize("weight", [1.0, 0.5])
+@pytest.mark.parametrize("weight,inbatch", [(1.0, 0.0), (0.5, 0.0), (1.0, 0.5)])
 @pytest.mark.parametrize("mask", [True, False])
-def test_loss_and_gradient_equal_loop_reference(data, weight, mask):
-    obj = filled(weight, mask=mask)
+def test_loss_and_gradient_equal_loop_reference(data, weight, inbatch, mask):
+    """The two directions' losses, weighted; with ``inbatch_weight``, plus that much of the in-batch
+    loss of queries against the trained documents (own row the positive, false negatives masked)."""
+    obj = filled(weight, mask=mask, inbatch=inbatch)
     q, d = data["q"].clone().requires_grad_(), data["d"].clone().requires_grad_()
     hard, hard_ids, hard_groups = unit(4, D, seed=9), torch.tensor([200, 11, 202, 203]), torch.tensor([-1, -1, 1, -1])
     meta = {"doc_id": data["ids"], "group": data["groups"], "d": d, "q_key": data["q_key"],
@@ -77,42 +79,19 @@ def test_loss_and_gradient_equal_loop_reference(data, weight, mask):
     ids, groups = data["ids"], data["groups"]
     l_qd = ref_direction(q2, data["k"], data["k"], ids, groups, [(hard, hard_ids, hard_groups), doc_queue], mask)
     l_dq = ref_direction(d2, data["q_key"], data["q_key"], ids, groups, [query_queue], mask)
-    ref = (l_qd + weight * l_dq) / (1 + weight)
+    l_ib = ref_direction(q2, d2, d2, ids, groups, [], mask)
+    ref = (l_qd + weight * l_dq) / (1 + weight) + inbatch * l_ib
     want = torch.autograd.grad(ref, [q2, d2])
     assert loss.item() == pytest.approx(ref.item(), abs=1e-5)
+    if inbatch:
+        assert stats["loss_in_batch"].item() == pytest.approx(l_ib.item(), abs=1e-5)
+    else:
+        assert "loss_in_batch" not in stats
     assert stats["loss_query_to_doc"].item() == pytest.approx(l_qd.item(), abs=1e-5)
     assert stats["loss_doc_to_query"].item() == pytest.approx(l_dq.item(), abs=1e-5)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
     assert got[1].abs().sum() > 0  # the document side is trained (MoCo's is not)
-
-
-@pytest.mark.parametrize("mask", [True, False])
-def test_inbatch_term_equals_loop_reference(data, mask):
-    """inbatch_weight: the two-queue loss plus the weighted in-batch loss of queries against the
-    trained documents (the batch's own row the positive, false negatives masked)."""
-    obj = filled(mask=mask, inbatch=0.5)
-    q, d = data["q"].clone().requires_grad_(), data["d"].clone().requires_grad_()
-    meta = {"doc_id": data["ids"], "group": data["groups"], "d": d, "q_key": data["q_key"]}
-    dq, qq = obj.queue, obj.query_queue
-    doc_queue = (dq.keys().clone(), dq.ids().clone(), dq.groups().clone())
-    query_queue = (qq.keys().clone(), qq.ids().clone(), qq.groups().clone())
-    loss, stats = obj(q, data["k"], meta, step=3)
-    got = torch.autograd.grad(loss, [q, d])
-
-    q2, d2 = data["q"].clone().requires_grad_(), data["d"].clone().requires_grad_()
-    ids, groups = data["ids"], data["groups"]
-    l_qd = ref_direction(q2, data["k"], data["k"], ids, groups, [doc_queue], mask)
-    l_dq = ref_direction(d2, data["q_key"], data["q_key"], ids, groups, [query_queue], mask)
-    l_ib = ref_direction(q2, d2, d2, ids, groups, [], mask)
-    ref = (l_qd + l_dq) / 2 + 0.5 * l_ib
-    want = torch.autograd.grad(ref, [q2, d2])
-    assert loss.item() == pytest.approx(ref.item(), abs=1e-5)
-    assert stats["loss_in_batch"].item() == pytest.approx(l_ib.item(), abs=1e-5)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
-    plain, plain_stats = filled(mask=mask)(data["q"], data["k"], {**meta, "d": data["d"]}, step=3)
-    assert plain.item() == pytest.approx((l_qd + l_dq).item() / 2, abs=1e-5) and "loss_in_batch" not in plain_stats
 
 
 def test_same_side_negatives_equal_loop_reference(data):
