@@ -189,7 +189,8 @@ class TwoQueueConfig(MoCoConfig):
     # against the other document keys and the document queue (GTE's improved contrastive loss)
     same_side_negatives: bool = False
     # weight of an added in-batch loss: queries against the trained encoder's documents, with gradient
-    inbatch_weight: float = 0.0
+    # (0: off); 1 by default, B6's choice for the main job
+    inbatch_weight: float = 1.0
 
 
 @dataclass

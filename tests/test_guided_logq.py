@@ -179,6 +179,32 @@ def test_two_queue_guides_both_directions_and_queues_guide_embeddings():
     torch.testing.assert_close(obj.query_guide_queue.keys()[10:], gq)
 
 
+@pytest.mark.parametrize("batch_negatives", [True, False])
+def test_two_queue_in_batch_term_masks_what_the_guide_masks(batch_negatives):
+    """The in-batch term's candidates are the batch's documents: the query -> document guide
+    masks the same ones there, with or without batch negatives in the queue softmaxes."""
+    cfg = TwoQueueConfig(queue_size=20, temperature=TAU, mask_false_negatives=False, guide="fixed", guide_margin=0.02,
+                         inbatch_weight=1.0, batch_negatives=batch_negatives)
+    obj = TwoQueueObjective(cfg, D, guide_dim=D)
+    obj.train()
+    q, k, d, q_key, gq, gk = (unit(6, D, seed=s) for s in range(40, 46))
+    meta = {"doc_id": IDS, "group": GROUPS, "d": d, "q_key": q_key, "g_q": gq, "g_k": gk}
+    _, stats = obj(q, k, meta, step=1)
+    ref, n = [], 0
+    for i in range(6):
+        logits = [q[i] @ d[i] / TAU]
+        for j in range(6):
+            if j == i:
+                continue
+            if float(gq[i] @ gk[j]) > float(gq[i] @ gk[i]) - 0.02:
+                n += 1
+            else:
+                logits.append(q[i] @ d[j] / TAU)
+        ref.append(torch.logsumexp(torch.stack(logits), 0) - logits[0])
+    assert n > 0  # the planted guide scores mask something
+    torch.testing.assert_close(stats["loss_in_batch"], torch.stack(ref).mean(), atol=1e-5, rtol=1e-5)
+
+
 def test_momentum_guide_needs_an_ema_encoder():
     from moco_retrieval.objectives.inbatch import InBatchObjective
 
