@@ -179,6 +179,23 @@ def test_two_queue_guides_both_directions_and_queues_guide_embeddings():
     torch.testing.assert_close(obj.query_guide_queue.keys()[10:], gq)
 
 
+def ref_guided_in_batch(q, docs, gq, gk, margin):
+    """In-batch InfoNCE of q against docs, candidate j of row i dropped when the guide scores it
+    above the positive less ``margin``; loops. Returns the loss and the number dropped."""
+    ref, n = [], 0
+    for i in range(q.shape[0]):
+        logits = [q[i] @ docs[i] / TAU]
+        for j in range(q.shape[0]):
+            if j == i:
+                continue
+            if float(gq[i] @ gk[j]) > float(gq[i] @ gk[i]) - margin:
+                n += 1
+            else:
+                logits.append(q[i] @ docs[j] / TAU)
+        ref.append(torch.logsumexp(torch.stack(logits), 0) - logits[0])
+    return torch.stack(ref).mean(), n
+
+
 @pytest.mark.parametrize("batch_negatives", [True, False])
 def test_two_queue_in_batch_term_masks_what_the_guide_masks(batch_negatives):
     """The in-batch term's candidates are the batch's documents: the query -> document guide
@@ -190,19 +207,9 @@ def test_two_queue_in_batch_term_masks_what_the_guide_masks(batch_negatives):
     q, k, d, q_key, gq, gk = (unit(6, D, seed=s) for s in range(40, 46))
     meta = {"doc_id": IDS, "group": GROUPS, "d": d, "q_key": q_key, "g_q": gq, "g_k": gk}
     _, stats = obj(q, k, meta, step=1)
-    ref, n = [], 0
-    for i in range(6):
-        logits = [q[i] @ d[i] / TAU]
-        for j in range(6):
-            if j == i:
-                continue
-            if float(gq[i] @ gk[j]) > float(gq[i] @ gk[i]) - 0.02:
-                n += 1
-            else:
-                logits.append(q[i] @ d[j] / TAU)
-        ref.append(torch.logsumexp(torch.stack(logits), 0) - logits[0])
+    ref, n = ref_guided_in_batch(q, d, gq, gk, 0.02)
     assert n > 0  # the planted guide scores mask something
-    torch.testing.assert_close(stats["loss_in_batch"], torch.stack(ref).mean(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stats["loss_in_batch"], ref, atol=1e-5, rtol=1e-5)
 
 
 def test_momentum_guide_needs_an_ema_encoder():
@@ -218,18 +225,8 @@ def test_inbatch_guided_mask_equals_loops():
     obj = InBatchObjective(InBatchConfig(temperature=TAU, guide="fixed", guide_margin=0.02, mask_false_negatives=False))
     q, k, gq, gk = (unit(6, D, seed=s) for s in range(30, 34))
     loss, stats = obj(q, k, {"doc_id": IDS, "group": GROUPS, "g_q": gq, "g_k": gk}, step=0)
-    ref, n = [], 0
-    for i in range(6):
-        logits = [q[i] @ k[i] / TAU]
-        for j in range(6):
-            if j == i:
-                continue
-            if float(gq[i] @ gk[j]) > float(gq[i] @ gk[i]) - 0.02:
-                n += 1
-            else:
-                logits.append(q[i] @ k[j] / TAU)
-        ref.append(torch.logsumexp(torch.stack(logits), 0) - logits[0])
-    torch.testing.assert_close(loss, torch.stack(ref).mean(), atol=1e-5, rtol=1e-5)
+    ref, n = ref_guided_in_batch(q, k, gq, gk, 0.02)
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
     assert float(stats["masked_by_guide"]) == pytest.approx(n / 6) and n > 0
 
 
