@@ -194,6 +194,8 @@ CASES = [
     Case("ckpt_dir", "ckpt_path: a directory", train("ckpt_path={data}/model.ckpt"), _bad_ckpt("dir")),
     Case("ckpt_last_fresh", "ckpt_path=last, no checkpoint (a mistyped run_dir)", train("ckpt_path=last")),
     Case("ckpt_last_truncated", "ckpt_path=last, last.ckpt truncated", train("ckpt_path=last"), _truncate_last),
+    Case("ckpt_options", "ckpt_path=last, resumed under other objective options (objective.temperature=0.1)",
+         train("ckpt_path=last", "objective.temperature=0.1"), _trained),
     Case("sigkill_requeue", "SIGKILL after step 4 (lock and 10 write temporaries left), then the requeue",
          train("ckpt_path=last"), _killed_then_requeued),
     Case("disk_full", "the disk fills up: the second write of last.ckpt fails",

@@ -196,16 +196,39 @@ def resolve_ckpt_path(ckpt_path: Optional[str], run_dir: Path) -> Optional[str]:
     return found
 
 
-def check_same_objective(ckpt_path: str, objective: str) -> None:
-    """:class:`CheckpointError` when the checkpoint was trained with another objective: each holds
-    its own state (queues, EMA keys), so resuming across objectives cannot load; the message names
-    the override that resumes it (e.g. a MoCo run of ``+experiment=queue65k`` from before the main
-    job became the two-queue objective)."""
+# objective options added since checkpoints were first written: the value a checkpoint without
+# the option was trained with (the behaviour before the option existed)
+OPTIONS_BEFORE_THEY_EXISTED = {"inbatch_weight": 0.0}
+
+
+def check_same_objective(ckpt_path: str, objective: dict) -> None:
+    """:class:`CheckpointError` when the checkpoint was trained with another objective, or with
+    other options of it: each objective holds its own state (queues, EMA keys), so resuming across
+    objectives cannot load, and a resumed run under changed options (a default that moved since,
+    e.g. ``inbatch_weight``) would silently train another loss from the middle of the run. The
+    message names the overrides that resume it as trained (e.g. ``objective=moco`` for a MoCo run
+    of ``+experiment=queue65k`` from before the main job became the two-queue objective).
+    ``objective``: this run's objective config as a plain dict."""
     trained = (read_checkpoint(ckpt_path, "ckpt_path").get("hyper_parameters") or {}).get("objective") or {}
     name = trained.get("name") if isinstance(trained, dict) else None
-    if name and name != objective:
+    if not name:
+        return
+    if name != objective["name"]:
         raise CheckpointError(f"ckpt_path={ckpt_path}: trained with objective={name}, but this run's config has "
-                              f"objective={objective}; add objective={name} to resume it (or start a new run_dir)")
+                              f"objective={objective['name']}; add objective={name} to resume it (or start a new run_dir)")
+    before = {k: trained.get(k, OPTIONS_BEFORE_THEY_EXISTED.get(k)) for k in objective
+              if k in trained or k in OPTIONS_BEFORE_THEY_EXISTED}
+    changed = [k for k, v in before.items() if v != objective[k]]
+    if changed:
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path}: trained with " + ", ".join(f"objective.{k}={_override(before[k])}" for k in changed)
+            + ", but this run's config has " + ", ".join(f"objective.{k}={_override(objective[k])}" for k in changed)
+            + "; add the trained values as overrides to resume it as trained (or start a new run_dir)")
+
+
+def _override(value: Any) -> str:
+    """A value as a Hydra command-line override spells it."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 __all__ = ["AtomicCheckpointIO", "LAST", "atomic_torch_save", "check_same_objective", "previous_of", "read_checkpoint",

@@ -169,7 +169,7 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> Optional[str]:
     if ckpt_path == str(previous_of(last)) and is_rank_zero():  # the fallback: keep the good one as predecessor
         set_aside_unreadable(last)
     if ckpt_path is not None:
-        check_same_objective(ckpt_path, cfg.objective.name)
+        check_same_objective(ckpt_path, OmegaConf.to_container(OmegaConf.structured(cfg.objective)))
     if cfg.ckpt_path is None and (run_dir / "checkpoints" / "last.ckpt").exists() and is_rank_zero():
         print(f"[moco_retrieval] warning: {run_dir / 'checkpoints' / 'last.ckpt'} exists but ckpt_path is not set: "
               "training starts from scratch and overwrites it (ckpt_path=last resumes)", file=sys.stderr)

@@ -186,6 +186,29 @@ def test_resuming_a_checkpoint_of_another_objective_names_the_override(tmp_path)
     assert prepare_run_dir(same, tmp_path) == str(last)
 
 
+def test_resuming_under_changed_objective_options_names_the_trained_values(tmp_path):
+    """A two-queue run from before inbatch_weight existed (it trained without the term) resumed
+    under today's default (1), or with another temperature: refused before any model loads, with
+    the overrides that resume it as trained; with them, it resumes."""
+    from moco_retrieval.train import prepare_run_dir
+
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    old = {"name": "two_queue", "queue_size": 256, "temperature": 0.05}  # no inbatch_weight: an older run
+    atomic_torch_save({"global_step": 3, "hyper_parameters": {"objective": old}}, last)
+
+    def resume(*overrides):
+        cfg = compose_cfg("train", ["+experiment=smoke", "objective=two_queue", "objective.queue_size=256", "ckpt_path=last",
+                                    *overrides])
+        return prepare_run_dir(OmegaConf.to_object(cfg), tmp_path)
+
+    with pytest.raises(CheckpointError) as err:
+        resume("objective.temperature=0.1")
+    msg = str(err.value)
+    assert f"ckpt_path={last}: trained with objective.temperature=0.05, objective.inbatch_weight=0.0" in msg
+    assert "this run's config has objective.temperature=0.1, objective.inbatch_weight=1.0" in msg
+    assert resume("objective.inbatch_weight=0.0") == str(last)
+
+
 def test_ckpt_path_last_without_a_checkpoint_says_it_starts_from_step_0(tmp_path, capsys):
     assert resolve_ckpt_path("last", tmp_path / "typo") is None
     assert f"no checkpoint in {tmp_path / 'typo' / 'checkpoints'}: training starts from step 0" in capsys.readouterr().err
