@@ -61,7 +61,7 @@ TWO_QUEUE = two_queue()  # the two-queue objective alone (false_negatives.py bui
 # name -> (kind, batch, overrides or loss options, what it is); in order of priority
 RUNS: dict[str, tuple[str, int, object, str]] = {
     "two_queue-32": ("ours", 32, TWO_QUEUE, "two-queue momentum, K 65,536 each, m 0.999, no in-batch term"),
-    "two_queue_ib-32": ("ours", 32, two_queue(inbatch=1.0), "two-queue, m 0.999 + in-batch term (weight 1): queue65k since B6"),
+    "two_queue_ib-32": ("ours", 32, two_queue(inbatch=1.0), "two-queue, m 0.999 + in-batch term (weight 1): queue65k's objective since 2026-12-02"),
     "inbatch-32": ("ours", 32, INBATCH, "ours, in-batch negatives"),
     "mnrl-32": ("mnrl", 32, {}, "sentence-transformers MNRL"),
     "moco-32": ("ours", 32, MOCO, "MoCo queue, K 65,536, m 0.999 (queue65k before B6)"),

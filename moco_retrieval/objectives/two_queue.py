@@ -55,6 +55,7 @@ from torch import Tensor
 from moco_retrieval.config import TwoQueueConfig
 from moco_retrieval.distributed import all_gather_no_grad, all_gather_with_grad, rank
 from moco_retrieval.objectives.base import MOMENTUM, View
+from moco_retrieval.objectives.contrastive import Block
 from moco_retrieval.objectives.guided import GuideScores
 from moco_retrieval.objectives.moco import MoCoObjective
 from moco_retrieval.objectives.queue import NegativeQueue
@@ -106,7 +107,9 @@ class TwoQueueObjective(MoCoObjective):
             w = self.doc_to_query_weight
             loss = (loss_qd + w * loss_dq) / (1.0 + w)
             if self.inbatch_weight > 0:
-                loss_ib = self.in_batch(q, meta["d"].float(), meta, batch_k, tau, guide_qd)
+                # with batch negatives, blocks_qd[0] holds the same documents: its mask is reused
+                mask = blocks_qd[0].masked if batch_k is not None else None
+                loss_ib = self.in_batch(q, meta["d"].float(), meta, tau, batch_k, mask, guide_qd)
                 loss = loss + self.inbatch_weight * loss_ib
                 stats["loss_in_batch"] = loss_ib.detach()
         stats.update(loss=loss.detach(), loss_query_to_doc=loss_qd.detach(), loss_doc_to_query=loss_dq.detach(),
@@ -118,20 +121,23 @@ class TwoQueueObjective(MoCoObjective):
         self._pending_queries = (q_key, meta, step, batch_q, fixed_batch(guide_dq)) if self.training else None
         return loss, stats
 
-    def in_batch(self, q: Tensor, d: Tensor, meta: dict, batch_k: tuple | None, tau: Tensor,
+    def in_batch(self, q: Tensor, d: Tensor, meta: dict, tau: Tensor, batch_k: tuple | None, batch_mask,
                  guide: GuideScores | None) -> Tensor:
         """In-batch InfoNCE: queries (already / tau) against the global batch's trained documents,
-        gathered with gradient; ``batch_k``: the gathered ids and groups, when already gathered;
-        ``guide``: query -> document's guide, whose batch candidates are these same documents."""
-        ids, groups = meta["doc_id"], meta["group"]
-        ids_all, groups_all = batch_k[1:] if batch_k is not None else (all_gather_no_grad(ids), all_gather_no_grad(groups))
-        offset = rank() * q.shape[0]
+        gathered with gradient. ``batch_k`` / ``batch_mask``: the gathered keys, ids and groups and
+        the query -> document batch block's mask (the same documents: id, group and guide masks
+        are shared), when batch negatives are on; without them both are built here, ``guide``
+        (query -> document's) masking as it would there."""
+        ids = meta["doc_id"]
         pos = self.corrected((q * d).sum(dim=1), ids)
-        g = None
-        if guide is not None:  # without batch negatives the guide has no batch candidates yet
-            cands = guide.candidates.get("batch")
-            g = (guide.anchor, guide.positive, cands if cands is not None else all_gather_no_grad(guide.positive))
-        block = self.batch_block(q, all_gather_with_grad(d), offset, ids, groups, ids_all, groups_all, g)
+        d_all = all_gather_with_grad(d)
+        if batch_k is not None:
+            block = Block(self.corrected(q @ d_all.T, batch_k[1]), batch_mask)
+        else:
+            groups = meta["group"]
+            g = None if guide is None else (guide.anchor, guide.positive, all_gather_no_grad(guide.positive))
+            block = self.batch_block(q, d_all, rank() * q.shape[0], ids, groups, all_gather_no_grad(ids),
+                                     all_gather_no_grad(groups), g)
         return self.info_nce(pos, [block], tau)[0]
 
     def query_guide(self, meta: dict, k: Tensor, q_key: Tensor, batch_q: tuple | None) -> GuideScores | None:
