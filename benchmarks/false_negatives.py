@@ -235,6 +235,13 @@ def _summary(recs: list[dict]) -> dict:
             "train_s": median([r["train_s"] for r in recs]), "seeds": [r["seed"] for r in recs]}
 
 
+def guide_masked(last_step: dict) -> str:
+    """The two-queue run's guide-masked count per query: query -> document's; runs cached before the
+    objective counted per direction logged both directions summed (and no doc -> query count)."""
+    v = f3(last_step.get("train/masked_by_guide"))
+    return v if "train/masked_per_query_doc_to_query" in last_step or v == "n/a" else f"{v} (both directions)"
+
+
 def report(records, rates, args, out_dir, prefix, epochs, seeds, runners, wall) -> None:
     summ = {n: _summary(v) for n, v in records.items() if v}
     known, hidden = summ.get("groups known"), summ.get("groups withheld")
@@ -269,10 +276,10 @@ def report(records, rates, args, out_dir, prefix, epochs, seeds, runners, wall) 
     ft = finetune_records(out_dir)
     if ft:
         md += ["## Fine-tune (B4's setup: MiniLM end to end, 150 steps x 32, the same batches; two-queue objective; seed 0)", "",
-               md_table(["run", "recall@1", "MRR@10", "nDCG@10", "unrelated cos", "masked by guide / query (last step)", "train s"],
+               md_table(["run", "recall@1", "MRR@10", "nDCG@10", "unrelated cos", "masked by guide / query, query -> document (last step)", "train s"],
                         [[r["name"], f3(r["final"]["recall@1"]), f3(r["final"]["mrr@10"]), f3(r["final"]["ndcg@10"]),
                           f"{r['final']['unrelated_cos_mean']:+.3f}",
-                          f3(r.get("last_step", {}).get("train/masked_by_guide")), f"{r['train_s']:.0f}"] for r in ft]), ""]
+                          guide_masked(r.get("last_step", {})), f"{r['train_s']:.0f}"] for r in ft]), ""]
     cut = sorted(set(runners[False].cut + runners[True].cut))
     if cut:
         md += ["## Not run", "", "Not selected with --only or past the deadline (the cache resumes them): " + ", ".join(cut)

@@ -146,6 +146,43 @@ def test_own_id_and_group_masked_in_both_queues_and_the_batch(data):
         assert results[False, True] > results[False, False] + 0.05
 
 
+def count_masked(ids, groups, cand_ids, cand_groups, skip_own=False):
+    """Per row: (by id, by group only) among the candidates, a row's own batch entry left out."""
+    by_id, by_group = [], []
+    for i in range(len(ids)):
+        js = [j for j in range(len(cand_ids)) if not (skip_own and j == i)]
+        by_id.append(sum(int(cand_ids[j] == ids[i]) for j in js))
+        by_group.append(sum(int(cand_ids[j] != ids[i] and excluded(i, ids, groups, cand_ids[j], cand_groups[j])) for j in js))
+    return torch.tensor(by_id, dtype=torch.float), torch.tensor(by_group, dtype=torch.float)
+
+
+@pytest.mark.parametrize("batch_negatives", [True, False])
+def test_masked_counts_are_per_direction(data, batch_negatives):
+    """masked_by_id / masked_by_group count query -> document's candidates only (as under MoCo),
+    not both directions summed; each other softmax reports its own masked_per_query (own entry included)."""
+    obj = filled(inbatch=1.0)
+    obj.batch_negatives = batch_negatives
+    hard_ids, hard_groups = torch.tensor([200, 11, 202, 203]), torch.tensor([-1, -1, 1, -1])
+    meta = {"doc_id": data["ids"], "group": data["groups"], "d": data["d"], "q_key": data["q_key"],
+            "neg": unit(4, D, seed=9), "neg_id": hard_ids, "neg_group": hard_groups}
+    ids, groups = data["ids"], data["groups"]
+    dq, qq = obj.queue, obj.query_queue
+    batch = count_masked(ids, groups, ids, groups, skip_own=True)
+    zero = (torch.zeros(len(ids)),) * 2
+    qd = [count_masked(ids, groups, dq.ids(), dq.groups()), count_masked(ids, groups, hard_ids, hard_groups),
+          batch if batch_negatives else zero]
+    dq_masked = count_masked(ids, groups, qq.ids(), qq.groups())
+    _, stats = obj(data["q"], data["k"], meta, step=3)
+    assert stats["masked_by_id"].item() == pytest.approx(sum(c[0] for c in qd).mean().item())
+    assert stats["masked_by_group"].item() == pytest.approx(sum(c[1] for c in qd).mean().item())
+    own = 1.0 if batch_negatives else 0.0
+    want_dq = (dq_masked[0] + dq_masked[1] + (batch[0] + batch[1] if batch_negatives else 0)).mean().item() + own
+    assert stats["masked_per_query_doc_to_query"].item() == pytest.approx(want_dq)
+    # the in-batch term always has the batch, whether or not the momentum blocks hold it
+    assert stats["masked_per_query_in_batch"].item() == pytest.approx((batch[0] + batch[1]).mean().item() + 1)
+    assert stats["masked_per_query_in_batch"].item() > 1  # the fixture has false negatives in the batch
+
+
 def test_keys_enqueued_after_backward_with_ids_and_warmup(data):
     obj = filled(warmup=5)
     meta = {"doc_id": data["ids"], "group": data["groups"], "d": data["d"], "q_key": data["q_key"]}

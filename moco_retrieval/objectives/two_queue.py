@@ -95,25 +95,29 @@ class TwoQueueObjective(MoCoObjective):
             self.observe(batch_k[1] if batch_k is not None else None, meta["doc_id"], step)
             ids = meta["doc_id"]
             doc_queue, query_queue = (self.queue, self.query_queue) if counts else (None, None)
+            # each direction's blocks are built just before its loss, so the masked_by_* counts
+            # (drained by info_nce) are query -> document's, as under MoCo
             guide_qd = self.doc_guide(meta, k, batch_k, hard)
             blocks_qd = self.queue_blocks(q, meta, doc_queue, batch_k, hard, guide_qd)
+            if self.same_side_negatives:  # q -> other query keys + query queue
+                blocks_qd += self.queue_blocks(q, meta, query_queue, batch_q)
+            loss_qd, stats = self.info_nce(self.corrected((q * k).sum(dim=1), ids), blocks_qd, tau)
             guide_dq = self.query_guide(meta, k, q_key, batch_q)
             blocks_dq = self.queue_blocks(d, meta, query_queue, batch_q, None, guide_dq)
-            if self.same_side_negatives:  # q -> other query keys + query queue; d -> other doc keys + doc queue
-                blocks_qd += self.queue_blocks(q, meta, query_queue, batch_q)
+            if self.same_side_negatives:  # d -> other doc keys + doc queue
                 blocks_dq += self.queue_blocks(d, meta, doc_queue, batch_k)
-            loss_qd, stats = self.info_nce(self.corrected((q * k).sum(dim=1), ids), blocks_qd, tau)
             loss_dq, stats_dq = self.info_nce(self.corrected((d * q_key).sum(dim=1), ids), blocks_dq, tau)
             w = self.doc_to_query_weight
             loss = (loss_qd + w * loss_dq) / (1.0 + w)
             if self.inbatch_weight > 0:
                 # with batch negatives, blocks_qd[0] holds the same documents: its mask is reused
                 mask = blocks_qd[0].masked if batch_k is not None else None
-                loss_ib = self.in_batch(q, meta["d"].float(), meta, tau, batch_k, mask, guide_qd)
+                loss_ib, stats_ib = self.in_batch(q, meta["d"].float(), meta, tau, batch_k, mask, guide_qd)
                 loss = loss + self.inbatch_weight * loss_ib
-                stats["loss_in_batch"] = loss_ib.detach()
+                stats.update(loss_in_batch=loss_ib.detach(), masked_per_query_in_batch=stats_ib["masked_per_query"])
         stats.update(loss=loss.detach(), loss_query_to_doc=loss_qd.detach(), loss_doc_to_query=loss_dq.detach(),
-                     accuracy_doc_to_query=stats_dq["accuracy"])
+                     accuracy_doc_to_query=stats_dq["accuracy"],
+                     masked_per_query_doc_to_query=stats_dq["masked_per_query"])
         def fixed_batch(guide):  # the fixed guide's gathered batch embeddings, enqueued after backward
             return guide.candidates.get("batch") if guide is not None and self.fixed_guide else None
 
@@ -122,8 +126,8 @@ class TwoQueueObjective(MoCoObjective):
         return loss, stats
 
     def in_batch(self, q: Tensor, d: Tensor, meta: dict, tau: Tensor, batch_k: tuple | None, batch_mask,
-                 guide: GuideScores | None) -> Tensor:
-        """In-batch InfoNCE: queries (already / tau) against the global batch's trained documents,
+                 guide: GuideScores | None) -> tuple[Tensor, dict]:
+        """In-batch InfoNCE (loss, stats): queries (already / tau) against the global batch's trained documents,
         gathered with gradient. ``batch_k`` / ``batch_mask``: the gathered keys, ids and groups and
         the query -> document batch block's mask (the same documents: id, group and guide masks
         are shared), when batch negatives are on; without them both are built here, ``guide``
@@ -138,7 +142,7 @@ class TwoQueueObjective(MoCoObjective):
             g = None if guide is None else (guide.anchor, guide.positive, all_gather_no_grad(guide.positive))
             block = self.batch_block(q, d_all, rank() * q.shape[0], ids, groups, all_gather_no_grad(ids),
                                      all_gather_no_grad(groups), g)
-        return self.info_nce(pos, [block], tau)[0]
+        return self.info_nce(pos, [block], tau)
 
     def query_guide(self, meta: dict, k: Tensor, q_key: Tensor, batch_q: tuple | None) -> GuideScores | None:
         """The guide's view of document -> query: documents as anchors, query keys as candidates."""
