@@ -302,8 +302,36 @@ def verdict(by: dict) -> list[str]:
         tq, tr = med_std([x["train_s"] for x in q])[0], med_std([x["train_s"] for x in r])[0]
         out.append(f"- vs {ref} at equal data: recall@1 {mq:.3f} vs {mr:.3f}; training seconds {tq:.0f} vs {tr:.0f} "
                    f"(ratio {tq / tr:.2f}; the bar asks for at most 0.5, measured side by side only when run in parallel)")
+    out += time_to_reach(by)
     u = med_std([x["final"]["unrelated_cos_mean"] for x in q])[0]
     out.append(f"- space spread: mean unrelated cosine {u:+.3f} (bar <= +0.10): {'met' if u <= 0.10 else 'not met'}")
+    return out
+
+
+def reached_at(run: dict, target: float) -> float | None:
+    """Training seconds at the first evaluation where ``run`` scored recall@1 >= ``target``."""
+    return next((p["train_s"] for p in run["curve"] if p["recall@1"] >= target), None)
+
+
+def time_to_reach(by: dict) -> list[str]:
+    """The other reading of "reaches batch 256 in at most half its seconds": when, on the curve, a
+    batch-32 run first scores the batch-256 run's final recall@1. In-batch 32 and MNRL 32 as
+    controls: what batch 32 alone buys, queue or not. An upper bound at the evaluation grid's
+    resolution, and the batch-32 runs are mid-schedule there (their learning rate not yet decayed)."""
+    out = []
+    for ref in ("inbatch-256", "cmnrl-256"):
+        r = by.get(ref, [])
+        if not r:
+            continue
+        target, tr = med_std([x["final"]["recall@1"] for x in r])[0], med_std([x["train_s"] for x in r])[0]
+        parts = []
+        for name in (MAIN_RUN, "inbatch-32", "mnrl-32"):
+            xs = by.get(name, [])
+            hit = [t for t in (reached_at(x, target) for x in xs) if t is not None]
+            if xs:
+                parts.append(f"{name} {len(hit)}/{len(xs)} seed(s)" + (
+                    f", median {statistics.median(hit):.0f} s (ratio {statistics.median(hit) / tr:.2f})" if hit else ""))
+        out.append(f"- time to reach {ref}'s final recall@1 {target:.3f} ({tr:.0f} s) on the curve: " + "; ".join(parts))
     return out
 
 
