@@ -1,0 +1,54 @@
+"""B6's report helpers (benchmarks/finetune.py): the in-group miss share and the time-to-reach reading."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def finetune():
+    spec = importlib.util.spec_from_file_location("b6_finetune", BENCH / "finetune.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(BENCH))
+    return mod
+
+
+def test_miss_in_group_counts_wrong_top_documents_of_the_positive_group(finetune):
+    pool = SimpleNamespace(
+        queries={"a": "", "b": "", "c": "", "d": ""},
+        qrels={"a": {"d1": 1}, "b": {"d2": 1}, "c": {"d4": 1}, "d": {"d5": 1}},
+        doc_groups={"d1": 7, "d2": 7, "d3": 8, "d4": 8, "d5": 9},
+    )
+    run = {
+        "a": {"d1": 0.9, "d2": 0.5},  # right
+        "b": {"d1": 0.9, "d2": 0.8},  # wrong, same group (7): counted
+        "c": {"d5": 0.9, "d4": 0.1},  # wrong, another group: not counted
+        "d": {},  # nothing retrieved
+    }
+    assert finetune.miss_in_group(run, pool) == pytest.approx(1 / 4)
+    assert finetune.miss_in_group(run, SimpleNamespace(**{**vars(pool), "doc_groups": None})) == 0.0
+
+
+def test_time_to_reach_takes_the_first_evaluation_at_the_target(finetune):
+    def rec(final, curve, train_s):
+        return {"final": {"recall@1": final}, "train_s": train_s,
+                "curve": [{"recall@1": r, "train_s": t} for r, t in curve]}
+
+    by = {"inbatch-256": [rec(0.80, [(0.80, 1000.0)], 1000.0)],
+          finetune.MAIN_RUN: [rec(0.85, [(0.79, 100.0), (0.81, 200.0), (0.85, 300.0)], 300.0),
+                              rec(0.85, [(0.80, 400.0)], 400.0)],
+          "inbatch-32": [rec(0.70, [(0.70, 300.0)], 300.0)]}
+    (line,) = finetune.time_to_reach(by)
+    assert f"{finetune.MAIN_RUN} 2/2 seed(s), median 300 s (ratio 0.30)" in line
+    assert "inbatch-32 1/1 seed(s)" not in line and "inbatch-32 0/1 seed(s)" in line
+    assert "mnrl-32" not in line  # not run: not listed
