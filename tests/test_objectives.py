@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from moco_retrieval.config import InBatchConfig, MoCoConfig
+from moco_retrieval.objectives.contrastive import Block
 from moco_retrieval.objectives.inbatch import InBatchObjective
 from moco_retrieval.objectives.moco import MoCoObjective
 
@@ -183,3 +184,21 @@ def test_logits_fp32_under_bf16_autocast(batch):
         loss, _ = obj(q, k, {"doc_id": ids, "group": groups})
     assert loss.dtype == torch.float32
     assert loss.item() == pytest.approx(ref.item(), abs=1e-6)
+
+
+def test_masked_counts_are_the_loss_own_blocks(batch):
+    """A loss counts only the masks of the blocks it is given: a mask built for another softmax,
+    before or after, is not counted in it, and a mask shared by two losses is counted in each."""
+    q, k, ids, groups = batch
+    obj = InBatchObjective(InBatchConfig(temperature=TAU, mask_false_negatives=True))
+    cand_ids, cand_groups = torch.tensor([10, 10, 99, 12, 98]), torch.tensor([1, 5, -1, 2, 2])
+    other = obj.mask(ids, groups, ids, groups)  # built for a softmax that is not computed here
+    mine = obj.mask(ids, groups, cand_ids, cand_groups)
+    want_id = sum(int(cand_ids[j] == ids[i]) for i in range(len(ids)) for j in range(len(cand_ids)))
+    want_all = sum(int(excluded(i, ids, groups, cand_ids[j], cand_groups[j])) for i in range(len(ids)) for j in range(len(cand_ids)))
+    pos = (q * k).sum(1) / TAU
+    for _ in range(2):  # the same mask in two losses: counted in each, nothing drained
+        _, stats = obj.info_nce(pos, [Block(q @ unit(5, 8, seed=3).T / TAU, mine)], torch.tensor(TAU))
+        assert float(stats["masked_by_id"]) == pytest.approx(want_id / len(ids))
+        assert float(stats["masked_by_group"]) == pytest.approx((want_all - want_id) / len(ids))
+    assert want_id > 0 and want_all > want_id and int(other.counts["id"]) > 0

@@ -33,7 +33,7 @@ from moco_retrieval.model.momentum import momentum_at
 from moco_retrieval.objectives.contrastive import Block, Temperature, info_nce
 from moco_retrieval.objectives.guided import MOMENTUM_GUIDE, NONE, GuidedMask
 from moco_retrieval.objectives.logq import StreamingFrequency
-from moco_retrieval.objectives.masking import Pairs, false_negative_pairs, merge_pairs, own_pairs
+from moco_retrieval.objectives.masking import Mask, Pairs, false_negative_pairs, merge_pairs, own_pairs
 
 TRAINED, MOMENTUM, GUIDE = "trained", "momentum", "guide"
 SIDES = ("query", "doc", "neg", "memory")
@@ -85,7 +85,6 @@ class Objective(nn.Module):
             self.views = {**type(self).views, "g_q": View("query", GUIDE, grad=False),
                           "g_k": View("doc", GUIDE, grad=False), "g_neg": View("neg", GUIDE, grad=False)}
         self.logq = StreamingFrequency(cfg.logq_buckets, cfg.logq_alpha) if cfg.logq_correction else None
-        self._masked = {"id": 0, "group": 0, "guide": 0}
 
     # ---- what the module asks
     @property
@@ -113,33 +112,25 @@ class Objective(nn.Module):
 
     # ---- shared pieces
     def mask(self, pos_ids: Tensor, pos_groups: Tensor, cand_ids: Tensor, cand_groups: Tensor,
-             guide: tuple[Tensor, Tensor, Tensor] | None = None, own: Pairs | None = None) -> Pairs | None:
+             guide: tuple[Tensor, Tensor, Tensor] | None = None, own: Pairs | None = None) -> Mask:
         """False negatives among candidates: same document id or group as the positive (if
         masking), and those the guide scores too close to it (``guide``: the guide's anchors,
         positives and candidates). ``own``: each row's own positive in the block, masked too but
         not counted. Counted by rule (what an earlier rule already masked is not counted again)."""
-        out, n = own, cand_ids.shape[0]
+        out, n, counts = own, cand_ids.shape[0], {}
         if self.mask_false_negatives:
             before = 0 if out is None else out[0].numel()
             fn = false_negative_pairs(pos_ids, pos_groups, cand_ids, cand_groups)
             out = fn if out is None else merge_pairs(out, fn, n)
             # a device-side sum: the counts never wait for the device (own pairs match by id)
-            n_id = (cand_ids[out[1]] == pos_ids[out[0]]).sum() - before
-            self._masked["id"] = self._masked["id"] + n_id
-            self._masked["group"] = self._masked["group"] + (out[0].numel() - before - n_id)
+            counts["id"] = (cand_ids[out[1]] == pos_ids[out[0]]).sum() - before
+            counts["group"] = out[0].numel() - before - counts["id"]
         if self.guide is not None and guide is not None:
             before = 0 if out is None else out[0].numel()
             g = self.guide.pairs(*guide)
             out = g if out is None else merge_pairs(out, g, n)
-            self._masked["guide"] += out[0].numel() - before
-        return out
-
-    def masked_stats(self, rows: int) -> dict[str, float]:
-        """Candidates masked per query since the last call, by rule (id, group, guide)."""
-        rules = (("id", "group") if self.mask_false_negatives else ()) + (("guide",) if self.guide is not None else ())
-        out = {f"masked_by_{k}": self._masked[k] / max(1, rows) for k in rules}
-        self._masked = dict.fromkeys(self._masked, 0)
-        return out
+            counts["guide"] = out[0].numel() - before
+        return Mask(out, counts)
 
     def observe(self, global_ids: Tensor | None, ids: Tensor, step: int) -> None:
         """logQ: the global batch's documents were sampled at ``step`` (training forward only).
@@ -158,13 +149,16 @@ class Objective(nn.Module):
                     groups_all: Tensor, guide: tuple[Tensor, Tensor, Tensor] | None = None) -> Block:
         """Rows ``a`` (already / tau) against all batch rows ``b_all``; row i's own positive,
         ``b_all[offset + i]``, is scored separately and masked here, with its false negatives."""
-        masked = self.mask(ids, groups, ids_all, groups_all, guide, own=own_pairs(a.shape[0], offset, a.device))
-        return Block(self.corrected(a @ b_all.T, ids_all), masked)
+        mask = self.mask(ids, groups, ids_all, groups_all, guide, own=own_pairs(a.shape[0], offset, a.device))
+        return Block(self.corrected(a @ b_all.T, ids_all), mask)
 
     def info_nce(self, pos: Tensor, blocks: list[Block], tau: Tensor) -> tuple[Tensor, dict]:
+        """InfoNCE over ``blocks``; ``masked_by_<rule>`` counts these blocks' masks only, and is
+        logged (0) for every rule on even when no block has candidates yet."""
         loss, stats = info_nce(pos, blocks, tau, self.label_smoothing)
-        if self.mask_false_negatives or self.guide is not None:
-            stats.update(self.masked_stats(pos.shape[0]))
+        rules = (("id", "group") if self.mask_false_negatives else ()) + (("guide",) if self.guide is not None else ())
+        for rule in rules:
+            stats.setdefault(f"masked_by_{rule}", 0.0)
         return loss, stats
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from moco_retrieval.objectives.masking import Pairs
+from moco_retrieval.objectives.masking import Mask
 
 
 class Temperature(nn.Module):
@@ -45,7 +45,7 @@ class Block:
     """Logits (scores / tau) [B, N] of one group of negatives, and its masked entries."""
 
     logits: Tensor
-    masked: Pairs | None = None
+    mask: Mask | None = None
 
 
 def info_nce(pos_logits: Tensor, blocks: list[Block], tau: Tensor, label_smoothing: float = 0.0) -> tuple[Tensor, dict]:
@@ -53,17 +53,21 @@ def info_nce(pos_logits: Tensor, blocks: list[Block], tau: Tensor, label_smoothi
 
     Masked entries take no part in the softmax. ``label_smoothing`` spreads that much target mass
     uniformly over all unmasked candidates (positive included), as torch's cross_entropy does over
-    classes. The blocks' logits are modified in place (masked entries become -inf).
+    classes. The blocks' logits are modified in place (masked entries become -inf). The stats
+    include ``masked_by_<rule>``: the blocks' masks' counts per query, summed over the blocks.
     """
     B = pos_logits.shape[0]
     lses, smooth = [pos_logits], []
     n_neg, n_masked = pos_logits.new_zeros(B), pos_logits.new_zeros(B)
     neg_sum, best_neg = pos_logits.new_zeros(()), torch.full_like(pos_logits, -math.inf).detach()
+    by_rule: dict[str, Tensor] = {}
     for block in blocks:
-        s = block.logits
+        s, mask = block.logits, block.mask or Mask()
+        for rule, n in mask.counts.items():
+            by_rule[rule] = by_rule.get(rule, 0) + n
         if s.shape[1] == 0:
             continue
-        rows, cols = block.masked if block.masked is not None else (s.new_zeros(0, dtype=torch.long),) * 2
+        rows, cols = mask.pairs if mask.pairs is not None else (s.new_zeros(0, dtype=torch.long),) * 2
         with torch.no_grad():
             masked = torch.bincount(rows, minlength=B).to(s.dtype)
             n_masked += masked
@@ -94,5 +98,6 @@ def info_nce(pos_logits: Tensor, blocks: list[Block], tau: Tensor, label_smoothi
             "negatives_per_query": n_neg.mean(),
             "masked_per_query": n_masked.mean(),
             "temperature": t,
+            **{f"masked_by_{rule}": n / B for rule, n in by_rule.items()},
         }
     return loss, stats

@@ -10,10 +10,24 @@ Masks are sparse, as (rows, cols) index pairs: false negatives are rare, so find
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import Tensor
 
 Pairs = tuple[Tensor, Tensor]  # (rows, cols) of masked entries
+
+
+@dataclass
+class Mask:
+    """One block's masked entries and how many of them each rule (id, group, guide) masked.
+
+    The counts travel with the pairs so that a loss reports exactly the masks of its own blocks,
+    however many softmaxes an objective builds, and in whatever order. A row's own positive,
+    scored apart, is among the pairs but not counted."""
+
+    pairs: Pairs | None = None
+    counts: dict[str, Tensor] = field(default_factory=dict)
 
 
 def false_negative_pairs(pos_ids: Tensor, pos_groups: Tensor, cand_ids: Tensor, cand_groups: Tensor) -> Pairs:

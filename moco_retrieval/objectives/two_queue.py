@@ -95,8 +95,7 @@ class TwoQueueObjective(MoCoObjective):
             self.observe(batch_k[1] if batch_k is not None else None, meta["doc_id"], step)
             ids = meta["doc_id"]
             doc_queue, query_queue = (self.queue, self.query_queue) if counts else (None, None)
-            # each direction's blocks are built just before its loss, so the masked_by_* counts
-            # (drained by info_nce) are query -> document's, as under MoCo
+            # masked_by_* are query -> document's (each loss counts its own blocks' masks), as under MoCo
             guide_qd = self.doc_guide(meta, k, batch_k, hard)
             blocks_qd = self.queue_blocks(q, meta, doc_queue, batch_k, hard, guide_qd)
             if self.same_side_negatives:  # q -> other query keys + query queue
@@ -111,7 +110,7 @@ class TwoQueueObjective(MoCoObjective):
             loss = (loss_qd + w * loss_dq) / (1.0 + w)
             if self.inbatch_weight > 0:
                 # with batch negatives, blocks_qd[0] holds the same documents: its mask is reused
-                mask = blocks_qd[0].masked if batch_k is not None else None
+                mask = blocks_qd[0].mask if batch_k is not None else None
                 loss_ib, stats_ib = self.in_batch(q, meta["d"].float(), meta, tau, batch_k, mask, guide_qd)
                 loss = loss + self.inbatch_weight * loss_ib
                 stats.update(loss_in_batch=loss_ib.detach(), masked_per_query_in_batch=stats_ib["masked_per_query"])
