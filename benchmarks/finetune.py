@@ -29,6 +29,7 @@ from the cache alone. ``--quick``: 40 pairs x few steps on a 200 / 400 pool (res
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -73,6 +74,8 @@ RUNS: dict[str, tuple[str, int, object, str]] = {
     "two_queue_m0.995-32": ("ours", 32, two_queue("objective.momentum=0.995"), "two-queue, m 0.995 (ALBEF)"),
     "two_queue_m0.995_ib-32": ("ours", 32, two_queue("objective.momentum=0.995", inbatch=1.0),
                                "two-queue, m 0.995 + in-batch term (weight 1)"),
+    "two_queue_m0.995_ib_k4k-32": ("ours", 32, two_queue("objective.momentum=0.995", "objective.queue_size=4096", inbatch=1.0),
+                                   "two-queue, m 0.995 + in-batch term, K 4,096 (diagnostic: is the cone the queue's age?)"),
     "two_queue_cosine-32": ("ours", 32, two_queue("objective.momentum=0.99", "objective.momentum_schedule=cosine"),
                             "two-queue, m cosine 0.99 -> 1"),
     "two_queue_k16k-32": ("ours", 32, two_queue("objective.queue_size=16384"), "two-queue, K 16,384"),
@@ -196,13 +199,7 @@ def run_ours(bench, overrides, batches, seed, ev: Evaluator) -> dict:
 
 def run_peer(bench, kind, options, batches, seed, ev: Evaluator) -> dict:
     """sentence-transformers' MNRL / CachedMNRL with a plain loop over the same batches."""
-    import warnings
-
     from sentence_transformers import SentenceTransformer
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from sentence_transformers import losses
 
     from moco_retrieval.lightning_module import lr_lambda
     from moco_retrieval.model.encoder import build_encoder
@@ -212,8 +209,7 @@ def run_peer(bench, kind, options, batches, seed, ev: Evaluator) -> dict:
     device = "cuda" if TRAINER == "gpu" and torch.cuda.is_available() else "cpu"
     model = SentenceTransformer(str(_backbone_path(cfg.model)), device=device)
     model.train()
-    cls = losses.CachedMultipleNegativesRankingLoss if kind == "cmnrl" else losses.MultipleNegativesRankingLoss
-    loss_fn = cls(model, **options)  # scale 20 = 1 / 0.05, cosine similarity
+    loss_fn = peer_loss(model, kind, options)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -241,6 +237,19 @@ def run_peer(bench, kind, options, batches, seed, ev: Evaluator) -> dict:
         ev.step_done(step, scorer)
     return {"objective": kind, "temperature": 1 / loss_fn.scale, "lr": cfg.optim.lr, **{k: list(v) if isinstance(v, tuple) else v
                                                                                       for k, v in options.items()}}
+
+
+def peer_loss(model, kind: str, options: dict):
+    """sentence-transformers' MNRL (``mnrl``) or CachedMNRL (``cmnrl``) at its defaults: scale 20
+    = 1 / 0.05, cosine similarity."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from sentence_transformers import losses
+
+    cls = losses.CachedMultipleNegativesRankingLoss if kind == "cmnrl" else losses.MultipleNegativesRankingLoss
+    return cls(model, **options)
 
 
 def _to(features: dict, device: str) -> dict:
@@ -294,7 +303,7 @@ def fmt(xs, key) -> str:
     return f"{m:.3f}" + (f" ± {s:.3f}" if s == s else "")
 
 
-def verdict(by: dict) -> list[str]:
+def verdict(by: dict, cost: dict | None = None) -> list[str]:
     """The issue's three lines, from what the cache holds."""
     out = []
     q = by.get(MAIN_RUN, [])
@@ -323,6 +332,7 @@ def verdict(by: dict) -> list[str]:
         out.append(f"- vs {ref} at equal data: recall@1 {mq:.3f} vs {mr:.3f}; training seconds {tq:.0f} vs {tr:.0f} "
                    f"(ratio {tq / tr:.2f}; the bar asks for at most 0.5, measured side by side only when run in parallel)")
     out += time_to_reach(by)
+    out += cost_lines(by, cost)
     u = med_std([x["final"]["unrelated_cos_mean"] for x in q])[0]
     out.append(f"- space spread: mean unrelated cosine {u:+.3f} (bar <= +0.10): {'met' if u <= 0.10 else 'not met'}")
     return out
@@ -352,6 +362,38 @@ def time_to_reach(by: dict) -> list[str]:
                 parts.append(f"{name} {len(hit)}/{len(xs)} seed(s)" + (
                     f", median {statistics.median(hit):.0f} s (ratio {statistics.median(hit) / tr:.2f})" if hit else ""))
         out.append(f"- time to reach {ref}'s final recall@1 {target:.3f} ({tr:.0f} s) on the curve: " + "; ".join(parts))
+    return out
+
+
+def reached_at_pairs(run: dict, target: float) -> int | None:
+    """Training pairs at the first evaluation where ``run`` scored recall@1 >= ``target``."""
+    return next((p["pairs"] for p in run["curve"] if p["recall@1"] >= target), None)
+
+
+def cost_lines(by: dict, cost: dict | None) -> list[str]:
+    """The bar's seconds from ``finetune_cost.py``'s side-by-side per-pair costs instead of each
+    run's own clock: at equal data the seconds ratio is the per-pair cost ratio; to reach a
+    reference's final recall@1, pairs-to-reach (median over seeds) x per-pair cost."""
+    if not cost:
+        return ["- side-by-side cost: not measured (run benchmarks/finetune_cost.py)"]
+    per_pair = {r["name"]: r["s_per_1k_pairs"] / 1000 for r in cost["rows"]}
+    out = []
+    for ref in ("inbatch-256", "cmnrl-256"):
+        r = by.get(ref, [])
+        if not r or ref not in per_pair or MAIN_RUN not in per_pair:
+            continue
+        target = med_std([x["final"]["recall@1"] for x in r])[0]
+        ref_s = per_pair[ref] * r[0]["pairs"]
+        parts = []
+        for name in (MAIN_RUN, "inbatch-32", "mnrl-32"):
+            xs = by.get(name, [])
+            hit = [p for p in (reached_at_pairs(x, target) for x in xs) if p is not None]
+            if name in per_pair and xs:
+                reach = f", reaches {target:.3f} after {statistics.median(hit):,.0f} pairs: " \
+                        f"{statistics.median(hit) * per_pair[name] / ref_s:.2f}x" if len(hit) == len(xs) else f", reaches it in {len(hit)}/{len(xs)} seeds"
+                parts.append(f"{name} {per_pair[name] * xs[0]['pairs'] / ref_s:.2f}x at equal data{reach}")
+        out.append(f"- {ref}'s training seconds, side by side ({per_pair[ref] * 1000:.0f} s per 1,000 pairs, "
+                   f"{cost['threads']} thread(s)): " + "; ".join(parts) + " (bar: at most 0.5x)")
     return out
 
 
@@ -405,7 +447,7 @@ def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str]
            "(MNRL's random batches rarely hold a group-mate either); blank "
            "for runs cached before it was recorded.", "",
            "## Along the way (seed 0)", "", *curve_table(by), "",
-           "## The bar (issue 11)", "", *verdict(by), ""]
+           "## The bar (issue 11)", "", *verdict(by, read_cost(out_dir)), ""]
     missing = [f"{n} (seed {s})" for n in RUNS for s in range(3 if n in HEADLINE else 1)
                if not any(r["seed"] == s for r in by.get(n, []))]
     if missing:
@@ -417,6 +459,12 @@ def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str]
                                           "runs": records, "environment": environment()}, out_dir)
     plots(by, out_dir, prefix)
     log(f"wrote {out_dir / (prefix + '.md')}")
+
+
+def read_cost(out_dir: Path) -> dict | None:
+    """``finetune_cost.py``'s side-by-side per-pair costs, if measured."""
+    path = out_dir / "finetune_cost.json"
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def negatives_per_query(x: dict) -> float:

@@ -52,3 +52,20 @@ def test_time_to_reach_takes_the_first_evaluation_at_the_target(finetune):
     assert f"{finetune.MAIN_RUN} 2/2 seed(s), median 300 s (ratio 0.30)" in line
     assert "inbatch-32 1/1 seed(s)" not in line and "inbatch-32 0/1 seed(s)" in line
     assert "mnrl-32" not in line  # not run: not listed
+
+
+def test_cost_lines_scale_pairs_by_the_side_by_side_cost(finetune):
+    def rec(pairs, curve):
+        return {"pairs": pairs, "final": {"recall@1": curve[-1][1]}, "curve": [{"pairs": p, "recall@1": r} for p, r in curve]}
+
+    by = {"inbatch-256": [rec(1000, [(1000, 0.80)])],
+          finetune.MAIN_RUN: [rec(1000, [(250, 0.79), (500, 0.81), (1000, 0.85)]), rec(1000, [(250, 0.80), (1000, 0.82)])],
+          "inbatch-32": [rec(1000, [(500, 0.70), (1000, 0.75)])]}
+    cost = {"threads": 1, "rows": [{"name": "inbatch-256", "s_per_1k_pairs": 100.0},
+                                   {"name": finetune.MAIN_RUN, "s_per_1k_pairs": 120.0},
+                                   {"name": "inbatch-32", "s_per_1k_pairs": 50.0}]}
+    (line,) = finetune.cost_lines(by, cost)
+    # equal data: 1,000 pairs x 0.12 s against 1,000 x 0.1 s; reach: median of 500 and 250 pairs
+    assert f"{finetune.MAIN_RUN} 1.20x at equal data, reaches 0.800 after 375 pairs: 0.45x" in line
+    assert "inbatch-32 0.50x at equal data, reaches it in 0/1 seeds" in line
+    assert finetune.cost_lines(by, None) == ["- side-by-side cost: not measured (run benchmarks/finetune_cost.py)"]

@@ -1,0 +1,166 @@
+"""B6's cost side: training seconds per pair of each headline run, measured side by side.
+
+B6's own clocks (``finetune.py``) time each run in its own process, hours apart, under whatever
+else shared the CPU then, so their seconds do not compare across runs. This measures the cost the
+issue's bar needs ("at equal data, in at most half their training seconds") the way the brief
+asks: every configuration in one process, one step of each in turn, repeat after repeat, so
+machine noise hits all alike; medians of the repeats, and the median of each round's ratio.
+
+One step = forward of both sides + loss + backward + clipping + AdamW + (ours) EMA update and
+enqueue, on real B6 batches (same pairs, same order, so real token lengths); tokenisation is done
+before the clock starts, for ours and the peers alike. The two-queue objective's queues are
+pre-filled with 9,120 keys each, their mean fill over a B6 run (18,240 keys queued by its end).
+
+    python benchmarks/finetune_cost.py [--rounds 5] [--threads 1]
+Writes benchmarks/results/finetune_cost.{md,json}; ``finetune.py --report`` reads the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Bench, add_location_args, apply_location_args, compose_cfg, environment, log, md_table, write_results  # noqa: E402
+from finetune import BASE, HEADLINE, INBATCH, RUNS, pair_batches, peer_loss  # noqa: E402
+
+import torch  # noqa: E402
+
+NAME = "finetune_cost"
+MEAN_FILL = 9120  # half of the 18,240 keys a B6 run has queued by its end
+
+
+class OursStep:
+    """One training step of our module, outside Lightning (the same work its loop does per step)."""
+
+    def __init__(self, bench: Bench, overrides, batch: int):
+        from moco_retrieval.data.collate import Collator, PairDataset
+        from moco_retrieval.lightning_module import RetrievalModule
+
+        cfg = compose_cfg(BASE + list(overrides) + [f"data.batch_size={batch}", "seed=0", "data.seed=0"])
+        torch.manual_seed(0)
+        self.m = RetrievalModule.from_config(cfg).train()
+        self.clip = cfg.trainer.gradient_clip_val
+        params = [p for n, p in self.m.named_parameters() if p.requires_grad and not n.startswith("key_encoder.")]
+        self.opt = torch.optim.AdamW(params, lr=cfg.optim.lr)
+        self.data, self.collate = PairDataset(bench.train_pairs), Collator(self.m.encoder.tokenize)
+        for q in (getattr(self.m.objective, n, None) for n in ("queue", "query_queue")):
+            if q is not None:
+                keys = torch.nn.functional.normalize(torch.randn(MEAN_FILL, self.m.encoder.dim), dim=1)
+                q.enqueue(keys, torch.arange(MEAN_FILL) + 10**9, torch.full((MEAN_FILL,), -1), step=0, gather=False)
+
+    def prepare(self, idx: list[int]):
+        return self.collate([self.data[i] for i in idx])
+
+    def __call__(self, batch) -> None:
+        loss, _ = self.m.shared_step(batch)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.m.objective.after_backward()
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.opt.param_groups[0]["params"], self.clip)
+        self.opt.step()
+        if self.m.key_encoder is not None:
+            self.m.key_encoder.update(self.m.encoder, self.m.momentum())
+
+
+class PeerStep:
+    """One step of sentence-transformers' MNRL / CachedMNRL, as ``finetune.run_peer`` takes it."""
+
+    def __init__(self, bench: Bench, kind: str, options: dict):
+        from sentence_transformers import SentenceTransformer
+
+        from moco_retrieval.model.backbone import resolve_backbone_path
+
+        cfg = compose_cfg(BASE + INBATCH)
+        torch.manual_seed(0)
+        self.model = SentenceTransformer(str(resolve_backbone_path(cfg.model)), device="cpu").train()
+        self.loss_fn = peer_loss(self.model, kind, options)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr)
+        self.lens, self.pairs = (cfg.model.query_max_len, cfg.model.doc_max_len), bench.train_pairs
+
+    def prepare(self, idx: list[int]):
+        out = []
+        for length, texts in zip(self.lens, ([self.pairs[i].query for i in idx], [self.pairs[i].positive for i in idx])):
+            self.model.max_seq_length = length
+            out.append(self.model.tokenize(texts))
+        return out
+
+    def __call__(self, features) -> None:
+        loss = self.loss_fn(features, torch.empty(0))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+
+
+def make_step(bench: Bench, name: str):
+    kind, batch, spec, _ = RUNS[name]
+    return OursStep(bench, spec, batch) if kind == "ours" else PeerStep(bench, kind, spec)
+
+
+def measure(bench: Bench, names: list[str], rounds: int, warmup: int) -> dict[str, list[float]]:
+    steps = {n: make_step(bench, n) for n in names}
+    orders = {n: pair_batches(bench, 0, 18240, RUNS[n][1]) for n in names}
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(warmup + rounds):
+        t_round = time.perf_counter()
+        for n in names:  # interleaved: one step of each per round
+            batch = steps[n].prepare(orders[n][r % len(orders[n])])
+            t0 = time.perf_counter()
+            steps[n](batch)
+            if r >= warmup:
+                times[n].append(time.perf_counter() - t0)
+        left = (warmup + rounds - r - 1) * (time.perf_counter() - t_round)
+        log(f"  round {r + 1}/{warmup + rounds}{' (warm-up)' if r < warmup else ''}: about {left / 60:.0f} min left")
+    return times
+
+
+def summarise(times: dict[str, list[float]], ref: str) -> list[dict]:
+    """Per run: median s/step, s per 1,000 pairs, and the median over rounds of its per-pair cost
+    over ``ref``'s (the ratio at equal data)."""
+    rows = []
+    for n, ts in times.items():
+        b, rb = RUNS[n][1], RUNS[ref][1]
+        ratios = [(t / b) / (tr / rb) for t, tr in zip(ts, times[ref])]
+        rows.append({"name": n, "batch": b, "s_per_step": statistics.median(ts), "s_per_1k_pairs": 1000 * statistics.median(ts) / b,
+                     f"per_pair_vs_{ref}": statistics.median(ratios), "repeats": len(ts), "times": ts})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds (one step of each run per round)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    ap.add_argument("--runs", default=",".join(HEADLINE), help=f"of: {', '.join(RUNS)}")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (B6's runs used 1)")
+    ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    add_location_args(ap)
+    args = ap.parse_args(argv)
+    apply_location_args(args)
+    names = [n for n in args.runs.split(",") if n]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        raise SystemExit(f"--runs: unknown {', '.join(unknown)}; expected some of {', '.join(RUNS)}")
+    torch.set_num_threads(args.threads)
+    ref = "inbatch-32" if "inbatch-32" in names else names[0]
+    log(f"B6 cost: {', '.join(names)}; {args.warmup} + {args.rounds} rounds, {args.threads} thread(s)")
+    rows = summarise(measure(Bench(), names, args.rounds, args.warmup), ref)
+    table = md_table(["run", "batch", "s/step (median)", "s per 1,000 pairs", f"per pair vs {ref} (median of rounds)"],
+                     [[r["name"], r["batch"], f"{r['s_per_step']:.2f}", f"{r['s_per_1k_pairs']:.1f}", f"{r[f'per_pair_vs_{ref}']:.2f}"]
+                      for r in rows])
+    md = "\n".join([f"# B6 cost: seconds per training pair, side by side ({args.threads} thread(s))", "",
+                    f"One step of each run in turn, {args.rounds} timed rounds after {args.warmup} warm-up, on real B6 batches; "
+                    "tokenisation not timed; the two-queue queues hold 9,120 keys each (a B6 run's mean fill). "
+                    "At equal data the training seconds of two runs are in the ratio of their per-pair costs.", "",
+                    table, ""])
+    out = args.out or Path(__file__).resolve().parent / "results"
+    write_results(NAME, md, {"ref": ref, "rounds": args.rounds, "threads": args.threads, "rows": rows, "env": environment()}, out)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
