@@ -11,9 +11,9 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-@pytest.fixture(scope="module")
-def finetune():
-    spec = importlib.util.spec_from_file_location("b6_finetune", BENCH / "finetune.py")
+def load_bench(name: str, file: str):
+    """A benchmark script as a module (benchmarks/ is not a package; its scripts import _common)."""
+    spec = importlib.util.spec_from_file_location(name, BENCH / file)
     mod = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(BENCH))
     try:
@@ -21,6 +21,11 @@ def finetune():
     finally:
         sys.path.remove(str(BENCH))
     return mod
+
+
+@pytest.fixture(scope="module")
+def finetune():
+    return load_bench("b6_finetune", "finetune.py")
 
 
 def test_miss_in_group_counts_wrong_top_documents_of_the_positive_group(finetune):
@@ -56,7 +61,8 @@ def test_time_to_reach_takes_the_first_evaluation_at_the_target(finetune):
 
 def test_cost_lines_scale_pairs_by_the_side_by_side_cost(finetune):
     def rec(pairs, curve):
-        return {"pairs": pairs, "final": {"recall@1": curve[-1][1]}, "curve": [{"pairs": p, "recall@1": r} for p, r in curve]}
+        final = {"recall@1": curve[-1][1], "ndcg@10": 0.9, "unrelated_cos_mean": 0.02}
+        return {"pairs": pairs, "final": final, "curve": [{"pairs": p, "recall@1": r} for p, r in curve]}
 
     by = {"inbatch-256": [rec(1000, [(1000, 0.80)])],
           finetune.MAIN_RUN: [rec(1000, [(250, 0.79), (500, 0.81), (1000, 0.85)]), rec(1000, [(250, 0.80), (1000, 0.82)])],
@@ -68,4 +74,15 @@ def test_cost_lines_scale_pairs_by_the_side_by_side_cost(finetune):
     # equal data: 1,000 pairs x 0.12 s against 1,000 x 0.1 s; reach: median of 500 and 250 pairs
     assert f"{finetune.MAIN_RUN} 1.20x at equal data, reaches 0.800 after 375 pairs: 0.45x" in line
     assert "inbatch-32 0.50x at equal data, reaches it in 0/1 seeds" in line
-    assert finetune.cost_lines(by, None) == ["- side-by-side cost: not measured (run benchmarks/finetune_cost.py)"]
+    verdict = finetune.verdict(by, cost)  # the side-by-side cost replaces the own clocks' seconds
+    assert not any("own-clock" in v or "on the curve" in v for v in verdict) and line in verdict
+
+
+def test_cost_summary_takes_per_pair_ratios_round_by_round():
+    cost = load_bench("b6_cost", "finetune_cost.py")
+    # a noisy round (the third) slows both alike: its per-pair ratio stays 1.0
+    times = {"inbatch-32": [1.0, 1.0, 9.0], "inbatch-256": [8.0, 16.0, 72.0]}
+    rows = {r["name"]: r for r in cost.summarise(times, "inbatch-32")}
+    assert rows["inbatch-256"]["s_per_1k_pairs"] == pytest.approx(1000 * 16.0 / 256)
+    assert rows["inbatch-256"]["per_pair_vs_inbatch-32"] == pytest.approx(1.0)  # ratios 1, 2, 1
+    assert rows["inbatch-32"]["per_pair_vs_inbatch-32"] == pytest.approx(1.0)
