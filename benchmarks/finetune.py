@@ -75,7 +75,7 @@ RUNS: dict[str, tuple[str, int, object, str]] = {
     "two_queue_m0.995_ib-32": ("ours", 32, two_queue("objective.momentum=0.995", inbatch=1.0),
                                "two-queue, m 0.995 + in-batch term (weight 1)"),
     "two_queue_m0.995_ib_k4k-32": ("ours", 32, two_queue("objective.momentum=0.995", "objective.queue_size=4096", inbatch=1.0),
-                                   "two-queue, m 0.995 + in-batch term, K 4,096 (diagnostic: is the cone the queue's age?)"),
+                                   "two-queue, m 0.995 + in-batch term, K 4,096 (keys at most 128 steps old: no cone)"),
     "two_queue_cosine-32": ("ours", 32, two_queue("objective.momentum=0.99", "objective.momentum_schedule=cosine"),
                             "two-queue, m cosine 0.99 -> 1"),
     "two_queue_k16k-32": ("ours", 32, two_queue("objective.queue_size=16384"), "two-queue, K 16,384"),
