@@ -58,7 +58,7 @@ class OursStep:
         loss, _ = self.m.shared_step(batch)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        self.m.objective.after_backward()
+        self.m.on_after_backward()  # the module's hook: the objective enqueues there
         if self.clip:
             torch.nn.utils.clip_grad_norm_(self.opt.param_groups[0]["params"], self.clip)
         self.opt.step()

@@ -85,4 +85,3 @@ def test_cost_summary_takes_per_pair_ratios_round_by_round():
     rows = {r["name"]: r for r in cost.summarise(times, "inbatch-32")}
     assert rows["inbatch-256"]["s_per_1k_pairs"] == pytest.approx(1000 * 16.0 / 256)
     assert rows["inbatch-256"]["per_pair_vs_inbatch-32"] == pytest.approx(1.0)  # ratios 1, 2, 1
-    assert rows["inbatch-32"]["per_pair_vs_inbatch-32"] == pytest.approx(1.0)
