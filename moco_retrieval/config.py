@@ -132,6 +132,7 @@ class ObjectiveConfig(RangeChecked):
     RANGES: ClassVar[dict[str, Range]] = {
         "temperature": POSITIVE, "temperature_min": POSITIVE, "temperature_max": POSITIVE,
         "label_smoothing": PROPER_FRACTION, "queue_size": AT_LEAST_ONE, "momentum": FRACTION,
+        "queue_max_age": AT_LEAST_ONE,
         "doc_to_query_weight": NON_NEGATIVE, "queue_warmup_steps": NON_NEGATIVE, "inbatch_weight": NON_NEGATIVE,
         "guide_margin": Range(-2, 2), "guide_threshold": Range(-1, 1), "logq_alpha": Range(0, 1, lo_open=True),
         "logq_buckets": AT_LEAST_ONE,
@@ -174,6 +175,9 @@ class MoCoConfig(QueueConfig):
     enqueue_hard_negatives: bool = False
     momentum: float = 0.999  # EMA of the key encoder, per optimizer step
     momentum_schedule: str = "constant"  # constant | cosine (from `momentum` to 1 over training)
+    # only keys written in the newest this-many optimizer steps are negatives (null: every queued
+    # key); bounds the queue's span against the EMA's time constant 1/(1-momentum)
+    queue_max_age: Optional[int] = None
     key_encoder_dropout: bool = False  # False: the key encoder stays in eval mode (no dropout)
 
 

@@ -67,3 +67,63 @@ def test_state_dict_names_and_round_trip():
 def test_zero_size_rejected():
     with pytest.raises(ValueError, match="queue_size"):
         NegativeQueue(0, 8)
+
+
+def write_steps(q, steps, per_step, dim=2, start_id=0):
+    """Enqueue ``per_step`` keys at each of ``steps``; key rows and ids count up from ``start_id``."""
+    i = start_id
+    for step in steps:
+        ids = torch.arange(i, i + per_step)
+        q.enqueue(ids.float().unsqueeze(1).expand(-1, dim), ids, ids % 3, step=step)
+        i += per_step
+    return i
+
+
+def test_max_age_keeps_only_the_newest_steps_keys():
+    q = NegativeQueue(size=20, dim=2, max_age=3)
+    write_steps(q, range(6), per_step=4)  # ids 0..23 over steps 0..5; the ring wrapped once
+    assert q.fill == 12  # steps 3, 4, 5
+    assert q.ids().tolist() == list(range(12, 24))
+    assert torch.equal(q.keys()[:, 0].long(), q.ids()) and torch.equal(q.groups(), q.ids() % 3)
+    assert q.mean_age(6) == pytest.approx(2.0)  # ages 3, 2, 1
+    assert q.logits(torch.ones(1, 2)).shape == (1, 12)
+    assert q.stats(6) == {"queue_fill": 12.0, "queue_age": 2.0}
+    # without the bound the same writes leave every filled slot a negative
+    r = NegativeQueue(size=20, dim=2)
+    write_steps(r, range(6), per_step=4)
+    assert r.fill == 20 and sorted(r.ids().tolist()) == list(range(4, 24))
+
+
+def test_max_age_window_across_the_ring_end():
+    q = NegativeQueue(size=10, dim=2, max_age=2)
+    write_steps(q, range(4), per_step=3)  # ids 0..11: 10, 11 wrapped into slots 0, 1
+    assert int(q.queue_ptr) == 2
+    assert q.ids().tolist() == [6, 7, 8, 9, 10, 11]  # in write order, across the end of the ring
+    assert q.keys()[:, 0].long().tolist() == [6, 7, 8, 9, 10, 11]
+
+
+def test_max_age_counts_steps_not_writes():
+    """Two writes in one optimizer step (gradient accumulation) are one step of the window; a bound
+    larger than the ring leaves the whole ring."""
+    q = NegativeQueue(size=100, dim=2, max_age=2)
+    write_steps(q, [0, 0, 1, 1, 2, 2], per_step=5)
+    assert q.ids().tolist() == list(range(10, 30))
+    big = NegativeQueue(size=8, dim=2, max_age=50)
+    write_steps(big, range(5), per_step=3)
+    assert big.fill == 8 and sorted(big.ids().tolist()) == list(range(7, 15))
+
+
+def test_max_age_window_survives_load_state_dict():
+    q = NegativeQueue(size=10, dim=2, max_age=3)
+    nxt = write_steps(q, range(5), per_step=3)  # the window spans steps 2-4 and wraps
+    r = NegativeQueue(size=10, dim=2, max_age=3)
+    r.load_state_dict(q.state_dict())
+    assert r.fill == q.fill == 9 and torch.equal(r.ids(), q.ids()) and r.mean_age(5) == q.mean_age(5)
+    for a in (q, r):  # and both go on identically
+        write_steps(a, [5], per_step=3, start_id=nxt)
+    assert torch.equal(r.ids(), q.ids()) and r.ids().tolist() == list(range(9, 18))
+
+
+def test_max_age_must_be_positive():
+    with pytest.raises(ValueError, match="queue_max_age"):
+        NegativeQueue(8, 2, max_age=0)

@@ -198,6 +198,31 @@ def test_keys_enqueued_after_backward_with_ids_and_warmup(data):
     assert set(obj.stats(5)) == {"queue_fill", "queue_age", "query_queue_fill", "query_queue_age"}
 
 
+def test_max_age_equals_a_queue_of_that_many_steps_keys():
+    """``queue_max_age`` N at batch B trains as a queue of N * B keys: the same losses and gradients
+    step after step, while the ring is longer (what B6's K 4,096 run at batch 32 stands for)."""
+    B, age = 4, 3
+    def make(size, max_age):
+        obj = TwoQueueObjective(TwoQueueConfig(queue_size=size, queue_max_age=max_age, temperature=TAU), D)
+        return obj.train()
+    bounded, small = make(64, age), make(age * B, None)
+    for step in range(8):
+        ids = torch.arange(step * B, step * B + B) % 10  # ids repeat: masks in the queues matter
+        q, d = unit(B, D, seed=10 * step + 1), unit(B, D, seed=10 * step + 2)
+        k, q_key = unit(B, D, seed=10 * step + 3), unit(B, D, seed=10 * step + 4)
+        out = []
+        for obj in (bounded, small):
+            qg, dg = q.clone().requires_grad_(), d.clone().requires_grad_()
+            meta = {"doc_id": ids, "group": ids % 3, "d": dg, "q_key": q_key}
+            loss, stats = obj(qg, k, meta, step=step)
+            out.append((loss, *torch.autograd.grad(loss, [qg, dg]), stats["negatives_per_query"]))
+            obj.after_backward()
+        for got, want in zip(*out):
+            torch.testing.assert_close(got, want)
+    assert bounded.queue.fill == bounded.query_queue.fill == age * B
+    assert int(bounded.queue.queue_fill) == 8 * B  # the ring still holds every key written
+
+
 def test_module_serves_both_sides_from_both_encoders(tmp_path_factory):
     from moco_retrieval.config import ModelConfig, OptimConfig
     from moco_retrieval.lightning_module import RetrievalModule

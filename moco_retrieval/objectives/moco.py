@@ -56,9 +56,9 @@ class MoCoObjective(Objective):
     def __init__(self, cfg: MoCoConfig, dim: int, guide_dim: int | None = None):
         super().__init__(cfg)
         require_queue(cfg.queue_size, cfg.name)
-        self.queue = NegativeQueue(cfg.queue_size, dim, cfg.queue_dtype)
+        self.queue = NegativeQueue(cfg.queue_size, dim, cfg.queue_dtype, max_age=cfg.queue_max_age)
         # a fixed guide's embeddings of the queued documents, slot for slot with the queue
-        self.guide_queue = NegativeQueue(cfg.queue_size, guide_dim, cfg.queue_dtype) if self.fixed_guide else None
+        self.guide_queue = NegativeQueue(cfg.queue_size, guide_dim, cfg.queue_dtype, max_age=cfg.queue_max_age) if self.fixed_guide else None
         if self.guide_name == MOMENTUM_GUIDE and "q_key" not in self.views:
             self.views = {**self.views, "q_key": View("query", MOMENTUM, grad=False)}
         self.batch_negatives = bool(cfg.batch_negatives)

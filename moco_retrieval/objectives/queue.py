@@ -8,15 +8,23 @@ After lightly's ``MemoryBankModule`` (a small module of its own) and MoCo's queu
   negatives (the query's own positive is in a 65,536-key queue about twice per epoch on a
   36k-document set);
 * slots never written are not negatives: only the first ``fill`` slots are used until the ring
-  is full (no random initial vectors), and any batch size works (writes wrap around).
+  is full (no random initial vectors), and any batch size works (writes wrap around);
+* ``max_age`` can bound the queue's span in optimizer steps: only the keys written in the newest
+  ``max_age`` steps are negatives. Queued keys come from past key encoders; once they are older
+  than the EMA's time constant 1/(1-m), the current embeddings can lower their logits by
+  drifting together away from them, and the space narrows into a cone (B6). A bound in steps,
+  unlike ``size``, means the same at every global batch: at batch 32, 128 steps are 4,096 keys;
+  at 512, the full 65,536.
 
 Everything lives in persistent buffers whose names contain ``queue``, so checkpoints carry and
-restore it. The fill and write pointer are mirrored in Python ints, so reading them (every step,
-for the filled prefix and the logged stats) never waits for the device. Under DDP keys are
+restore it. The fill, write pointer and window are mirrored in Python ints, so reading them (every
+step, for the negatives' slots and the logged stats) never waits for the device. Under DDP keys are
 all-gathered from every rank in rank order before they are written, so every rank holds the
 identical queue.
 """
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 from torch import Tensor, nn
@@ -36,15 +44,20 @@ class NegativeQueue(nn.Module):
             scale). Logits are always computed in float32 (see :meth:`logits`).
         logits_chunk: with low-precision storage, keys are cast to float32 this many at a time,
             so no K x d float32 copy is made per step.
+        max_age: only keys written in the newest ``max_age`` optimizer steps are negatives (None:
+            every filled slot).
     """
 
-    def __init__(self, size: int, dim: int, dtype: str = "float32", logits_chunk: int = 16384):
+    def __init__(self, size: int, dim: int, dtype: str = "float32", logits_chunk: int = 16384,
+                 max_age: int | None = None):
         super().__init__()
         if size <= 0:
             raise ValueError(f"objective.queue_size must be > 0 for the queue, got {size}")
+        if max_age is not None and max_age <= 0:
+            raise ValueError(f"objective.queue_max_age must be > 0 (or null: no bound), got {max_age}")
         if dtype not in DTYPES:
             raise ValueError(f"objective.queue_dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        self.size, self.dim, self.logits_chunk = size, dim, logits_chunk
+        self.size, self.dim, self.logits_chunk, self.max_age = size, dim, logits_chunk, max_age
         self.register_buffer("queue_keys", torch.zeros(size, dim, dtype=DTYPES[dtype]))
         self.register_buffer("queue_ids", torch.full((size,), -1, dtype=torch.long))
         self.register_buffer("queue_groups", torch.full((size,), -1, dtype=torch.long))
@@ -52,22 +65,35 @@ class NegativeQueue(nn.Module):
         self.register_buffer("queue_ptr", torch.zeros((), dtype=torch.long))
         self.register_buffer("queue_fill", torch.zeros((), dtype=torch.long))
         self._fill = self._ptr = 0  # host mirrors of queue_fill / queue_ptr
+        self._window = 0  # the negatives: the newest `_window` slots (all filled ones without max_age)
+        self._writes: deque[list[int]] = deque()  # [step, keys written] of the steps inside max_age
         self.register_load_state_dict_post_hook(_sync_counters)
 
-    # The filled slots are always the prefix [0, fill): the ring is written from slot 0 and only
-    # wraps once full. So these are views, never copies.
     @property
     def fill(self) -> int:
-        return self._fill
+        """The number of negatives: filled slots (within ``max_age`` steps when it is set)."""
+        return self._window
+
+    def window(self, buffer: Tensor) -> Tensor:
+        """The negatives' rows of ``buffer`` (a [size, ...] buffer of this queue)."""
+        n, ptr = self._window, self._ptr
+        # The filled slots are the prefix [0, fill): the ring is written from slot 0 and wraps only
+        # once full. So the whole window is a view; a window bounded by max_age ends at the write
+        # pointer and is a copy only when it wraps.
+        if n == self._fill:
+            return buffer[:n]
+        if n <= ptr:
+            return buffer[ptr - n : ptr]
+        return torch.cat([buffer[self.size - (n - ptr) :], buffer[:ptr]])
 
     def keys(self) -> Tensor:
-        return self.queue_keys[: self.fill]
+        return self.window(self.queue_keys)
 
     def ids(self) -> Tensor:
-        return self.queue_ids[: self.fill]
+        return self.window(self.queue_ids)
 
     def groups(self) -> Tensor:
-        return self.queue_groups[: self.fill]
+        return self.window(self.queue_groups)
 
     def logits(self, q: Tensor) -> Tensor:
         """fp32 scores ``q @ keys^T`` over the filled slots, shape [B, fill] (differentiable in q)."""
@@ -79,12 +105,11 @@ class NegativeQueue(nn.Module):
         return torch.cat(chunks, dim=1) if chunks else q.new_zeros(q.shape[0], 0)
 
     def mean_age(self, step: int) -> float:
-        """Mean age, in optimizer steps, of the keys in the filled slots."""
-        fill = self.fill
-        if fill == 0:
+        """Mean age, in optimizer steps, of the negatives' keys."""
+        if self.fill == 0:
             return 0.0
         # an integer sum: no K-sized float copy of the steps on the per-step path
-        return step - int(self.queue_steps[:fill].sum()) / fill
+        return step - int(self.window(self.queue_steps).sum()) / self.fill
 
     @torch.no_grad()
     def enqueue(self, keys: Tensor, ids: Tensor, groups: Tensor, step: int, gather: bool = True) -> None:
@@ -107,11 +132,26 @@ class NegativeQueue(nn.Module):
         self._ptr, self._fill = (ptr + n) % self.size, min(self.size, self._fill + n)
         self.queue_ptr.fill_(self._ptr)
         self.queue_fill.fill_(self._fill)
+        self._count_write(step, n)
+
+    def _count_write(self, step: int, n: int) -> None:
+        """Update the window after ``n`` keys were written at ``step``."""
+        if self.max_age is None:
+            self._window = self._fill
+            return
+        if self._writes and self._writes[-1][0] == step:  # several writes in one step (accumulation)
+            self._writes[-1][1] += n
+        else:
+            self._writes.append([step, n])
+        while self._writes[0][0] <= step - self.max_age:
+            self._writes.popleft()
+        self._window = min(self._fill, sum(count for _, count in self._writes))
 
     @torch.no_grad()
     def reset(self) -> None:
         """Empty the queue: no slot is a negative until written again."""
-        self._fill = self._ptr = 0
+        self._fill = self._ptr = self._window = 0
+        self._writes.clear()
         self.queue_fill.zero_()
         self.queue_ptr.zero_()
         self.queue_ids.fill_(-1)
@@ -119,13 +159,24 @@ class NegativeQueue(nn.Module):
         self.queue_steps.fill_(-1)
 
     def stats(self, step: int, prefix: str = "queue") -> dict[str, float]:
-        """``{prefix}_fill`` (filled slots) and ``{prefix}_age`` (mean age in steps), for logging."""
+        """``{prefix}_fill`` (negatives) and ``{prefix}_age`` (their mean age in steps), for logging."""
         return {f"{prefix}_fill": float(self.fill), f"{prefix}_age": self.mean_age(step)}
 
     def extra_repr(self) -> str:
-        return f"size={self.size}, dim={self.dim}, dtype={self.queue_keys.dtype}"
+        age = "" if self.max_age is None else f", max_age={self.max_age}"
+        return f"size={self.size}, dim={self.dim}, dtype={self.queue_keys.dtype}{age}"
 
 
 def _sync_counters(module: NegativeQueue, incompatible_keys) -> None:
     """After load_state_dict: the host mirrors follow the loaded buffers (one read, at load time)."""
     module._fill, module._ptr = int(module.queue_fill), int(module.queue_ptr)
+    module._writes.clear()
+    module._window = module._fill
+    if module.max_age is None or module._fill == 0:
+        return
+    # the per-step write counts inside the window, from the slots' steps; a step partly
+    # overwritten counts fewer keys, which only happens once the window is the whole ring anyway
+    steps, counts = torch.unique(module.queue_steps[: module._fill].cpu(), return_counts=True)
+    for step, count in zip(steps.tolist(), counts.tolist()):
+        module._writes.append([step, count])
+    module._count_write(int(steps[-1]), 0)
