@@ -207,6 +207,10 @@ def test_resuming_under_changed_objective_options_names_the_trained_values(tmp_p
     assert f"ckpt_path={last}: trained with objective.temperature=0.05, objective.inbatch_weight=0.0" in msg
     assert "this run's config has objective.temperature=0.1, objective.inbatch_weight=1.0" in msg
     assert resume("objective.inbatch_weight=0.0") == str(last)
+    # nor did it bound the queue's age: a run resumed with a bound names the null it trained with
+    with pytest.raises(CheckpointError, match=r"trained with objective.queue_max_age=null, but this run's config "
+                                              r"has objective.queue_max_age=128"):
+        resume("objective.inbatch_weight=0.0", "objective.queue_max_age=128")
 
 
 def test_ckpt_path_last_without_a_checkpoint_says_it_starts_from_step_0(tmp_path, capsys):
