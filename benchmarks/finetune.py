@@ -51,10 +51,17 @@ MOCO = MAIN + ["objective=moco"]  # the main job before B6
 GTE = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 
 
+# the two-queue options B6's runs were first made at; every run names them, so a cached run keeps
+# its meaning when the objective's defaults move
+TWO_QUEUE_PINNED = {"objective.momentum": "0.999", "objective.queue_max_age": "null"}
+
+
 def two_queue(*extra: str, inbatch: float = 0.0) -> list[str]:
-    """The main job's two-queue objective, its in-batch weight explicit: a cached run keeps its
-    meaning when the main job's default changes."""
-    return MAIN + [f"objective.inbatch_weight={inbatch}", *extra]
+    """The main job with the two-queue objective at ``TWO_QUEUE_PINNED``, the in-batch weight
+    ``inbatch``, and ``extra`` overrides (``key=value``, replacing a pinned one)."""
+    options = {**TWO_QUEUE_PINNED, "objective.inbatch_weight": str(inbatch)}
+    options.update(e.split("=", 1) for e in extra)
+    return MAIN + [f"{k}={v}" for k, v in options.items()]
 
 
 TWO_QUEUE = two_queue()  # the two-queue objective alone (false_negatives.py builds on it)
