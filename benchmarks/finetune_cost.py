@@ -153,7 +153,8 @@ def main(argv=None) -> int:
                       for r in rows])
     md = "\n".join([f"# B6 cost: seconds per training pair, side by side ({args.threads} thread(s))", "",
                     f"One step of each run in turn, {args.rounds} timed rounds after {args.warmup} warm-up, on real B6 batches; "
-                    "tokenisation not timed; the two-queue queues hold 9,120 keys each (a B6 run's mean fill). "
+                    "tokenisation not timed; the two-queue queues are pre-filled with 9,120 keys each (a B6 run's mean fill; "
+                    "a smaller queue keeps its newest). "
                     "At equal data the training seconds of two runs are in the ratio of their per-pair costs.", "",
                     table, ""])
     out = args.out or Path(__file__).resolve().parent / "results"
