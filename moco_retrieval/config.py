@@ -187,6 +187,10 @@ class TwoQueueConfig(MoCoConfig):
     document->query against EMA query keys + a query queue (objectives/two_queue.py)."""
 
     name: str = "two_queue"
+    # a faster key encoder than MoCo's (ALBEF's m), with the queue's span held inside its EMA time
+    # constant 1/(1-m) = 200 steps: B6's choice for the main job (older keys narrow the space)
+    momentum: float = 0.995
+    queue_max_age: Optional[int] = 128
     doc_to_query_weight: float = 1.0  # weight of the document->query loss (query->document: 1)
     queue_warmup_steps: int = 0  # optimizer steps before queued keys count as negatives
     # also same-side negatives: queries against the other query keys and the query queue, documents

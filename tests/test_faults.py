@@ -187,13 +187,14 @@ def test_resuming_a_checkpoint_of_another_objective_names_the_override(tmp_path)
 
 
 def test_resuming_under_changed_objective_options_names_the_trained_values(tmp_path):
-    """A two-queue run from before inbatch_weight existed (it trained without the term) resumed
-    under today's default (1), or with another temperature: refused before any model loads, with
-    the overrides that resume it as trained; with them, it resumes."""
+    """A two-queue run from before inbatch_weight and queue_max_age existed (it trained without the
+    term, with every queued key, at m 0.999) resumed under today's defaults, or with another
+    temperature: refused before any model loads, with the overrides that resume it as trained;
+    with them, it resumes."""
     from moco_retrieval.train import prepare_run_dir
 
     last = tmp_path / "checkpoints" / "last.ckpt"
-    old = {"name": "two_queue", "queue_size": 256, "temperature": 0.05}  # no inbatch_weight: an older run
+    old = {"name": "two_queue", "queue_size": 256, "temperature": 0.05, "momentum": 0.999}  # an older run
     atomic_torch_save({"global_step": 3, "hyper_parameters": {"objective": old}}, last)
 
     def resume(*overrides):
@@ -204,14 +205,14 @@ def test_resuming_under_changed_objective_options_names_the_trained_values(tmp_p
     with pytest.raises(CheckpointError) as err:
         resume("objective.temperature=0.1")
     msg = str(err.value)
-    assert f"ckpt_path={last}: trained with objective.temperature=0.05, objective.inbatch_weight=0.0" in msg
-    assert "this run's config has objective.temperature=0.1, objective.inbatch_weight=1.0" in msg
-    assert resume("objective.inbatch_weight=0.0") == str(last)
-    # nor did it bound the queue's age: a run resumed with a bound names the null it trained with
+    assert (f"ckpt_path={last}: trained with objective.temperature=0.05, objective.momentum=0.999, "
+            "objective.queue_max_age=null, objective.inbatch_weight=0.0") in msg
+    assert ("this run's config has objective.temperature=0.1, objective.momentum=0.995, "
+            "objective.queue_max_age=128, objective.inbatch_weight=1.0") in msg
     with pytest.raises(CheckpointError, match=r"trained with objective.queue_max_age=null, but this run's config "
-                                              r"has objective.queue_max_age=128"):
-        resume("objective.inbatch_weight=0.0", "objective.queue_max_age=128")
-
+                                              r"has objective.queue_max_age=128;"):
+        resume("objective.inbatch_weight=0.0", "objective.momentum=0.999")
+    assert resume("objective.inbatch_weight=0.0", "objective.momentum=0.999", "objective.queue_max_age=null") == str(last)
 
 def test_ckpt_path_last_without_a_checkpoint_says_it_starts_from_step_0(tmp_path, capsys):
     assert resolve_ckpt_path("last", tmp_path / "typo") is None

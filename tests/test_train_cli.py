@@ -67,7 +67,8 @@ def test_smoke_experiment_end_to_end(tmp_path, debian_dir, capsys):
 
 def test_experiment_presets_compose():
     q = compose_train(["+experiment=queue65k"])
-    assert (q.objective.name, q.objective.queue_size, q.data.batch_size, q.objective.momentum) == ("two_queue", 65536, 64, 0.999)
+    assert (q.objective.name, q.objective.queue_size, q.data.batch_size, q.objective.momentum) == ("two_queue", 65536, 64, 0.995)
+    assert q.objective.queue_max_age == 128  # B6: the queue's span inside m 0.995's 200-step time constant
     assert q.optim.lr == pytest.approx(2e-5) and q.objective.temperature == pytest.approx(0.05)
     # the main job with another objective: only the objective changes (B6's comparisons, the README's)
     for name in ("moco", "inbatch"):

@@ -41,11 +41,12 @@ so the query -> document guide masks the same ones there.
 Guided masking and logQ work as in MoCo, in both directions (the document -> query direction's
 guide scores query keys against the documents).
 
-Defaults: as MoCo (K 65,536 per queue, m 0.999, temperature 0.05), both directions weighted
-equally (``doc_to_query_weight`` 1), queues count from the first step (``queue_warmup_steps`` 0),
-no same-side negatives, and the in-batch term at weight 1 (``inbatch_weight``; 0 turns it off):
-with m 0.999 and with m 0.995 it raised B6's recall without narrowing the space (see B6 for what
-each option measured).
+Defaults: K 65,536 per queue and temperature 0.05 (MoCo's); m 0.995 (ALBEF's) with
+``queue_max_age`` 128, so every queued key is younger than the EMA's time constant 1/(1-m) = 200
+steps (older keys let the space narrow into a cone; at batch 32 this is a 4,096-key window, at a
+global batch of 512 the whole ring); both directions weighted equally (``doc_to_query_weight`` 1),
+queues count from the first step (``queue_warmup_steps`` 0), no same-side negatives, and the
+in-batch term at weight 1 (``inbatch_weight``; 0 turns it off). B6 measured each of these.
 """
 from __future__ import annotations
 
