@@ -90,6 +90,8 @@ def reference_run(run_dir: Path, env: dict, extra: tuple = ()) -> None:
 def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_env, objective):
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "run"
     extra = (f"objective={objective}",)
+    if objective == "two_queue":  # an age bound that bites on both sides of the stop: its window is restored too
+        extra += ("objective.queue_max_age=2",)
     run = subprocess.Popen(cli(run_dir, *extra), cwd=tmp_path, env=cli_env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     seen: list[str] = []

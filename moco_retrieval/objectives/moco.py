@@ -49,6 +49,11 @@ def require_queue(size: int, name: str) -> None:
         )
 
 
+def queue_for(cfg: MoCoConfig, dim: int) -> NegativeQueue:
+    """A queue of ``dim``-wide keys as the objective's config sets it (size, storage dtype, age bound)."""
+    return NegativeQueue(cfg.queue_size, dim, cfg.queue_dtype, max_age=cfg.queue_max_age)
+
+
 class MoCoObjective(Objective):
     views = {"q": View("query"), "k": View("doc", MOMENTUM, grad=False), "neg": View("neg", MOMENTUM, grad=False)}
     guides_with_momentum = True
@@ -56,9 +61,9 @@ class MoCoObjective(Objective):
     def __init__(self, cfg: MoCoConfig, dim: int, guide_dim: int | None = None):
         super().__init__(cfg)
         require_queue(cfg.queue_size, cfg.name)
-        self.queue = NegativeQueue(cfg.queue_size, dim, cfg.queue_dtype, max_age=cfg.queue_max_age)
+        self.queue = queue_for(cfg, dim)
         # a fixed guide's embeddings of the queued documents, slot for slot with the queue
-        self.guide_queue = NegativeQueue(cfg.queue_size, guide_dim, cfg.queue_dtype, max_age=cfg.queue_max_age) if self.fixed_guide else None
+        self.guide_queue = queue_for(cfg, guide_dim) if self.fixed_guide else None
         if self.guide_name == MOMENTUM_GUIDE and "q_key" not in self.views:
             self.views = {**self.views, "q_key": View("query", MOMENTUM, grad=False)}
         self.batch_negatives = bool(cfg.batch_negatives)

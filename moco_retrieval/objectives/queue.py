@@ -96,7 +96,7 @@ class NegativeQueue(nn.Module):
         return self.window(self.queue_groups)
 
     def logits(self, q: Tensor) -> Tensor:
-        """fp32 scores ``q @ keys^T`` over the filled slots, shape [B, fill] (differentiable in q)."""
+        """fp32 scores ``q @ keys^T`` over the negatives, shape [B, fill] (differentiable in q)."""
         keys, q = self.keys(), q.float()
         if keys.dtype == torch.float32:
             return q @ keys.T

@@ -58,8 +58,7 @@ from moco_retrieval.distributed import all_gather_no_grad, all_gather_with_grad,
 from moco_retrieval.objectives.base import MOMENTUM, View
 from moco_retrieval.objectives.contrastive import Block
 from moco_retrieval.objectives.guided import GuideScores
-from moco_retrieval.objectives.moco import MoCoObjective
-from moco_retrieval.objectives.queue import NegativeQueue
+from moco_retrieval.objectives.moco import MoCoObjective, queue_for
 
 
 class TwoQueueObjective(MoCoObjective):
@@ -75,8 +74,8 @@ class TwoQueueObjective(MoCoObjective):
         super().__init__(cfg, dim, guide_dim)
         if min(cfg.doc_to_query_weight, cfg.queue_warmup_steps, cfg.inbatch_weight) < 0:
             raise ValueError("objective.doc_to_query_weight, queue_warmup_steps and inbatch_weight must be >= 0")
-        self.query_queue = NegativeQueue(cfg.queue_size, dim, cfg.queue_dtype, max_age=cfg.queue_max_age)
-        self.query_guide_queue = NegativeQueue(cfg.queue_size, guide_dim, cfg.queue_dtype, max_age=cfg.queue_max_age) if self.fixed_guide else None
+        self.query_queue = queue_for(cfg, dim)
+        self.query_guide_queue = queue_for(cfg, guide_dim) if self.fixed_guide else None
         self.doc_to_query_weight = float(cfg.doc_to_query_weight)
         self.queue_warmup_steps = int(cfg.queue_warmup_steps)
         self.same_side_negatives = bool(cfg.same_side_negatives)
