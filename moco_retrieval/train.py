@@ -4,7 +4,7 @@ Composes the config (strict, ranges checked: see config.py), takes the run direc
 (run_lock.py), checks the checkpoint to resume from, reads and checks the data, then builds the
 Lightning module -> trainer, fits, runs a final validation and writes into the run directory:
 ``checkpoints/last.ckpt`` and ``checkpoints/best-*.ckpt`` (by val/recall@1), ``metrics.json``
-(final validation metrics, flat keys), ``config.yaml`` (resolved) and the loggers' files.
+(final validation metrics, flat keys; the run's training and validation seconds over all its attempts: run_clock.py), ``config.yaml`` (resolved) and the loggers' files.
 
 Preemption (see preemption.py): on SIGTERM or SIGUSR1 the run finishes the current step, writes
 ``checkpoints/last.ckpt`` atomically and exits with status 128 + signal (143 / 138) without a final
@@ -46,6 +46,7 @@ from moco_retrieval.lightning_module import RetrievalModule
 from moco_retrieval.loggers import build_loggers, finish_loggers, log_config
 from moco_retrieval.preemption import Preempted, PreemptionCheckpoint, sigterm_exit_status
 from moco_retrieval.progress import progress_callback
+from moco_retrieval.run_clock import RunClock
 from moco_retrieval.run_lock import RunLock
 
 register_configs()
@@ -135,6 +136,7 @@ def build(cfg: TrainConfig, run_dir: Path,
                              enable_version_counter=False)
     callbacks = [checkpoints, latest] + ([progress_callback(cfg.trainer.log_every_n_steps)] if cfg.trainer.enable_progress_bar else [])
     callbacks.append(ValidationReport(run_dir / "plots", cfg.eval.sample_queries, cfg.logger.log_tables))
+    callbacks.append(RunClock())
     loggers = build_loggers(cfg.logger, run_dir, resume=resolve_ckpt_path(cfg.ckpt_path, run_dir) is not None)
     log_config(loggers, cfg)
     # SIGTERM / SIGUSR1: finish the step, write checkpoints/last.ckpt, exit 128 + signal (preemption.py).
@@ -214,9 +216,12 @@ def _fit(module: RetrievalModule, dm: RetrievalDataModule, trainer: L.Trainer, c
     if module.last_val_step != trainer.global_step:  # the end of fit was not a validation point
         trainer.validate(module, datamodule=dm, verbose=False)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    clock = next(c for c in trainer.callbacks if isinstance(c, RunClock))
+    metrics.update({k: round(v, 1) for k, v in clock.seconds().items()}, attempts=clock.attempts)
     if trainer.is_global_zero:
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
         print(f"final validation: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()) if "@" in k))
+        print(clock.summary())
         print(f"run directory: {run_dir}")
     finish_loggers(trainer.loggers)
     distributed.teardown()

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import signal
@@ -155,6 +156,13 @@ def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_e
         for name in ("exp_avg", "exp_avg_sq"):
             assert torch.allclose(sa[name], sb[name], rtol=1e-5, atol=1e-8), name
     assert a["lr_schedulers"] == b["lr_schedulers"]
+
+    # the run's clock counts both attempts: the first one's seconds came through the checkpoint
+    before = ckpt["callbacks"]["RunClock"]
+    after = json.loads((run_dir / "metrics.json").read_text())
+    assert before["attempts"] == 1 and before["train_s"] > 0
+    assert after["attempts"] == 2 and after["time/train_s"] > before["train_s"]
+    assert json.loads((ref_dir / "metrics.json").read_text())["attempts"] == 1
 
 
 # ------------------------------------------------------------------------------ in process

@@ -42,6 +42,7 @@ def test_smoke_experiment_end_to_end(tmp_path, debian_dir, capsys):
     assert written.objective.queue_size == 256 and written.model.backbone == "tiny"
     csv = (tmp_path / "csv" / "metrics.csv").read_text().splitlines()[0]
     assert "train/loss" in csv and "val/recall@1" in csv and "train/masked_per_query" in csv
+    assert "time/train_s" in csv and 0 < saved["time/train_s"] and 0 < saved["time/val_s"] and saved["attempts"] == 1
     assert sorted(p.name for p in (tmp_path / "plots").glob("cosines-step*.png")) == ["cosines-step10.png"]
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
@@ -49,7 +50,8 @@ def test_smoke_experiment_end_to_end(tmp_path, debian_dir, capsys):
     out = capsys.readouterr().out
     stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d "
     lines = re.findall(stamp + r"validation at step (\d+): recall@1 (0\.\d{4})  ndcg@10 0\.\d{4}  "
-                       r"unrelated cos [+-]\d\.\d{3}  best recall@1 (0\.\d{4}) \(step (\d+)\)", out)
+                       r"unrelated cos [+-]\d\.\d{3}  best recall@1 (0\.\d{4}) \(step (\d+)\)  "
+                       r"after \d+\.\d min of training", out)
     assert [int(step) for step, *_ in lines] == [10]  # 160 pairs / 16 = 10 steps, validation every 10
     assert float(lines[0][1]) == pytest.approx(saved["val/recall@1"], abs=1e-4)
     assert re.search(stamp + r"epoch 0 step 5/10 \(50%\) .* eta [\d.]+ min \(validations included\)", out)

@@ -13,6 +13,12 @@ from moco_retrieval.progress import log_line
 from moco_retrieval.evaluation.report import plot_cosine_histograms, wandb_cosine_histograms, wandb_topk_table
 
 
+def trained_for(trainer) -> str:
+    """``"  after N min of training"``: the run clock's total (run_clock.py), over every attempt."""
+    seconds = trainer.callback_metrics.get("time/train_s")
+    return "" if seconds is None else f"  after {float(seconds) / 60:.1f} min of training"
+
+
 class ValidationReport(Callback):
     """Args: plots_dir: where ``cosines-step{N}.png`` go; sample_queries: rows of the W&B table
     (the same queries at every validation); tables: log the W&B table at all."""
@@ -39,7 +45,8 @@ class ValidationReport(Callback):
         best, at = self._update_best(trainer, m["recall@1"], step)
         log_line(f"validation at step {step}: recall@1 {m['recall@1']:.4f}  ndcg@10 {m['ndcg@10']:.4f}  "
                  f"unrelated cos {g.get('unrelated_cos_mean', float('nan')):+.3f}  "
-                 f"best recall@1 {best:.4f} ({'before this attempt' if at < 0 else f'step {at}'})")
+                 f"best recall@1 {best:.4f} ({'before this attempt' if at < 0 else f'step {at}'})"
+                 f"{trained_for(trainer)}")
         self.plots_dir.mkdir(parents=True, exist_ok=True)
         plot_cosine_histograms({f"step {step}": result}, self.plots_dir / f"cosines-step{step}.png")
         for logger in trainer.loggers:
