@@ -213,7 +213,7 @@ def run_peer(bench, kind, options, batches, seed, ev: Evaluator) -> dict:
     """sentence-transformers' MNRL / CachedMNRL with a plain loop over the same batches."""
     from sentence_transformers import SentenceTransformer
 
-    from moco_retrieval.lightning_module import lr_lambda
+    from moco_retrieval.lightning_module import decay_groups, lr_lambda
     from moco_retrieval.model.encoder import build_encoder
 
     cfg = compose_cfg(BASE + INBATCH + [f"seed={seed}"])
@@ -222,11 +222,7 @@ def run_peer(bench, kind, options, batches, seed, ev: Evaluator) -> dict:
     model = SentenceTransformer(str(_backbone_path(cfg.model)), device=device)
     model.train()
     loss_fn = peer_loss(model, kind, options)
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}], lr=cfg.optim.lr)
+    opt = torch.optim.AdamW(decay_groups(model.named_parameters(), cfg.optim.weight_decay), lr=cfg.optim.lr)
     steps = len(batches)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda("linear", int(cfg.optim.warmup_ratio * steps), steps))
     scorer = build_encoder(cfg.model).to(device)  # our encoder, the peer's weights: same pooling + normalisation

@@ -37,14 +37,13 @@ class OursStep:
 
     def __init__(self, bench: Bench, overrides, batch: int):
         from moco_retrieval.data.collate import Collator, PairDataset
-        from moco_retrieval.lightning_module import RetrievalModule
+        from moco_retrieval.lightning_module import RetrievalModule, decay_groups
 
         cfg = compose_cfg(BASE + list(overrides) + [f"data.batch_size={batch}", "seed=0", "data.seed=0"])
         torch.manual_seed(0)
         self.m = RetrievalModule.from_config(cfg).train()
         self.clip = cfg.trainer.gradient_clip_val
-        params = [p for n, p in self.m.named_parameters() if p.requires_grad and not n.startswith("key_encoder.")]
-        self.opt = torch.optim.AdamW(params, lr=cfg.optim.lr)
+        self.opt = torch.optim.AdamW(decay_groups(self.m.named_parameters(), cfg.optim.weight_decay), lr=cfg.optim.lr)
         self.data, self.collate = PairDataset(bench.train_pairs), Collator(self.m.encoder.tokenize)
         for q in (getattr(self.m.objective, n, None) for n in ("queue", "query_queue")):
             if q is not None:
@@ -60,7 +59,7 @@ class OursStep:
         loss.backward()
         self.m.on_after_backward()  # the module's hook: the objective enqueues there
         if self.clip:
-            torch.nn.utils.clip_grad_norm_(self.opt.param_groups[0]["params"], self.clip)
+            torch.nn.utils.clip_grad_norm_([p for g in self.opt.param_groups for p in g["params"]], self.clip)
         self.opt.step()
         if self.m.key_encoder is not None:
             self.m.key_encoder.update(self.m.encoder, self.m.momentum())
@@ -72,13 +71,14 @@ class PeerStep:
     def __init__(self, bench: Bench, kind: str, options: dict):
         from sentence_transformers import SentenceTransformer
 
+        from moco_retrieval.lightning_module import decay_groups
         from moco_retrieval.model.backbone import resolve_backbone_path
 
         cfg = compose_cfg(BASE + INBATCH)
         torch.manual_seed(0)
         self.model = SentenceTransformer(str(resolve_backbone_path(cfg.model)), device="cpu").train()
         self.loss_fn = peer_loss(self.model, kind, options)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr)
+        self.opt = torch.optim.AdamW(decay_groups(self.model.named_parameters(), cfg.optim.weight_decay), lr=cfg.optim.lr)
         self.lens, self.pairs = (cfg.model.query_max_len, cfg.model.doc_max_len), bench.train_pairs
 
     def prepare(self, idx: list[int]):

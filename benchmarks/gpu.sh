@@ -60,6 +60,6 @@ step "B1 batch_size --quick" 210 "$PY" benchmarks/batch_size.py --quick --fresh 
 # B5: step time vs K (batch 64, bf16 autocast), queue micro-benchmark (same K, d, B), FAISS vs torch at 100k docs
 step "B5 speed" 180 "$PY" benchmarks/speed.py --device cuda --rounds 5 --steps 5 --warmup 3 --queue-iters 50 --out "$RES"
 # B6 quick: the fine-tune runs (ours in-batch / MoCo / two-queue, MNRL, CachedMNRL) on a few hundred pairs
-step "B6 finetune --quick" 150 "$PY" benchmarks/finetune.py --quick --only base,two_queue_ib-32,two_queue-32,inbatch-32,moco-32,mnrl-32,cmnrl-256 --out "$RES"
+step "B6 finetune --quick" 150 "$PY" benchmarks/finetune.py --quick --only base,two_queue_m0.995_ib_k4k-32,two_queue_ib-32,two_queue-32,inbatch-32,moco-32,mnrl-32,cmnrl-256 --out "$RES"
 echo "== done in $(( $(date +%s) - START ))s; files in $RES:"
 ls -l "$RES"

@@ -105,7 +105,7 @@ def run_peer(bench: Bench, steps: int, batch: int, pool, lr: float, warmup_ratio
 
     from moco_retrieval.config import ModelConfig
     from moco_retrieval.evaluation.encode import evaluate_encoder
-    from moco_retrieval.lightning_module import lr_lambda
+    from moco_retrieval.lightning_module import decay_groups, lr_lambda
     from moco_retrieval.model.backbone import resolve_backbone_path
     from moco_retrieval.model.encoder import build_encoder
 
@@ -117,11 +117,7 @@ def run_peer(bench: Bench, steps: int, batch: int, pool, lr: float, warmup_ratio
     cfg = compose_cfg(BASE + ["+experiment=inbatch256", f"data.batch_size={batch}", "seed=0", "data.seed=0"])
     dm = bench.datamodule(cfg)
     sampler = dm.batch_sampler
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+    opt = torch.optim.AdamW(decay_groups(model.named_parameters(), 0.01), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda("linear", int(warmup_ratio * steps), steps))
     pairs = bench.train_pairs
     times, step, epoch = [], 0, 0

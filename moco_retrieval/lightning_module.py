@@ -37,6 +37,19 @@ def lr_lambda(schedule: str, warmup: int, total: int):
     return f
 
 
+def decay_groups(named_parameters, weight_decay: float) -> list[dict]:
+    """AdamW's two parameter groups: weight decay on weight matrices, none on biases, norms and a
+    learned temperature (decaying them pulls them toward 0, which nothing justifies). Frozen
+    parameters and the EMA key encoder (``key_encoder.``, updated by the EMA, not the optimizer)
+    are left out."""
+    decay, no_decay = [], []
+    for name, p in named_parameters:
+        if not p.requires_grad or name.startswith("key_encoder."):
+            continue
+        (no_decay if p.ndim < 2 or "norm" in name.lower() or "temperature" in name else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
 class RetrievalModule(L.LightningModule):
     """Trains a text encoder with a contrastive objective.
 
@@ -182,17 +195,8 @@ class RetrievalModule(L.LightningModule):
             self.key_encoder.update(self.encoder, self.momentum())
 
     def configure_optimizers(self):
-        decay, no_decay = [], []
-        for name, p in self.named_parameters():
-            if not p.requires_grad or name.startswith("key_encoder."):
-                continue
-            (no_decay if p.ndim < 2 or "norm" in name.lower() or "temperature" in name else decay).append(p)
         o = self.optim_cfg
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=o.lr,
-            betas=tuple(o.betas),
-        )
+        opt = torch.optim.AdamW(decay_groups(self.named_parameters(), o.weight_decay), lr=o.lr, betas=tuple(o.betas))
         total = int(self.trainer.estimated_stepping_batches)
         warmup = o.warmup_steps or int(o.warmup_ratio * total)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o.schedule, warmup, total))

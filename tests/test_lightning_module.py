@@ -196,3 +196,19 @@ def test_query_encoder_trains_with_dropout_key_encoder_without(tiny_dir, tmp_pat
     trainer(tmp_path, max_steps=1, callbacks=[Spy()]).fit(m, SyntheticData(m.encoder.tokenize, batch_size=4, batches=1))
     assert modes["query"] and all(modes["query"])
     assert modes["key"] and not any(modes["key"])
+
+
+def test_weight_decay_on_weight_matrices_only_and_never_on_the_key_encoder(tiny_dir):
+    from moco_retrieval.lightning_module import decay_groups
+
+    m = make_module(tiny_dir)
+    names = {id(p): n for n, p in m.named_parameters()}
+    decay, no_decay = decay_groups(m.named_parameters(), 0.01)
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.01, 0.0)
+    decayed = {names[id(p)] for p in decay["params"]}
+    kept = {names[id(p)] for p in no_decay["params"]}
+    assert decayed and all(n.endswith("weight") and "norm" not in n.lower() for n in decayed)
+    assert any(n.endswith("bias") for n in kept) and any("LayerNorm" in n for n in kept)
+    trained = {n for n, p in m.named_parameters() if p.requires_grad and not n.startswith("key_encoder.")}
+    assert decayed | kept == trained and not decayed & kept
+    assert any(n.startswith("key_encoder.") for n, _ in m.named_parameters())  # present, and left to the EMA
