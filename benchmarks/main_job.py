@@ -34,14 +34,21 @@ JOBS = {"queue65k": [], "queue65k_inbatch": ["objective=inbatch"]}
 METRICS = ("recall@1", "mrr@10", "ndcg@10", "unrelated_cos_mean")
 
 
+def length(steps: int) -> str:
+    return str(steps) if steps > 0 else "epoch"
+
+
 def key_of(steps: int) -> str:
-    return f"steps={steps}" if steps > 0 else "steps=epoch"
+    return f"steps={length(steps)}"
+
+
+def job_overrides(name: str, steps: int) -> list[str]:
+    """What a user types after ``python -m moco_retrieval.train`` for this job."""
+    return ["+experiment=queue65k", *JOBS[name], *([f"trainer.max_steps={steps}"] if steps > 0 else [])]
 
 
 def train_command(name: str, steps: int, run_dir: Path) -> list[str]:
-    extra = [f"trainer.max_steps={steps}"] if steps > 0 else []
-    return [sys.executable, "-m", "moco_retrieval.train", "+experiment=queue65k", *JOBS[name], *extra,
-            f"run_dir={run_dir}", "ckpt_path=last"]
+    return [sys.executable, "-m", "moco_retrieval.train", *job_overrides(name, steps), f"run_dir={run_dir}", "ckpt_path=last"]
 
 
 def train_side_by_side(dirs: dict[str, Path], steps: int, threads: int) -> None:
@@ -54,8 +61,9 @@ def train_side_by_side(dirs: dict[str, Path], steps: int, threads: int) -> None:
             continue
         d.parent.mkdir(parents=True, exist_ok=True)
         log(f"{name}: training in {d} (log {d}.log); its progress lines carry the ETA")
-        procs[name] = subprocess.Popen(train_command(name, steps, d), cwd=ROOT, env=env,
-                                       stdout=open(f"{d}.log", "a"), stderr=subprocess.STDOUT)
+        with open(f"{d}.log", "a") as out:  # the child keeps its own handle
+            procs[name] = subprocess.Popen(train_command(name, steps, d), cwd=ROOT, env=env,
+                                           stdout=out, stderr=subprocess.STDOUT)
     for name, p in procs.items():
         if p.wait() != 0:
             sys.exit(f"main_job: {name} failed (exit {p.returncode}); see {dirs[name]}.log")
@@ -72,17 +80,16 @@ def evaluate(dirs: dict[str, Path], out: Path) -> list[dict]:
     return list(json.loads((out / "eval.json").read_text())["models"].values())
 
 
-def record(dirs: dict[str, Path], entries: list[dict], steps: int) -> dict:
+def record(dirs: dict[str, Path], entries: list[dict], steps: int, threads: int) -> dict:
     rec = {"key": key_of(steps), "steps": steps, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-           "threads": int(os.environ.get("OMP_NUM_THREADS", "1")), "jobs": {}}
+           "threads": threads, "jobs": {}}
     for (name, d), entry in zip([*dirs.items(), ("base", None)], entries):
         scores = {**entry["metrics"], **entry["geometry"]}
         row = {m: scores[m] for m in METRICS}
         if d is not None:
             run = json.loads((d / "metrics.json").read_text())
             row.update(train_s=run["time/train_s"], val_s=run["time/val_s"], attempts=run["attempts"],
-                       command=" ".join(["python -m moco_retrieval.train +experiment=queue65k", *JOBS[name]]
-                                        + ([f"trainer.max_steps={steps}"] if steps > 0 else [])))
+                       command=" ".join(["python -m moco_retrieval.train", *job_overrides(name, steps)]))
         rec["jobs"][name] = row
     return rec
 
@@ -116,10 +123,10 @@ def main() -> None:
     apply_location_args(args)
     recs = read_jsonl(RUNS)
     if not args.report and key_of(args.steps) not in {r["key"] for r in recs}:
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)
-        dirs = {name: args.runs / f"{name}-{key_of(args.steps).split('=')[1]}" for name in JOBS}
+        dirs = {name: args.runs / f"{name}-{length(args.steps)}" for name in JOBS}
         train_side_by_side(dirs, args.steps, args.threads)
-        rec = record(dirs, evaluate(dirs, args.runs / f"eval-{key_of(args.steps).split('=')[1]}"), args.steps)
+        entries = evaluate(dirs, args.runs / f"eval-{length(args.steps)}")
+        rec = record(dirs, entries, args.steps, args.threads)
         append_jsonl(RUNS, rec)
         recs.append(rec)
     report(recs)
