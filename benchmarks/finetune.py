@@ -93,6 +93,12 @@ RUNS: dict[str, tuple[str, int, object, str]] = {
     "two_queue_dq0.5-32": ("ours", 32, two_queue("objective.doc_to_query_weight=0.5"), "two-queue, d->q weight 0.5"),
     "two_queue_sameside-32": ("ours", 32, two_queue("objective.same_side_negatives=true"),
                               "two-queue + q->q and d->d negatives (GTE)"),
+    "two_queue_m0.995_ib_k4k_refresh32-32": ("ours", 32, two_queue("objective.momentum=0.995", "objective.queue_size=4096",
+                                                                   "objective.queue_refresh=32", inbatch=1.0),
+                                             "queue65k's objective + 32 queued keys of each queue re-encoded a step (negative cache)"),
+    "two_queue_m0.995_ib_refresh32-32": ("ours", 32, two_queue("objective.momentum=0.995", "objective.queue_refresh=32", inbatch=1.0),
+                                         "two-queue, m 0.995 + in-batch term, K 65,536 unbounded + refresh 32 a step: "
+                                         "does refreshing let the older keys count without the cone?"),
 }
 # the run with +experiment=queue65k's objective (the bar's subject); its queue_max_age 128 at batch
 # 32 keeps the same 4,096 keys as this run's queue (the same losses: tests/test_two_queue.py)

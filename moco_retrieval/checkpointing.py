@@ -198,7 +198,7 @@ def resolve_ckpt_path(ckpt_path: Optional[str], run_dir: Path) -> Optional[str]:
 
 # objective options added since checkpoints were first written: the value a checkpoint without
 # the option was trained with (the behaviour before the option existed)
-OPTIONS_BEFORE_THEY_EXISTED = {"inbatch_weight": 0.0, "queue_max_age": None}
+OPTIONS_BEFORE_THEY_EXISTED = {"inbatch_weight": 0.0, "queue_max_age": None, "queue_refresh": 0}
 
 
 def check_same_objective(ckpt_path: str, objective: dict) -> None:

@@ -134,6 +134,7 @@ class ObjectiveConfig(RangeChecked):
         "label_smoothing": PROPER_FRACTION, "queue_size": AT_LEAST_ONE, "momentum": FRACTION,
         "queue_max_age": AT_LEAST_ONE,
         "doc_to_query_weight": NON_NEGATIVE, "queue_warmup_steps": NON_NEGATIVE, "inbatch_weight": NON_NEGATIVE,
+        "queue_refresh": NON_NEGATIVE,
         "guide_margin": Range(-2, 2), "guide_threshold": Range(-1, 1), "logq_alpha": Range(0, 1, lo_open=True),
         "logq_buckets": AT_LEAST_ONE,
     }  # (each subclass has the fields it uses; the rest are skipped)
@@ -179,6 +180,9 @@ class MoCoConfig(QueueConfig):
     # key); bounds the queue's span against the EMA's time constant 1/(1-momentum)
     queue_max_age: Optional[int] = None
     key_encoder_dropout: bool = False  # False: the key encoder stays in eval mode (no dropout)
+    # queued keys (of each queue) re-encoded per step by the current key encoder, replacing their
+    # stale versions: the negative cache's refresh (objectives/refresh.py); 0: off
+    queue_refresh: int = 0
 
 
 @dataclass
@@ -362,6 +366,15 @@ class TrainConfig:
     seed: int = 0
     ckpt_path: Optional[str] = None  # "last" resumes from this run directory's last.ckpt
     run_dir: Optional[str] = None  # default: Hydra's run directory
+
+    def __post_init__(self) -> None:
+        # checked here, with the config, so the run stops before data and model load
+        if getattr(self.objective, "queue_refresh", 0) and self.model.frozen_backbone:
+            raise ConfigError(
+                f"objective.queue_refresh={self.objective.queue_refresh} with model.frozen_backbone=true: the refresh "
+                "re-encodes queued texts by the key encoder, which a frozen backbone never changes; use "
+                "objective=feature_memory (its queue is re-projected every step) or objective.queue_refresh=0"
+            )
 
 
 @dataclass

@@ -127,7 +127,14 @@ class RetrievalModule(L.LightningModule):
         if view.side == "memory":  # the objective's stored features through the encoder's head now
             with torch.set_grad_enabled(view.grad and torch.is_grad_enabled()):
                 return encoder.embed_features(self.objective.memory_features(), "doc")
-        side, kind = batch[view.side], "query" if view.side == "query" else "doc"
+        if view.side.startswith("stored_"):  # queued texts the objective re-encodes (None: none yet)
+            side = self.objective.stored_inputs(view.side, self.global_step)
+            if side is None:
+                return None
+            side = {k: v.to(self.device) for k, v in side.items()}
+        else:
+            side = batch[view.side]
+        kind = "query" if view.side in ("query", "stored_query") else "doc"
         if view.features:
             with torch.no_grad():
                 return encoder.features(side, kind)
@@ -146,7 +153,8 @@ class RetrievalModule(L.LightningModule):
         has_neg = "neg" in batch
         emb = {name: self._embed(view, batch) for name, view in self.objective.views.items()
                if view.side != "neg" or has_neg}
-        meta = {"doc_id": batch["doc_id"], "group": batch["group"], **emb}
+        meta = {"doc_id": batch["doc_id"], "group": batch["group"], **emb,
+                "tokens": {name: batch[name] for name in ("query", "doc", "neg") if name in batch}}
         if has_neg:
             meta.update(neg_id=batch["neg_id"], neg_group=batch["neg_group"])
         return self.objective(meta.pop("q"), meta.pop("k"), meta, step=self.global_step)

@@ -87,12 +87,14 @@ def reference_run(run_dir: Path, env: dict, extra: tuple = ()) -> None:
                 os.environ[k] = v
 
 
-@pytest.mark.parametrize("objective", ["moco", "two_queue"])
-def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_env, objective):
+@pytest.mark.parametrize("objective,refresh", [("moco", 0), ("two_queue", 0), ("two_queue", 2)])
+def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_env, objective, refresh):
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "run"
     extra = (f"objective={objective}",)
     if objective == "two_queue":  # an age bound that bites on both sides of the stop: its window is restored too
         extra += ("objective.queue_max_age=2",)
+    if refresh:  # queued texts re-encoded each step: the stored tokens and the draws resume too
+        extra += (f"objective.queue_refresh={refresh}",)
     run = subprocess.Popen(cli(run_dir, *extra), cwd=tmp_path, env=cli_env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     seen: list[str] = []
@@ -150,6 +152,10 @@ def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_e
     assert any("queue_keys" in k for k in a["state_dict"]) and any(k.startswith("key_encoder.") for k in a["state_dict"])
     if objective == "two_queue":  # both queues are carried
         assert "objective.query_queue.queue_keys" in a["state_dict"]
+    if refresh:  # and the texts of both, and when each key was last encoded
+        assert {"objective.doc_refresh.queue_tokens", "objective.query_refresh.queue_encoded_steps"} <= a["state_dict"].keys()
+        enc, enq = a["state_dict"]["objective.doc_refresh.queue_encoded_steps"], a["state_dict"]["objective.queue.queue_steps"]
+        assert (enc > enq).any()  # some keys were re-encoded after their enqueue
     for k, v in b["state_dict"].items():  # encoder, key encoder, queue (keys, ids, groups, steps, pointer)
         assert torch.allclose(a["state_dict"][k].double(), v.double(), rtol=1e-5, atol=1e-6), k
     for sa, sb in zip(a["optimizer_states"][0]["state"].values(), b["optimizer_states"][0]["state"].values()):

@@ -20,10 +20,12 @@ def build_objective(cfg: ObjectiveConfig, encoder, guide_encoder=None) -> Object
     guide_dim = guide_encoder.dim if guide_encoder is not None else None
     if isinstance(cfg, InBatchConfig):
         return InBatchObjective(cfg)
-    if isinstance(cfg, TwoQueueConfig):  # before MoCoConfig, its base
-        return TwoQueueObjective(cfg, encoder.dim, guide_dim)
     if isinstance(cfg, MoCoConfig):
-        return MoCoObjective(cfg, encoder.dim, guide_dim)
+        if cfg.queue_refresh and encoder.frozen:  # (TrainConfig refuses the combination first)
+            raise ValueError("objective.queue_refresh needs a trained backbone: a frozen one never changes its keys")
+        max_len = {kind: encoder.max_len(kind) for kind in ("query", "doc")}
+        cls = TwoQueueObjective if isinstance(cfg, TwoQueueConfig) else MoCoObjective  # TwoQueueConfig is a MoCoConfig
+        return cls(cfg, encoder.dim, guide_dim, max_len)
     if isinstance(cfg, FeatureMemoryConfig):
         if not encoder.frozen:
             raise ValueError(

@@ -7,7 +7,9 @@ The Lightning module serves those declarations without knowing which objective i
 * ``"q"`` and ``"k"`` arrive as ``q`` and ``k`` (the batch's queries and their positives);
 * every other view arrives in ``meta`` under its name (``"neg"``: the batch's hard negatives,
   only when the batch carries them);
-* ``meta`` also holds ``doc_id`` and ``group`` of each positive (and ``neg_id``, ``neg_group``).
+* ``meta`` also holds ``doc_id`` and ``group`` of each positive (and ``neg_id``, ``neg_group``),
+  and ``tokens``: the batch's sides as collated (``query``, ``doc``, ``neg`` when present), for
+  objectives that keep the texts of what they queue (refresh.py).
 
 With ``objective.guide`` set, the objective also declares guide views (``"g_q"``, ``"g_k"``,
 ``"g_neg"``: the batch by a frozen guide encoder, encoder "guide"), or, for the "momentum" guide,
@@ -36,15 +38,16 @@ from moco_retrieval.objectives.logq import StreamingFrequency
 from moco_retrieval.objectives.masking import Mask, Pairs, false_negative_pairs, merge_pairs, own_pairs
 
 TRAINED, MOMENTUM, GUIDE = "trained", "momentum", "guide"
-SIDES = ("query", "doc", "neg", "memory")
+SIDES = ("query", "doc", "neg", "memory", "stored_query", "stored_doc")
 
 
 @dataclass(frozen=True)
 class View:
     """One embedding an objective needs from the module.
 
-    side: "query" / "doc" / "neg" (the batch's texts), or "memory" (the objective's own stored
-        backbone features, see ``memory_features``), embedded by the encoder's head now.
+    side: "query" / "doc" / "neg" (the batch's texts), "memory" (the objective's own stored
+        backbone features, see ``memory_features``), embedded by the encoder's head now, or
+        "stored_query" / "stored_doc" (queued texts the objective re-encodes, see ``stored_inputs``).
     encoder: "trained" (the encoder the optimizer trains), "momentum" (its EMA copy) or "guide"
         (the frozen guide encoder of guided false-negative masking).
     grad: keep the graph (only the trained encoder has one).
@@ -102,6 +105,10 @@ class Objective(nn.Module):
 
     def memory_features(self) -> Tensor:
         raise TypeError(f"{type(self).__name__} stores no features (it declares no 'memory' view)")
+
+    def stored_inputs(self, side: str, step: int) -> dict | None:
+        """The texts of a "stored_query" / "stored_doc" view at ``step``, tokenized (None: none now)."""
+        raise TypeError(f"{type(self).__name__} stores no texts (it declares no {side!r} view)")
 
     def after_backward(self) -> None:
         """Called once per training batch after its backward pass (enqueue here)."""

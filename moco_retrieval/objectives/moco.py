@@ -24,9 +24,12 @@ encoder (its query embeddings, one extra forward of the queries without gradient
 this objective holds anyway); a fixed guide keeps its own embeddings of queued documents in a
 second queue. logQ (``objective.logq_correction``) corrects the positive, batch and queue logits.
 
+``queue_refresh`` N re-encodes N queued documents a step with the current key encoder (the
+negative cache's refresh, refresh.py); their new keys replace the stale ones before the step's logits.
+
 Defaults: K = 65,536 and m = 0.999 (MoCo's and Contriever's), temperature 0.05; hard negatives are
 not enqueued (``enqueue_hard_negatives``: they are chosen per query and would make the queue less
-representative of the corpus).
+representative of the corpus); no refresh.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from moco_retrieval.objectives.base import MOMENTUM, MomentumSchedule, Objective
 from moco_retrieval.objectives.contrastive import Block
 from moco_retrieval.objectives.guided import MOMENTUM_GUIDE, GuideScores
 from moco_retrieval.objectives.queue import NegativeQueue
+from moco_retrieval.objectives.refresh import QueueRefresh
 
 
 def require_queue(size: int, name: str) -> None:
@@ -54,14 +58,27 @@ def queue_for(cfg: MoCoConfig, dim: int) -> NegativeQueue:
     return NegativeQueue(cfg.queue_size, dim, cfg.queue_dtype, max_age=cfg.queue_max_age)
 
 
+def refresh_for(cfg: MoCoConfig, queue: NegativeQueue, kind: str, max_len: dict | None) -> QueueRefresh | None:
+    """``queue``'s negative-cache refresh when ``objective.queue_refresh`` > 0 (``max_len``: the
+    encoder's tokens per query and per document, the width of the stored texts)."""
+    if cfg.queue_refresh == 0:
+        return None
+    if max_len is None:
+        raise ValueError("objective.queue_refresh needs the encoder's max_len per kind (texts are stored as tokens)")
+    return QueueRefresh(queue, cfg.queue_refresh, max_len[kind], kind)
+
+
 class MoCoObjective(Objective):
     views = {"q": View("query"), "k": View("doc", MOMENTUM, grad=False), "neg": View("neg", MOMENTUM, grad=False)}
     guides_with_momentum = True
 
-    def __init__(self, cfg: MoCoConfig, dim: int, guide_dim: int | None = None):
+    def __init__(self, cfg: MoCoConfig, dim: int, guide_dim: int | None = None, max_len: dict | None = None):
         super().__init__(cfg)
         require_queue(cfg.queue_size, cfg.name)
         self.queue = queue_for(cfg, dim)
+        self.doc_refresh = refresh_for(cfg, self.queue, "doc", max_len)
+        if self.doc_refresh is not None:  # the drawn queued documents, by the EMA key encoder
+            self.views = {**self.views, "k_fresh": View("stored_doc", MOMENTUM, grad=False)}
         # a fixed guide's embeddings of the queued documents, slot for slot with the queue
         self.guide_queue = queue_for(cfg, guide_dim) if self.fixed_guide else None
         if self.guide_name == MOMENTUM_GUIDE and "q_key" not in self.views:
@@ -71,6 +88,19 @@ class MoCoObjective(Objective):
         self.momentum = MomentumSchedule(cfg.momentum, cfg.momentum_schedule)
         self.key_encoder_dropout = bool(cfg.key_encoder_dropout)
         self._pending: tuple | None = None
+
+    def refreshes(self) -> dict[str, tuple[str, QueueRefresh]]:
+        """Stored side -> (its view's name, the refresh of the queue it re-encodes)."""
+        return {"stored_doc": ("k_fresh", self.doc_refresh)} if self.doc_refresh is not None else {}
+
+    def stored_inputs(self, side: str, step: int) -> dict | None:
+        return self.refreshes()[side][1].inputs(step)
+
+    def refresh_queues(self, meta: dict, step: int) -> None:
+        """Write the re-encoded queued keys the module embedded for this step (before any logits)."""
+        for view, refresh in self.refreshes().values():
+            if meta.get(view) is not None:
+                refresh.write(meta[view], step)
 
     def gathered(self, keys: Tensor, meta: dict) -> tuple[Tensor, Tensor, Tensor]:
         """The global batch's keys, ids and groups (rank order), without gradient."""
@@ -118,6 +148,7 @@ class MoCoObjective(Objective):
         return blocks
 
     def forward(self, q: Tensor, k: Tensor, meta: dict, *, step: int = 0) -> tuple[Tensor, dict]:
+        self.refresh_queues(meta, step)
         with torch.autocast(device_type=q.device.type, enabled=False):  # logits in fp32
             tau = self.temperature()
             q, k = q.float() / tau, k.detach().float()  # q scaled once: every block arrives as logits
@@ -138,19 +169,26 @@ class MoCoObjective(Objective):
             return
         k, meta, step, batch, g_batch = self._pending
         self._pending = None
+        sides = ["doc"]
         if self.enqueue_hard_negatives and meta.get("neg") is not None:
             ids, groups = torch.cat([meta["doc_id"], meta["neg_id"]]), torch.cat([meta["group"], meta["neg_group"]])
-            self.queue.enqueue(torch.cat([k, meta["neg"].float()]), ids, groups, step)
+            slots = self.queue.enqueue(torch.cat([k, meta["neg"].float()]), ids, groups, step)
+            sides.append("neg")
             if self.guide_queue is not None:
                 self.guide_queue.enqueue(torch.cat([meta["g_k"], meta["g_neg"]]), ids, groups, step)
         elif batch is not None:  # forward already all-gathered them (and the guide's, when fixed)
-            self.queue.enqueue(*batch, step, gather=False)
+            slots = self.queue.enqueue(*batch, step, gather=False)
             if self.guide_queue is not None:
                 self.guide_queue.enqueue(g_batch, *batch[1:], step, gather=False)
         else:
-            self.queue.enqueue(k, meta["doc_id"], meta["group"], step)
+            slots = self.queue.enqueue(k, meta["doc_id"], meta["group"], step)
             if self.guide_queue is not None:
                 self.guide_queue.enqueue(meta["g_k"], meta["doc_id"], meta["group"], step)
+        if self.doc_refresh is not None:
+            self.doc_refresh.store(slots, [meta["tokens"][s] for s in sides], step)
 
     def stats(self, step: int) -> dict[str, float]:
-        return self.queue.stats(step)
+        out = self.queue.stats(step)
+        if self.doc_refresh is not None:
+            out.update(self.doc_refresh.stats(step))
+        return out

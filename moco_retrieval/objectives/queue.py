@@ -89,6 +89,10 @@ class NegativeQueue(nn.Module):
     def keys(self) -> Tensor:
         return self.window(self.queue_keys)
 
+    def window_slots(self) -> Tensor:
+        """The slot of each negative, in the order ``keys()`` returns them."""
+        return self.window(torch.arange(self.size, device=self.queue_ids.device))
+
     def ids(self) -> Tensor:
         return self.window(self.queue_ids)
 
@@ -112,8 +116,9 @@ class NegativeQueue(nn.Module):
         return step - int(self.window(self.queue_steps).sum()) / self.fill
 
     @torch.no_grad()
-    def enqueue(self, keys: Tensor, ids: Tensor, groups: Tensor, step: int, gather: bool = True) -> None:
-        """Write a batch of keys (oldest slots are overwritten first).
+    def enqueue(self, keys: Tensor, ids: Tensor, groups: Tensor, step: int, gather: bool = True) -> Tensor:
+        """Write a batch of keys (oldest slots are overwritten first); returns the slots written,
+        one per kept key in order (a batch larger than the queue keeps only its last ``size``).
 
         With ``gather`` and an initialised process group, every rank's keys, ids and groups are
         all-gathered first, in rank order, so all ranks write the same thing.
@@ -133,6 +138,13 @@ class NegativeQueue(nn.Module):
         self.queue_ptr.fill_(self._ptr)
         self.queue_fill.fill_(self._fill)
         self._count_write(step, n)
+        return slots
+
+    @torch.no_grad()
+    def overwrite(self, slots: Tensor, keys: Tensor) -> None:
+        """Replace the keys in ``slots`` (re-encoded documents: refresh.py); their ids, groups and
+        enqueue steps, hence the ``max_age`` window, stay as they were."""
+        self.queue_keys[slots] = keys.to(self.queue_keys.dtype)
 
     def _count_write(self, step: int, n: int) -> None:
         """Update the window after ``n`` keys were written at ``step``."""

@@ -41,11 +41,14 @@ so the query -> document guide masks the same ones there.
 Guided masking and logQ work as in MoCo, in both directions (the document -> query direction's
 guide scores query keys against the documents).
 
+``queue_refresh`` N re-encodes N queued documents and N queued queries a step with the current
+key encoder (refresh.py), as MoCo's does its document queue.
+
 Defaults: K 65,536 per queue and temperature 0.05 (MoCo's); m 0.995 (ALBEF's) with
 ``queue_max_age`` 128, so every queued key is younger than the EMA's time constant 1/(1-m) = 200
 steps (older keys let the space narrow into a cone; at batch 32 this is a 4,096-key window, at a
 global batch of 512 the whole ring); both directions weighted equally (``doc_to_query_weight`` 1),
-queues count from the first step (``queue_warmup_steps`` 0), no same-side negatives, and the
+queues count from the first step (``queue_warmup_steps`` 0), no same-side negatives, no refresh, and the
 in-batch term at weight 1 (``inbatch_weight``; 0 turns it off). B6 measured each of these.
 """
 from __future__ import annotations
@@ -58,7 +61,8 @@ from moco_retrieval.distributed import all_gather_no_grad, all_gather_with_grad,
 from moco_retrieval.objectives.base import MOMENTUM, View
 from moco_retrieval.objectives.contrastive import Block
 from moco_retrieval.objectives.guided import GuideScores
-from moco_retrieval.objectives.moco import MoCoObjective, queue_for
+from moco_retrieval.objectives.moco import MoCoObjective, queue_for, refresh_for
+from moco_retrieval.objectives.refresh import QueueRefresh
 
 
 class TwoQueueObjective(MoCoObjective):
@@ -70,11 +74,14 @@ class TwoQueueObjective(MoCoObjective):
         "q_key": View("query", MOMENTUM, grad=False),
     }
 
-    def __init__(self, cfg: TwoQueueConfig, dim: int, guide_dim: int | None = None):
-        super().__init__(cfg, dim, guide_dim)
+    def __init__(self, cfg: TwoQueueConfig, dim: int, guide_dim: int | None = None, max_len: dict | None = None):
+        super().__init__(cfg, dim, guide_dim, max_len)
         if min(cfg.doc_to_query_weight, cfg.queue_warmup_steps, cfg.inbatch_weight) < 0:
             raise ValueError("objective.doc_to_query_weight, queue_warmup_steps and inbatch_weight must be >= 0")
         self.query_queue = queue_for(cfg, dim)
+        self.query_refresh = refresh_for(cfg, self.query_queue, "query", max_len)
+        if self.query_refresh is not None:  # the drawn queued queries, by the EMA key encoder
+            self.views = {**self.views, "q_key_fresh": View("stored_query", MOMENTUM, grad=False)}
         self.query_guide_queue = queue_for(cfg, guide_dim) if self.fixed_guide else None
         self.doc_to_query_weight = float(cfg.doc_to_query_weight)
         self.queue_warmup_steps = int(cfg.queue_warmup_steps)
@@ -82,7 +89,14 @@ class TwoQueueObjective(MoCoObjective):
         self.inbatch_weight = float(cfg.inbatch_weight)
         self._pending_queries: tuple | None = None
 
+    def refreshes(self) -> dict[str, tuple[str, QueueRefresh]]:
+        out = super().refreshes()
+        if self.query_refresh is not None:
+            out["stored_query"] = ("q_key_fresh", self.query_refresh)
+        return out
+
     def forward(self, q: Tensor, k: Tensor, meta: dict, *, step: int = 0) -> tuple[Tensor, dict]:
+        self.refresh_queues(meta, step)
         with torch.autocast(device_type=q.device.type, enabled=False):  # logits in fp32
             tau = self.temperature()
             q, k = q.float() / tau, k.detach().float()
@@ -164,14 +178,19 @@ class TwoQueueObjective(MoCoObjective):
             q_key, meta, step, batch, g_batch = self._pending_queries
             self._pending_queries = None
             if batch is not None:
-                self.query_queue.enqueue(*batch, step, gather=False)
+                slots = self.query_queue.enqueue(*batch, step, gather=False)
                 if self.query_guide_queue is not None:
                     self.query_guide_queue.enqueue(g_batch, *batch[1:], step, gather=False)
             else:
-                self.query_queue.enqueue(q_key, meta["doc_id"], meta["group"], step)
+                slots = self.query_queue.enqueue(q_key, meta["doc_id"], meta["group"], step)
                 if self.query_guide_queue is not None:
                     self.query_guide_queue.enqueue(meta["g_q"], meta["doc_id"], meta["group"], step)
+            if self.query_refresh is not None:
+                self.query_refresh.store(slots, [meta["tokens"]["query"]], step)
         super().after_backward()
 
     def stats(self, step: int) -> dict[str, float]:
-        return {**self.queue.stats(step), **self.query_queue.stats(step, "query_queue")}
+        out = {**super().stats(step), **self.query_queue.stats(step, "query_queue")}
+        if self.query_refresh is not None:
+            out.update(self.query_refresh.stats(step, "query_queue"))
+        return out
