@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared GPU check: B1 quick (frozen head, batch sweep, queue and remedies) and B5 (MiniLM
-# step time vs queue size, queue micro-benchmark, FAISS vs torch) and B6 quick (fine-tune runs) on a
-# CUDA machine, in under 11 minutes. Results go to $OUT (the device tool's output folder) or benchmarks/results/gpu/.
+# step time vs queue size, queue micro-benchmark, FAISS vs torch), B6 quick (fine-tune runs) and B9
+# short (the main job and its in-batch twin, 60 steps, through the CLI) on a CUDA machine, in about
+# 11 minutes. Results go to $OUT (the device tool's output folder) or benchmarks/results/gpu/.
 #
 #   bash benchmarks/gpu.sh            # from the repository root
 #
@@ -56,10 +57,13 @@ enc = build_encoder(compose_cfg(FROZEN_BASE).model).cuda()
 print("warm", round(b.warm(enc), 1), "s;", len(b.train_pairs), "pairs")
 PY
 # B1 quick: ~13 short runs on a 6,000-pair slice
-step "B1 batch_size --quick" 210 "$PY" benchmarks/batch_size.py --quick --fresh --out "$RES"
+step "B1 batch_size --quick" 170 "$PY" benchmarks/batch_size.py --quick --fresh --out "$RES"
 # B5: step time vs K (batch 64, bf16 autocast), queue micro-benchmark (same K, d, B), FAISS vs torch at 100k docs
-step "B5 speed" 180 "$PY" benchmarks/speed.py --device cuda --rounds 5 --steps 5 --warmup 3 --queue-iters 50 --out "$RES"
+step "B5 speed" 140 "$PY" benchmarks/speed.py --device cuda --rounds 5 --steps 5 --warmup 3 --queue-iters 50 --out "$RES"
 # B6 quick: the fine-tune runs (ours in-batch / MoCo / two-queue, MNRL, CachedMNRL) on a few hundred pairs
 step "B6 finetune --quick" 150 "$PY" benchmarks/finetune.py --quick --only base,two_queue_m0.995_ib_k4k-32,two_queue_ib-32,two_queue-32,inbatch-32,moco-32,mnrl-32,cmnrl-256 --out "$RES"
+# B9 short: `python -m moco_retrieval.train +experiment=queue65k` (and objective=inbatch) as users run it, 60 steps
+# each, side by side, then one evaluate report (run directories and checkpoints stay on the machine)
+step "B9 main_job --steps 60" 120 "$PY" benchmarks/main_job.py --steps 60 --threads 4 --runs /tmp/main_job_gpu --out "$RES"
 echo "== done in $(( $(date +%s) - START ))s; files in $RES:"
 ls -l "$RES"

@@ -8,12 +8,13 @@ then one ``python -m moco_retrieval.evaluate`` report of both final checkpoints 
 encoder on the held-out pool. Each finished pair is cached in ``results/main_job_runs.jsonl``
 (committed), so ``--report`` rebuilds the table without the runs.
 
-    python benchmarks/main_job.py [--steps N] [--runs DIR] [--threads 1]
+    python benchmarks/main_job.py [--steps N] [--runs DIR] [--threads 1] [--out DIR]
     python benchmarks/main_job.py --report
 
 ``--steps N`` passes ``trainer.max_steps=N``: a shorter job whose learning-rate schedule spans N
 steps, not the first N steps of the full job. Default: the whole epoch.
-Writes benchmarks/results/main_job.{md,json}.
+Writes benchmarks/results/main_job.{md,json} (``--out DIR``: there instead, with its own run cache;
+gpu.sh's short run).
 """
 from __future__ import annotations
 
@@ -29,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, ROOT, add_location_args, apply_location_args, append_jsonl, environment, log, md_table, read_jsonl, write_results  # noqa: E402
 
 NAME = "main_job"
-RUNS = RESULTS / f"{NAME}_runs.jsonl"
 JOBS = {"queue65k": [], "queue65k_inbatch": ["objective=inbatch"]}
 METRICS = ("recall@1", "mrr@10", "ndcg@10", "unrelated_cos_mean")
 
@@ -94,7 +94,7 @@ def record(dirs: dict[str, Path], entries: list[dict], steps: int, threads: int)
     return rec
 
 
-def report(recs: list[dict]) -> None:
+def report(recs: list[dict], out_dir: Path = RESULTS) -> None:
     rows = []
     for rec in recs:
         for name, j in rec["jobs"].items():
@@ -108,8 +108,8 @@ def report(recs: list[dict]) -> None:
           "`python -m moco_retrieval.evaluate` on the held-out pool (3,283 queries and documents).", "",
           md_table(["length", "run", "recall@1", "MRR@10", "nDCG@10", "mean unrelated cos", "training s", "validation s", "attempts"],
                    rows)]
-    write_results(NAME, "\n".join(md), {"runs": recs, "environment": environment()})
-    log(f"wrote {RESULTS / NAME}.md")
+    write_results(NAME, "\n".join(md), {"runs": recs, "environment": environment()}, out_dir)
+    log(f"wrote {out_dir / NAME}.md")
 
 
 def main() -> None:
@@ -118,18 +118,21 @@ def main() -> None:
     ap.add_argument("--runs", type=Path, default=ROOT / "outputs" / NAME, help="where the run directories go")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--report", action="store_true", help="only rebuild the report from the cache")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder, with its run cache (default benchmarks/results)")
     add_location_args(ap)
     args = ap.parse_args()
     apply_location_args(args)
-    recs = read_jsonl(RUNS)
+    runs = args.out / f"{NAME}_runs.jsonl"
+    recs = read_jsonl(runs)
     if not args.report and key_of(args.steps) not in {r["key"] for r in recs}:
         dirs = {name: args.runs / f"{name}-{length(args.steps)}" for name in JOBS}
         train_side_by_side(dirs, args.steps, args.threads)
         entries = evaluate(dirs, args.runs / f"eval-{length(args.steps)}")
         rec = record(dirs, entries, args.steps, args.threads)
-        append_jsonl(RUNS, rec)
+        args.out.mkdir(parents=True, exist_ok=True)
+        append_jsonl(runs, rec)
         recs.append(rec)
-    report(recs)
+    report(recs, args.out)
 
 
 if __name__ == "__main__":
