@@ -99,6 +99,10 @@ RUNS: dict[str, tuple[str, int, object, str]] = {
     "two_queue_m0.995_ib_refresh32-32": ("ours", 32, two_queue("objective.momentum=0.995", "objective.queue_refresh=32", inbatch=1.0),
                                          "two-queue, m 0.995 + in-batch term, K 65,536 unbounded + refresh 32 a step: "
                                          "does refreshing let the older keys count without the cone?"),
+    "icol-32": ("ours", 32, MAIN + ["objective=icol", "model.shared_tower=false", "objective.phase_steps=128",
+                                    "objective.queue_size=4096"],
+                "ICoL: two towers trained in turns (128 steps each), queue 4,096 of this phase's other-tower embeddings"),
+    "inbatch_2tower-32": ("ours", 32, INBATCH + ["model.shared_tower=false"], "ours, in-batch negatives, two towers (icol-32's twin)"),
 }
 # the run with +experiment=queue65k's objective (the bar's subject); its queue_max_age 128 at batch
 # 32 keeps the same 4,096 keys as this run's queue (the same losses: tests/test_two_queue.py)

@@ -134,7 +134,7 @@ class ObjectiveConfig(RangeChecked):
         "label_smoothing": PROPER_FRACTION, "queue_size": AT_LEAST_ONE, "momentum": FRACTION,
         "queue_max_age": AT_LEAST_ONE,
         "doc_to_query_weight": NON_NEGATIVE, "queue_warmup_steps": NON_NEGATIVE, "inbatch_weight": NON_NEGATIVE,
-        "queue_refresh": NON_NEGATIVE,
+        "queue_refresh": NON_NEGATIVE, "phase_steps": AT_LEAST_ONE,
         "guide_margin": Range(-2, 2), "guide_threshold": Range(-1, 1), "logq_alpha": Range(0, 1, lo_open=True),
         "logq_buckets": AT_LEAST_ONE,
     }  # (each subclass has the fields it uses; the rest are skipped)
@@ -214,7 +214,18 @@ class FeatureMemoryConfig(QueueConfig):
     queue_size: int = 16384
 
 
-OBJECTIVE_CONFIGS: dict[str, type] = {c.name: c for c in (InBatchConfig, MoCoConfig, TwoQueueConfig, FeatureMemoryConfig)}
+@dataclass
+class ICoLConfig(QueueConfig):
+    """``objective=icol`` (``model.shared_tower=false``): the query and document towers trained in
+    turns, each against a queue of the other tower's embeddings of this phase (objectives/icol.py)."""
+
+    name: str = "icol"
+    queue_size: int = 4096
+    phase_steps: int = 128  # optimizer steps one tower trains before the other takes over
+
+
+OBJECTIVE_CONFIGS: dict[str, type] = {c.name: c for c in (InBatchConfig, MoCoConfig, TwoQueueConfig, FeatureMemoryConfig,
+                                                          ICoLConfig)}
 
 
 @dataclass
@@ -369,6 +380,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         # checked here, with the config, so the run stops before data and model load
+        if getattr(self.objective, "name", None) == "icol" and self.model.shared_tower:
+            raise ConfigError(
+                "objective=icol trains the query tower and the document tower in turns, which one shared tower cannot "
+                "do: add model.shared_tower=false (two towers, both from the backbone)"
+            )
         if getattr(self.objective, "queue_refresh", 0) and self.model.frozen_backbone:
             raise ConfigError(
                 f"objective.queue_refresh={self.objective.queue_refresh} with model.frozen_backbone=true: the refresh "
@@ -533,6 +549,7 @@ __all__ = [
     "MoCoConfig",
     "TwoQueueConfig",
     "FeatureMemoryConfig",
+    "ICoLConfig",
     "OBJECTIVE_CONFIGS",
     "objective_config",
     "OptimConfig",

@@ -151,7 +151,7 @@ class RetrievalModule(L.LightningModule):
 
     def shared_step(self, batch: dict) -> tuple[torch.Tensor, dict]:
         has_neg = "neg" in batch
-        emb = {name: self._embed(view, batch) for name, view in self.objective.views.items()
+        emb = {name: self._embed(view, batch) for name, view in self.objective.views_for(self.global_step).items()
                if view.side != "neg" or has_neg}
         meta = {"doc_id": batch["doc_id"], "group": batch["group"], **emb,
                 "tokens": {name: batch[name] for name in ("query", "doc", "neg") if name in batch}}
@@ -175,6 +175,12 @@ class RetrievalModule(L.LightningModule):
         return loss
 
     def on_fit_start(self) -> None:
+        if self.grad_cache is not None and self.trainer.world_size > 1 and self.objective.unused_parameters:
+            raise ValueError(
+                "model.grad_cache_chunk with several processes needs DDP's static graph, which an objective that "
+                f"leaves parameters without gradient in some steps (objective={self.objective_cfg.name}) cannot have; "
+                "unset model.grad_cache_chunk"
+            )
         if self.grad_cache is not None and self.trainer.world_size > 1:
             # Each chunk's re-run inside the one backward fires every parameter's DDP hook again
             # (reentrant backward, as in activation checkpointing); DDP supports that with a static

@@ -96,20 +96,24 @@ def trainer_kwargs(cfg: TrainerConfig) -> dict:
     return kw
 
 
-def ddp_strategy(timeout_s: int = 1800) -> DDPStrategy:
+def ddp_strategy(timeout_s: int = 1800, find_unused_parameters: bool = False, **options) -> DDPStrategy:
     """DDP without the per-step broadcast of buffers from rank 0: every rank enqueues the same
     all-gathered keys, so the queue (K x d buffers) stays identical without it (each checkpoint
     records every rank's fingerprint, see preemption.py), and copying it every step costs
     K x d x 4 bytes (200 MB at 65k x 768). The buffers are still synced once, at the start.
-    ``timeout_s``: how long a collective waits for the other ranks (trainer.process_group_timeout)."""
+    ``timeout_s``: how long a collective waits for the other ranks (trainer.process_group_timeout).
+    ``find_unused_parameters``: for objectives that leave parameters without gradient in some steps
+    (``objective.unused_parameters``, e.g. icol's tower out of training); a graph walk per step.
+    ``options``: more DDPStrategy arguments (e.g. ``start_method``)."""
     import inspect
 
     from torch.nn.parallel import DistributedDataParallel
 
     timeout = timedelta(seconds=timeout_s)
+    kw = dict(timeout=timeout, find_unused_parameters=find_unused_parameters, **options)
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
-        return DDPStrategy(forward_sync_buffers=False, timeout=timeout)  # torch >= 2.13: broadcast_buffers is deprecated
-    return DDPStrategy(broadcast_buffers=False, timeout=timeout)
+        return DDPStrategy(forward_sync_buffers=False, **kw)  # torch >= 2.13: broadcast_buffers is deprecated
+    return DDPStrategy(broadcast_buffers=False, **kw)
 
 
 def build(cfg: TrainConfig, run_dir: Path,
@@ -150,7 +154,7 @@ def build(cfg: TrainConfig, run_dir: Path,
         plugins.append(SLURMEnvironment(auto_requeue=True, requeue_signal=signal.SIGUSR1))
     kw = trainer_kwargs(cfg.trainer)
     if kw["strategy"] == "ddp" or (kw["strategy"] == "auto" and torchrun_devices() is not None):
-        kw["strategy"] = ddp_strategy(cfg.trainer.process_group_timeout)
+        kw["strategy"] = ddp_strategy(cfg.trainer.process_group_timeout, module.objective.unused_parameters)
     trainer = L.Trainer(
         default_root_dir=str(run_dir),
         logger=loggers or False,

@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 from moco_retrieval.config import (
-    FeatureMemoryConfig, InBatchConfig, MoCoConfig, ObjectiveConfig, TwoQueueConfig, objective_config,
+    FeatureMemoryConfig, ICoLConfig, InBatchConfig, MoCoConfig, ObjectiveConfig, TwoQueueConfig, objective_config,
 )
 from moco_retrieval.objectives.base import GUIDE, MOMENTUM, TRAINED, Objective, View
 from moco_retrieval.objectives.feature_memory import FeatureMemoryObjective
+from moco_retrieval.objectives.icol import ICoLObjective
 from moco_retrieval.objectives.inbatch import InBatchObjective
 from moco_retrieval.objectives.moco import MoCoObjective
 from moco_retrieval.objectives.two_queue import TwoQueueObjective
@@ -26,6 +27,10 @@ def build_objective(cfg: ObjectiveConfig, encoder, guide_encoder=None) -> Object
         max_len = {kind: encoder.max_len(kind) for kind in ("query", "doc")}
         cls = TwoQueueObjective if isinstance(cfg, TwoQueueConfig) else MoCoObjective  # TwoQueueConfig is a MoCoConfig
         return cls(cfg, encoder.dim, guide_dim, max_len)
+    if isinstance(cfg, ICoLConfig):
+        if encoder.shared_tower:  # (TrainConfig refuses the combination first)
+            raise ValueError("objective=icol needs model.shared_tower=false: it trains the two towers in turns")
+        return ICoLObjective(cfg, encoder.dim)
     if isinstance(cfg, FeatureMemoryConfig):
         if not encoder.frozen:
             raise ValueError(
@@ -39,5 +44,5 @@ def build_objective(cfg: ObjectiveConfig, encoder, guide_encoder=None) -> Object
 
 __all__ = [
     "build_objective", "Objective", "View", "TRAINED", "MOMENTUM", "GUIDE",
-    "InBatchObjective", "MoCoObjective", "TwoQueueObjective", "FeatureMemoryObjective",
+    "InBatchObjective", "MoCoObjective", "TwoQueueObjective", "FeatureMemoryObjective", "ICoLObjective",
 ]

@@ -1,7 +1,8 @@
 """The protocol every objective follows, and what they all share.
 
 An objective is called as ``objective(q, k, meta, *, step) -> (loss, stats)``. It says what it
-needs through ``views``: which encoder embeds which side of the batch, with or without gradient.
+needs through ``views``: which encoder embeds which side of the batch, with or without gradient
+(``views_for(step)``: those of one training step, for an objective whose views change, icol.py).
 The Lightning module serves those declarations without knowing which objective it holds:
 
 * ``"q"`` and ``"k"`` arrive as ``q`` and ``k`` (the batch's queries and their positives);
@@ -71,6 +72,7 @@ class Objective(nn.Module):
 
     views: dict[str, View] = {"q": View("query"), "k": View("doc"), "neg": View("neg")}
     guides_with_momentum = False  # objectives with EMA keys of both sides accept guide=momentum
+    unused_parameters = False  # True: some trained parameters get no gradient in some steps (DDP must know)
 
     def __init__(self, cfg: ObjectiveConfig):
         super().__init__()
@@ -102,6 +104,10 @@ class Objective(nn.Module):
     # objectives with a "momentum" view set these from their config
     momentum: "MomentumSchedule | None" = None
     key_encoder_dropout = False
+
+    def views_for(self, step: int) -> dict[str, View]:
+        """The views of training step ``step`` (``views`` unless they change with the step, as ICoL's do)."""
+        return self.views
 
     def memory_features(self) -> Tensor:
         raise TypeError(f"{type(self).__name__} stores no features (it declares no 'memory' view)")
