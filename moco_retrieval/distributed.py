@@ -45,6 +45,22 @@ def shard_range(n: int, rank: int, world: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
+@torch.no_grad()
+def all_gather_blocks(local: Tensor, total: int) -> Tensor:
+    """Every rank's ``shard_range`` block of ``total`` rows, concatenated in rank order (the
+    inverse of splitting by ``shard_range``), on the tensors' device. The block sizes follow from
+    ``total``, so, unlike ``all_gather_rows`` (numpy, sizes gathered first), one collective."""
+    world = world_size()
+    if world == 1:
+        return local
+    sizes = [shard_range(total, r, world) for r in range(world)]
+    width = max(stop - start for start, stop in sizes)
+    padded = local.new_zeros((width, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    gathered = all_gather_no_grad(padded).view(world, width, *local.shape[1:])
+    return torch.cat([gathered[r, : stop - start] for r, (start, stop) in enumerate(sizes)])
+
+
 def _comm_device() -> torch.device:
     # NCCL moves only CUDA tensors; gloo only CPU ones
     if dist.get_backend() == "nccl":

@@ -128,10 +128,9 @@ class RetrievalModule(L.LightningModule):
             with torch.set_grad_enabled(view.grad and torch.is_grad_enabled()):
                 return encoder.embed_features(self.objective.memory_features(), "doc")
         if view.side.startswith("stored_"):  # queued texts the objective re-encodes (None: none yet)
-            side = self.objective.stored_inputs(view.side, self.global_step)
+            side = self.objective.stored_inputs(view.side, self.global_step)  # on the objective's device
             if side is None:
                 return None
-            side = {k: v.to(self.device) for k, v in side.items()}
         else:
             side = batch[view.side]
         kind = "query" if view.side in ("query", "stored_query") else "doc"

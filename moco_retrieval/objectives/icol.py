@@ -48,8 +48,6 @@ class ICoLObjective(Objective):
         super().__init__(cfg)
         if self.guide_name != NONE or self.logq is not None:
             raise ValueError("objective=icol takes no guide and no logq_correction: its queue changes side every phase")
-        if cfg.phase_steps < 1:
-            raise ValueError(f"objective.phase_steps must be >= 1, got {cfg.phase_steps}")
         self.phase_steps = int(cfg.phase_steps)
         self.batch_negatives = bool(cfg.batch_negatives)
         self.queue = NegativeQueue(cfg.queue_size, dim, cfg.queue_dtype)

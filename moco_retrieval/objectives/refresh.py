@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from moco_retrieval.distributed import all_gather_no_grad, rank, shard_range, world_size
+from moco_retrieval.distributed import all_gather_blocks, all_gather_no_grad, rank, shard_range, world_size
 from moco_retrieval.objectives.queue import NegativeQueue
 
 PAD = -1
@@ -124,7 +124,7 @@ class QueueRefresh(nn.Module):
             raise RuntimeError("QueueRefresh.write without a draw: inputs() was not called for this step")
         slots, self._drawn = self._drawn, None
         keys = keys.detach()
-        self.queue.overwrite(slots, gather_blocks(keys, slots.shape[0]) if self.sharded(slots.shape[0]) else keys)
+        self.queue.overwrite(slots, all_gather_blocks(keys, slots.shape[0]) if self.sharded(slots.shape[0]) else keys)
         self.queue_encoded_steps[slots] = step
 
     def stats(self, step: int, prefix: str = "queue") -> dict[str, float]:
@@ -133,16 +133,3 @@ class QueueRefresh(nn.Module):
             return {f"{prefix}_key_age": 0.0}
         return {f"{prefix}_key_age": step - int(self.queue.window(self.queue_encoded_steps).sum()) / self.queue.fill}
 
-
-def gather_blocks(local: Tensor, total: int) -> Tensor:
-    """Every rank's block (``shard_range`` of ``total`` rows) in rank order; blocks may differ by one
-    row, so each is padded to the largest before the all-gather."""
-    world = world_size()
-    if world == 1:
-        return local
-    sizes = [shard_range(total, r, world) for r in range(world)]
-    width = max(stop - start for start, stop in sizes)
-    padded = torch.zeros((width, *local.shape[1:]), dtype=local.dtype, device=local.device)
-    padded[: local.shape[0]] = local
-    gathered = all_gather_no_grad(padded).view(world, width, *local.shape[1:])
-    return torch.cat([gathered[r, : stop - start] for r, (start, stop) in enumerate(sizes)])
