@@ -68,6 +68,13 @@ def two_queue(*extra: str, inbatch: float = 0.0) -> list[str]:
 
 TWO_QUEUE = two_queue()  # the two-queue objective alone (false_negatives.py builds on it)
 
+
+def main_objective(*extra: str) -> list[str]:
+    """``+experiment=queue65k``'s objective as B6 runs it at batch 32 (m 0.995, in-batch term, a
+    4,096-key queue each: the keys its ``queue_max_age`` 128 keeps), plus ``extra``."""
+    return two_queue("objective.momentum=0.995", "objective.queue_size=4096", *extra, inbatch=1.0)
+
+
 # name -> (kind, batch, overrides or loss options, what it is); in order of priority
 RUNS: dict[str, tuple[str, int, object, str]] = {
     "two_queue-32": ("ours", 32, TWO_QUEUE, "two-queue momentum, K 65,536 each, m 0.999, no in-batch term"),
@@ -83,18 +90,20 @@ RUNS: dict[str, tuple[str, int, object, str]] = {
     "two_queue_m0.995-32": ("ours", 32, two_queue("objective.momentum=0.995"), "two-queue, m 0.995 (ALBEF)"),
     "two_queue_m0.995_ib-32": ("ours", 32, two_queue("objective.momentum=0.995", inbatch=1.0),
                                "two-queue, m 0.995 + in-batch term (weight 1)"),
-    "two_queue_m0.995_ib_k4k-32": ("ours", 32, two_queue("objective.momentum=0.995", "objective.queue_size=4096", inbatch=1.0),
+    "two_queue_m0.995_ib_k4k-32": ("ours", 32, main_objective(),
                                    "two-queue, m 0.995 + in-batch term, K 4,096 (keys at most 128 steps old: no cone); at batch 32 "
                                    "the same training as queue65k's queue_max_age 128 (tests/test_two_queue.py)"),
     "two_queue_cosine-32": ("ours", 32, two_queue("objective.momentum=0.99", "objective.momentum_schedule=cosine"),
                             "two-queue, m cosine 0.99 -> 1"),
     "two_queue_k16k-32": ("ours", 32, two_queue("objective.queue_size=16384"), "two-queue, K 16,384"),
-    "two_queue_warmup-32": ("ours", 32, two_queue("objective.queue_warmup_steps=57"), "two-queue, queue counts after 10%"),
-    "two_queue_dq0.5-32": ("ours", 32, two_queue("objective.doc_to_query_weight=0.5"), "two-queue, d->q weight 0.5"),
-    "two_queue_sameside-32": ("ours", 32, two_queue("objective.same_side_negatives=true"),
-                              "two-queue + q->q and d->d negatives (GTE)"),
-    "two_queue_m0.995_ib_k4k_refresh32-32": ("ours", 32, two_queue("objective.momentum=0.995", "objective.queue_size=4096",
-                                                                   "objective.queue_refresh=32", inbatch=1.0),
+    # each change on its own, against the main job's objective (MAIN_RUN, 3 seeds)
+    "two_queue_m0.995_ib_k4k_sameside-32": ("ours", 32, main_objective("objective.same_side_negatives=true"),
+                                            "queue65k's objective + q->q and d->d negatives (GTE)"),
+    "two_queue_m0.995_ib_k4k_dq0.5-32": ("ours", 32, main_objective("objective.doc_to_query_weight=0.5"),
+                                         "queue65k's objective, d->q weight 0.5"),
+    "two_queue_m0.995_ib_k4k_warmup-32": ("ours", 32, main_objective("objective.queue_warmup_steps=57"),
+                                          "queue65k's objective, queues count after 10% of the steps"),
+    "two_queue_m0.995_ib_k4k_refresh32-32": ("ours", 32, main_objective("objective.queue_refresh=32"),
                                              "queue65k's objective + 32 queued keys of each queue re-encoded a step (negative cache)"),
     "two_queue_m0.995_ib_refresh32-32": ("ours", 32, two_queue("objective.momentum=0.995", "objective.queue_refresh=32", inbatch=1.0),
                                          "two-queue, m 0.995 + in-batch term, K 65,536 unbounded + refresh 32 a step: "
@@ -107,6 +116,8 @@ RUNS: dict[str, tuple[str, int, object, str]] = {
 # the run with +experiment=queue65k's objective (the bar's subject); its queue_max_age 128 at batch
 # 32 keeps the same 4,096 keys as this run's queue (the same losses: tests/test_two_queue.py)
 MAIN_RUN = "two_queue_m0.995_ib_k4k-32"
+# runs the bar's equal-steps line is also reported for, once they have 3 seeds
+CANDIDATES = [MAIN_RUN, "two_queue_m0.995_ib_k4k_refresh32-32"]
 HEADLINE = [MAIN_RUN, "two_queue_ib-32", "inbatch-32", "mnrl-32", "inbatch-256", "cmnrl-256"]
 
 
@@ -321,12 +332,16 @@ def fmt(xs, key) -> str:
     return f"{m:.3f}" + (f" ± {s:.3f}" if s == s else "")
 
 
-def verdict(by: dict, cost: dict | None = None) -> list[str]:
-    """The issue's three lines, from what the cache holds."""
-    out = []
-    q = by.get(MAIN_RUN, [])
-    if not q:
-        return [f"No {MAIN_RUN} run is finished yet."]
+def paired(q: list[dict], r: list[dict], key: str) -> list[float]:
+    """Per-seed differences q - r in ``key``, over the seeds both ran (a seed fixes the batches)."""
+    ref = {x["seed"]: x["final"][key] for x in r}
+    return [x["final"][key] - ref[x["seed"]] for x in sorted(q, key=lambda x: x["seed"]) if x["seed"] in ref]
+
+
+def equal_steps(by: dict, subject: str) -> list[str]:
+    """The bar's first line for ``subject``: against in-batch 32 and MNRL 32, by more than 2 std
+    (the larger of the two runs' stds) over 3 seeds; the per-seed differences beside it."""
+    out, q = [], by.get(subject, [])
     for ref in ("inbatch-32", "mnrl-32"):
         r = by.get(ref, [])
         if not r:
@@ -338,8 +353,19 @@ def verdict(by: dict, cost: dict | None = None) -> list[str]:
             sd = max(v for v in (sq, sr, 0.0) if v == v)
             n = min(len(q), len(r))
             ok = (mq - mr) > 2 * sd if n >= 3 else None
-            out.append(f"- {key} vs {ref} at equal steps: {mq:.3f} vs {mr:.3f} ({mq - mr:+.3f}); "
-                       + (f"beats by more than 2 std: {'yes' if ok else 'no'}" if ok is not None else f"{n} seed(s): no claim yet"))
+            diffs = " / ".join(f"{d:+.3f}" for d in paired(q, r, key))
+            out.append(f"- {key} vs {ref} at equal steps: {mq:.3f} vs {mr:.3f} ({mq - mr:+.3f}, 2 std {2 * sd:.4f}); "
+                       + (f"beats by more than 2 std: {'yes' if ok else 'no'}" if ok is not None else f"{n} seed(s): no claim yet")
+                       + (f"; seed by seed {diffs}" if diffs else ""))
+    return out
+
+
+def verdict(by: dict, cost: dict | None = None) -> list[str]:
+    """The issue's three lines, from what the cache holds."""
+    q = by.get(MAIN_RUN, [])
+    if not q:
+        return [f"No {MAIN_RUN} run is finished yet."]
+    out = equal_steps(by, MAIN_RUN)
     for ref in ("inbatch-256", "cmnrl-256"):
         r = by.get(ref, [])
         if not r:
@@ -461,7 +487,10 @@ def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str]
            "(MNRL's random batches rarely hold a group-mate either); blank "
            "for runs cached before it was recorded.", "",
            "## Along the way (seed 0)", "", *curve_table(by), "",
-           "## The bar (issue 11)", "", *verdict(by, read_cost(out_dir)), ""]
+           "## The bar (issue 11)", "", f"For {MAIN_RUN}, `+experiment=queue65k`'s objective:", "",
+           *verdict(by, read_cost(out_dir)), ""]
+    for name in [n for n in CANDIDATES if n != MAIN_RUN and len(by.get(n, [])) >= 3]:
+        md += [f"At equal steps, for {name}:", "", *equal_steps(by, name), ""]
     missing = [f"{n} (seed {s})" for n in RUNS for s in range(3 if n in HEADLINE else 1)
                if not any(r["seed"] == s for r in by.get(n, []))]
     if missing:

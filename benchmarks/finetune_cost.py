@@ -45,10 +45,21 @@ class OursStep:
         self.clip = cfg.trainer.gradient_clip_val
         self.opt = torch.optim.AdamW(decay_groups(self.m.named_parameters(), cfg.optim.weight_decay), lr=cfg.optim.lr)
         self.data, self.collate = PairDataset(bench.train_pairs), Collator(self.m.encoder.tokenize)
+        refresh = {r.queue: r for _, r in getattr(self.m.objective, "refreshes", dict)().values()}
         for q in (getattr(self.m.objective, n, None) for n in ("queue", "query_queue")):
             if q is not None:
                 keys = torch.nn.functional.normalize(torch.randn(MEAN_FILL, self.m.encoder.dim), dim=1)
-                q.enqueue(keys, torch.arange(MEAN_FILL) + 10**9, torch.full((MEAN_FILL,), -1), step=0, gather=False)
+                slots = q.enqueue(keys, torch.arange(MEAN_FILL) + 10**9, torch.full((MEAN_FILL,), -1), step=0, gather=False)
+                if q in refresh:  # a refreshed queue re-encodes real texts: store real ones
+                    self.store_texts(refresh[q], slots, bench)
+
+    def store_texts(self, refresh, slots, bench: Bench) -> None:
+        """Training texts of the refresh's side as the tokens of ``slots`` (the pre-filled keys)."""
+        pairs = bench.train_pairs[: len(slots)]
+        texts = [p.query if refresh.kind == "query" else p.positive for p in pairs]
+        sides = [self.m.encoder.tokenize(texts[i : i + 512], refresh.kind) for i in range(0, len(texts), 512)]
+        for i, side in zip(range(0, len(slots), 512), sides):
+            refresh.store(slots[i : i + 512], [side], step=0)
 
     def prepare(self, idx: list[int]):
         return self.collate([self.data[i] for i in idx])

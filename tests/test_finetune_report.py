@@ -60,12 +60,12 @@ def test_time_to_reach_takes_the_first_evaluation_at_the_target(finetune):
 
 
 def test_cost_lines_scale_pairs_by_the_side_by_side_cost(finetune):
-    def rec(pairs, curve):
+    def rec(pairs, curve, seed=0):
         final = {"recall@1": curve[-1][1], "ndcg@10": 0.9, "unrelated_cos_mean": 0.02}
-        return {"pairs": pairs, "final": final, "curve": [{"pairs": p, "recall@1": r} for p, r in curve]}
+        return {"seed": seed, "pairs": pairs, "final": final, "curve": [{"pairs": p, "recall@1": r} for p, r in curve]}
 
     by = {"inbatch-256": [rec(1000, [(1000, 0.80)])],
-          finetune.MAIN_RUN: [rec(1000, [(250, 0.79), (500, 0.81), (1000, 0.85)]), rec(1000, [(250, 0.80), (1000, 0.82)])],
+          finetune.MAIN_RUN: [rec(1000, [(250, 0.79), (500, 0.81), (1000, 0.85)]), rec(1000, [(250, 0.80), (1000, 0.82)], 1)],
           "inbatch-32": [rec(1000, [(500, 0.70), (1000, 0.75)])]}
     cost = {"threads": 1, "rows": [{"name": "inbatch-256", "s_per_1k_pairs": 100.0},
                                    {"name": finetune.MAIN_RUN, "s_per_1k_pairs": 120.0},
@@ -85,3 +85,21 @@ def test_cost_summary_takes_per_pair_ratios_round_by_round():
     rows = {r["name"]: r for r in cost.summarise(times, "inbatch-32")}
     assert rows["inbatch-256"]["s_per_1k_pairs"] == pytest.approx(1000 * 16.0 / 256)
     assert rows["inbatch-256"]["per_pair_vs_inbatch-32"] == pytest.approx(1.0)  # ratios 1, 2, 1
+
+
+def test_equal_steps_pairs_the_seeds_and_uses_the_larger_std(finetune):
+    def rec(seed, r1, ndcg=0.9):
+        return {"seed": seed, "final": {"recall@1": r1, "ndcg@10": ndcg}}
+
+    subject = "candidate"
+    by = {subject: [rec(2, 0.850), rec(0, 0.846), rec(1, 0.848)],
+          "inbatch-32": [rec(0, 0.840), rec(1, 0.841), rec(2, 0.839)],
+          "mnrl-32": [rec(0, 0.830), rec(1, 0.846)]}  # seed 2 not run
+    assert finetune.paired(by[subject], by["inbatch-32"], "recall@1") == pytest.approx([0.006, 0.007, 0.011])
+    assert finetune.paired(by[subject], by["mnrl-32"], "recall@1") == pytest.approx([0.016, 0.002])
+    r1_inbatch, ndcg_inbatch, r1_mnrl, _ = finetune.equal_steps(by, subject)
+    # +.008 against 2 x the larger std (the subject's .002 -> .004): beaten
+    assert "0.848 vs 0.840 (+0.008, 2 std 0.0040); beats by more than 2 std: yes" in r1_inbatch
+    assert "seed by seed +0.006 / +0.007 / +0.011" in r1_inbatch
+    assert "beats by more than 2 std: no" in ndcg_inbatch  # equal nDCG
+    assert "2 seed(s): no claim yet" in r1_mnrl and "seed by seed +0.016 / +0.002" in r1_mnrl
