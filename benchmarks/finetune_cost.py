@@ -9,7 +9,9 @@ machine noise hits all alike; medians of the repeats, and the median of each rou
 One step = forward of both sides + loss + backward + clipping + AdamW + (ours) EMA update and
 enqueue, on real B6 batches (same pairs, same order, so real token lengths); tokenisation is done
 before the clock starts, for ours and the peers alike. The two-queue objective's queues are
-pre-filled with 9,120 keys each, their mean fill over a B6 run (18,240 keys queued by its end).
+pre-filled with 9,120 keys each, their mean fill over a B6 run (18,240 keys queued by its end);
+a queue with ``queue_refresh`` also holds real training texts for them, so its re-encodings cost
+what they cost in training.
 
     python benchmarks/finetune_cost.py [--rounds 5] [--threads 1]
 Writes benchmarks/results/finetune_cost.{md,json}; ``finetune.py --report`` reads the JSON.
