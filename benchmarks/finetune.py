@@ -116,8 +116,8 @@ RUNS: dict[str, tuple[str, int, object, str]] = {
 # the run with +experiment=queue65k's objective (the bar's subject); its queue_max_age 128 at batch
 # 32 keeps the same 4,096 keys as this run's queue (the same losses: tests/test_two_queue.py)
 MAIN_RUN = "two_queue_m0.995_ib_k4k-32"
-# runs the bar's equal-steps line is also reported for, once they have 3 seeds
-CANDIDATES = [MAIN_RUN, "two_queue_m0.995_ib_k4k_refresh32-32"]
+# runs the bar's equal-steps lines are also reported for once they have 3 seeds (3 are planned for each)
+CANDIDATES = [MAIN_RUN, "two_queue_m0.995_ib_k4k_refresh32-32", "two_queue_m0.995_ib_k4k_sameside-32"]
 HEADLINE = [MAIN_RUN, "two_queue_ib-32", "inbatch-32", "mnrl-32", "inbatch-256", "cmnrl-256"]
 
 
@@ -491,7 +491,7 @@ def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str]
            *verdict(by, read_cost(out_dir)), ""]
     for name in [n for n in CANDIDATES if n != MAIN_RUN and len(by.get(n, [])) >= 3]:
         md += [f"At equal steps, for {name}:", "", *equal_steps(by, name), ""]
-    missing = [f"{n} (seed {s})" for n in RUNS for s in range(3 if n in HEADLINE else 1)
+    missing = [f"{n} (seed {s})" for n in RUNS for s in range(3 if n in HEADLINE + CANDIDATES else 1)
                if not any(r["seed"] == s for r in by.get(n, []))]
     if missing:
         md += ["## Not run yet", "", "Planned and not in the cache (the cache resumes them): " + ", ".join(missing) + ".", ""]
