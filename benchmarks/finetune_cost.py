@@ -59,9 +59,8 @@ class OursStep:
         """Training texts of the refresh's side as the tokens of ``slots`` (the pre-filled keys)."""
         pairs = bench.train_pairs[: len(slots)]
         texts = [p.query if refresh.kind == "query" else p.positive for p in pairs]
-        sides = [self.m.encoder.tokenize(texts[i : i + 512], refresh.kind) for i in range(0, len(texts), 512)]
-        for i, side in zip(range(0, len(slots), 512), sides):
-            refresh.store(slots[i : i + 512], [side], step=0)
+        # tokenized in chunks (each padded to its own longest); store pads them all to one width
+        refresh.store(slots, [self.m.encoder.tokenize(texts[i : i + 512], refresh.kind) for i in range(0, len(texts), 512)], step=0)
 
     def prepare(self, idx: list[int]):
         return self.collate([self.data[i] for i in idx])
