@@ -15,6 +15,7 @@ from torch.utils.data import Dataset
 from moco_retrieval.distributed import shard_range
 
 from .formats import DataError, EvalSet, Negative, Pair
+from .sampler import source_of
 
 Tokenize = Callable[[list[str], str], dict]
 
@@ -67,8 +68,10 @@ def collate(
     tokenize: Optional[Tokenize] = None,
     n_negatives: Optional[int] = None,
     seed: int = 0,
+    source_offsets: Optional[Sequence[int]] = None,
 ) -> dict:
-    """``(index, Pair)`` items -> the batch dict of docs/design.md."""
+    """``(index, Pair)`` items -> the batch dict of docs/design.md; with ``source_offsets`` (several
+    sources, see :class:`.sampler.MultiSourceBatchSampler`) it holds each row's ``source`` too."""
     idx = [int(i) for i, _ in items]
     pairs = [p for _, p in items]
     batch: dict[str, Any] = {
@@ -78,6 +81,8 @@ def collate(
         "group": torch.tensor([p.group for p in pairs], dtype=torch.long),
         "index": torch.tensor(idx, dtype=torch.long),
     }
+    if source_offsets is not None:
+        batch["source"] = torch.as_tensor(source_of(idx, source_offsets), dtype=torch.long)
     if n_negatives:
         negs = [neg for i, p in zip(idx, pairs) for neg in select_negatives(p, i, n_negatives, seed)]
         batch["neg"] = _side([n.text for n in negs], "doc", tokenize)
@@ -89,11 +94,13 @@ def collate(
 class Collator:
     """Picklable ``collate`` with its settings (for DataLoader workers)."""
 
-    def __init__(self, tokenize: Optional[Tokenize] = None, n_negatives: Optional[int] = None, seed: int = 0):
+    def __init__(self, tokenize: Optional[Tokenize] = None, n_negatives: Optional[int] = None, seed: int = 0,
+                 source_offsets: Optional[Sequence[int]] = None):
         self.tokenize, self.n_negatives, self.seed = tokenize, n_negatives, seed
+        self.source_offsets = source_offsets
 
     def __call__(self, items: Sequence[tuple[int, Pair]]) -> dict:
-        return collate(items, self.tokenize, self.n_negatives, self.seed)
+        return collate(items, self.tokenize, self.n_negatives, self.seed, self.source_offsets)
 
 
 class EvalItems(Dataset):

@@ -1,6 +1,7 @@
-"""The training batch sampler: seeded, rank-sharded, duplicate-free within a global batch, resumable
-mid-epoch (see :class:`RetrievalBatchSampler`), and the DataLoader that reports its position to
-Lightning (:class:`ResumableDataLoader`).
+"""The training batch samplers: seeded, rank-sharded, duplicate-free within a global batch, resumable
+mid-epoch (see :class:`RetrievalBatchSampler`); several sources, each batch from one of them
+(:class:`MultiSourceBatchSampler`, built from one :class:`RetrievalBatchSampler` per source); and the
+DataLoader that reports its position to Lightning (:class:`ResumableDataLoader`).
 """
 from __future__ import annotations
 
@@ -170,8 +171,198 @@ class RetrievalBatchSampler(Sampler[list[int]]):
             raise ValueError(f"batches_done must be >= 0, got {self.batches_done}")
 
 
+SOURCE_MODES = ("weighted", "round_robin")
+_PASS_STRIDE = 1 << 32  # a source's pass p of epoch e is its sampler's "epoch" e + p * _PASS_STRIDE
+_SCHEDULE_STREAM = 0x5EED5  # keeps the schedule's random stream apart from the sources' ([seed, epoch])
+
+
+def source_seed(seed: int, source: int) -> int:
+    """The seed of source ``source``'s own sampler: independent streams per source."""
+    return int(np.random.SeedSequence([int(seed), int(source)]).generate_state(1)[0])
+
+
+def apportion(total: int, weights: Sequence[float]) -> list[int]:
+    """``total`` split in proportion to ``weights`` (largest remainders, ties to the lower index)."""
+    w = np.asarray(weights, dtype=np.float64)
+    exact = total * w / w.sum()
+    counts = np.floor(exact).astype(np.int64)
+    rest = total - int(counts.sum())
+    if rest:
+        order = sorted(range(len(w)), key=lambda s: (-(exact[s] - counts[s]), s))
+        counts[order[:rest]] += 1
+    return counts.tolist()
+
+
+def check_offsets(source_offsets: Sequence[int], n_rows: int) -> np.ndarray:
+    """``source_offsets`` as int64 ``[S + 1]``: from 0 to ``n_rows``, every source non-empty."""
+    off = np.asarray(source_offsets, dtype=np.int64)
+    if off.ndim != 1 or len(off) < 2 or off[0] != 0 or off[-1] != n_rows:
+        raise ValueError(f"source_offsets must run from 0 to the {n_rows} rows ([S + 1] values), got {off.tolist()[:8]}")
+    empty = np.flatnonzero(np.diff(off) <= 0)
+    if len(empty):
+        raise ValueError(f"source {int(empty[0])} has no rows (source_offsets must increase strictly)")
+    return off
+
+
+def source_of(rows: Sequence[int], source_offsets: Sequence[int]) -> np.ndarray:
+    """The source index of each row (int64), from the offsets of :func:`check_offsets`."""
+    return np.searchsorted(np.asarray(source_offsets), np.asarray(rows, dtype=np.int64), side="right") - 1
+
+
+class MultiSourceBatchSampler(Sampler[list[int]]):
+    """Batches from several sources, every global batch from one source (its in-batch negatives are
+    of one kind). Source ``s`` is rows ``[source_offsets[s], source_offsets[s + 1])``.
+
+    Each source has its own :class:`RetrievalBatchSampler` (seed :func:`source_seed`), which cuts
+    it into duplicate-free global batches and gives rank ``r`` its slice; this sampler only decides
+    which source each step draws from (the *schedule*), a function of ``(seed, epoch)``:
+
+    * ``weighted``: an epoch has as many batches as the sources make together (one pass over every
+      source when ``weights`` is None, i.e. proportional to size), split among the sources in
+      proportion to ``weights`` (largest remainders: exact per epoch); a source given more batches
+      than one pass holds continues with a new pass (re-shuffled), one given fewer stops early.
+      The order of the sources is a seeded shuffle (``shuffle``), else evenly interleaved.
+    * ``round_robin``: the sources in turn (0, 1, ..., S-1, 0, ...) until the smallest has used
+      its batches: no batch repeats within an epoch; ``weights`` are not used.
+
+    The position is :class:`RetrievalBatchSampler`'s (``{"epoch", "batches_done"}``): the schedule
+    is fixed by ``(seed, epoch)``, so it also says which source comes next (:meth:`next_source`).
+    """
+
+    def __init__(
+        self,
+        doc_ids: Sequence[int],
+        groups: Sequence[int],
+        source_offsets: Sequence[int],
+        batch_size: int,
+        *,
+        weights: Optional[Sequence[float]] = None,
+        mode: str = "weighted",
+        seed: int = 0,
+        shuffle: bool = True,
+        unique_in_batch: bool = True,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+    ):
+        if len(doc_ids) != len(groups):
+            raise ValueError("doc_ids and groups differ in length")
+        if mode not in SOURCE_MODES:
+            raise ValueError(f"mode={mode!r}: expected one of {SOURCE_MODES}")
+        self.offsets = check_offsets(source_offsets, len(doc_ids))
+        n_sources = len(self.offsets) - 1
+        if weights is not None:
+            w = np.asarray(weights, dtype=np.float64)
+            if w.shape != (n_sources,) or not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
+                raise ValueError(f"weights must be {n_sources} non-negative numbers, not all 0, got {list(weights)}")
+        self.weights = None if weights is None else [float(x) for x in weights]
+        self.mode, self.seed, self.shuffle = mode, int(seed), bool(shuffle)
+        self.sources = [
+            RetrievalBatchSampler(
+                doc_ids[a:b], groups[a:b], batch_size, seed=source_seed(seed, s), shuffle=shuffle,
+                unique_in_batch=unique_in_batch, rank=rank, world_size=world_size,
+            )
+            for s, (a, b) in enumerate(zip(self.offsets[:-1].tolist(), self.offsets[1:].tolist()))
+        ]
+        self.batch_size = int(batch_size)
+        self.rank, self.world_size = self.sources[0].rank, self.sources[0].world_size
+        self.epoch = 0
+        self.batches_done = 0
+        self._cache: Optional[tuple[int, list[tuple[int, list[int]]]]] = None
+        self.sampler = _EpochSetter(self)
+
+    # -- epoch plan
+    def schedule(self, epoch: int, passes: Sequence[int]) -> list[int]:
+        """The source of each global batch of ``epoch``, given each source's batches in one pass."""
+        n_sources = len(self.sources)
+        if self.mode == "round_robin":
+            return list(range(n_sources)) * min(passes)
+        counts = apportion(sum(passes), self.weights if self.weights is not None else passes)
+        if self.shuffle:
+            order = np.repeat(np.arange(n_sources), counts)
+            return np.random.default_rng([self.seed, int(epoch), _SCHEDULE_STREAM]).permutation(order).tolist()
+        # even interleave: the k-th batch of source s at (k + 0.5) / counts[s] of the epoch
+        slots = [((k + 0.5) / c, s) for s, c in enumerate(counts) for k in range(c)]
+        return [s for _, s in sorted(slots)]
+
+    def _source_batches(self, s: int, epoch: int, n: int) -> list[list[int]]:
+        """The first ``n`` global batches of source ``s`` in ``epoch`` (rows of the whole set),
+        continuing into new passes when one pass holds fewer."""
+        src, base = self.sources[s], int(self.offsets[s])
+        out: list[list[int]] = []
+        p = 0
+        while len(out) < n:
+            more = src.global_batches(epoch + p * _PASS_STRIDE)
+            if not more:
+                raise ValueError(f"source {s} makes no full batch in pass {p} of epoch {epoch}")
+            out.extend([base + i for i in g] for g in more[: n - len(out)])
+            p += 1
+        return out
+
+    def global_plan(self, epoch: int) -> list[tuple[int, list[int]]]:
+        """``(source, global batch)`` of every step of ``epoch`` (all ranks' rows)."""
+        if self._cache is not None and self._cache[0] == epoch:
+            return self._cache[1]
+        passes = [len(src.global_batches(epoch)) for src in self.sources]
+        short = [s for s, n in enumerate(passes) if n == 0 and (self.mode == "round_robin" or self._weight(s) > 0)]
+        if short:
+            s = short[0]
+            raise ValueError(
+                f"source {s} has {self.offsets[s + 1] - self.offsets[s]} rows: no full batch of "
+                f"{self.batch_size} x {self.world_size} rank(s)"
+                + (" with distinct doc ids and groups" if self.sources[s].unique_in_batch else "")
+            )
+        plan_sources = self.schedule(epoch, passes)
+        per_source = {s: iter(self._source_batches(s, epoch, plan_sources.count(s))) for s in set(plan_sources)}
+        plan = [(s, next(per_source[s])) for s in plan_sources]
+        self._cache = (epoch, plan)
+        return plan
+
+    def _weight(self, s: int) -> float:
+        return 1.0 if self.weights is None else self.weights[s]
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """This rank's batches of ``epoch``."""
+        b, r = self.batch_size, self.rank
+        return [g[r * b : (r + 1) * b] for _, g in self.global_plan(epoch)]
+
+    def batch_sources(self, epoch: int) -> list[int]:
+        """The source of each batch of ``epoch``."""
+        return [s for s, _ in self.global_plan(epoch)]
+
+    def next_source(self) -> Optional[int]:
+        """The source of the next batch (None: the epoch is done)."""
+        sources = self.batch_sources(self.epoch)
+        return sources[self.batches_done] if self.batches_done < len(sources) else None
+
+    # -- Sampler protocol (the same position as RetrievalBatchSampler's)
+    def __len__(self) -> int:
+        return len(self.global_plan(self.epoch))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch, start = self.epoch, self.batches_done
+        for batch in self.epoch_batches(epoch)[start:]:
+            yield list(batch)
+
+    def set_epoch(self, epoch: int) -> None:
+        epoch = int(epoch)
+        if epoch != self.epoch:
+            self.epoch, self.batches_done = epoch, 0
+
+    def advance(self, n: int = 1) -> None:
+        self.batches_done += int(n)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batches_done": self.batches_done}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = int(state.get("epoch", 0))
+        self.batches_done = int(state.get("batches_done", 0))
+        if self.batches_done < 0:
+            raise ValueError(f"batches_done must be >= 0, got {self.batches_done}")
+
+
 class _EpochSetter:
-    def __init__(self, owner: RetrievalBatchSampler):
+    def __init__(self, owner: "RetrievalBatchSampler | MultiSourceBatchSampler"):
         self._owner = owner
 
     def set_epoch(self, epoch: int) -> None:
@@ -192,4 +383,14 @@ class ResumableDataLoader(DataLoader):
         self._load_fn(state)
 
 
-__all__ = ["RetrievalBatchSampler", "ResumableDataLoader", "dist_rank_world"]
+__all__ = [
+    "MultiSourceBatchSampler",
+    "RetrievalBatchSampler",
+    "ResumableDataLoader",
+    "SOURCE_MODES",
+    "apportion",
+    "check_offsets",
+    "dist_rank_world",
+    "source_of",
+    "source_seed",
+]
