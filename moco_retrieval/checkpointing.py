@@ -201,15 +201,20 @@ def resolve_ckpt_path(ckpt_path: Optional[str], run_dir: Path) -> Optional[str]:
 OPTIONS_BEFORE_THEY_EXISTED = {"inbatch_weight": 0.0, "queue_max_age": None, "queue_refresh": 0}
 
 
-def check_same_objective(ckpt_path: str, objective: dict) -> None:
+def check_same_objective(ckpt_path: str, objective: dict, prompts: Optional[dict] = None) -> None:
     """:class:`CheckpointError` when the checkpoint was trained with another objective, or with
     other options of it: each objective holds its own state (queues, EMA keys), so resuming across
     objectives cannot load, and a resumed run under changed options (a default that moved since,
     e.g. ``inbatch_weight``) would silently train another loss from the middle of the run. The
     message names the overrides that resume it as trained (e.g. ``objective=moco`` for a MoCo run
     of ``+experiment=queue65k`` from before the main job became the two-queue objective).
-    ``objective``: this run's objective config as a plain dict."""
-    trained = (read_checkpoint(ckpt_path, "ckpt_path").get("hyper_parameters") or {}).get("objective") or {}
+    ``objective``: this run's objective config as a plain dict. ``prompts``: this run's
+    ``data.prompts`` (``{"query", "doc"}``), refused when they differ from the trained ones (none
+    for a checkpoint from before prompts existed): the texts the model sees would change mid-run."""
+    hparams = read_checkpoint(ckpt_path, "ckpt_path").get("hyper_parameters") or {}
+    if prompts is not None:
+        _check_same_prompts(ckpt_path, hparams.get("prompts") or {"query": "", "doc": ""}, prompts)
+    trained = hparams.get("objective") or {}
     name = trained.get("name") if isinstance(trained, dict) else None
     if not name:
         return
@@ -224,6 +229,15 @@ def check_same_objective(ckpt_path: str, objective: dict) -> None:
             f"ckpt_path={ckpt_path}: trained with " + ", ".join(f"objective.{k}={_override(before[k])}" for k in changed)
             + ", but this run's config has " + ", ".join(f"objective.{k}={_override(objective[k])}" for k in changed)
             + "; add the trained values as overrides to resume it as trained (or start a new run_dir)")
+
+
+def _check_same_prompts(ckpt_path: str, trained: dict, prompts: dict) -> None:
+    changed = [k for k in ("query", "doc") if (trained.get(k) or "") != (prompts.get(k) or "")]
+    if changed:
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path}: trained with " + ", ".join(f"data.prompts.{k}={trained.get(k) or ''!r}" for k in changed)
+            + ", but this run's config has " + ", ".join(f"data.prompts.{k}={prompts.get(k) or ''!r}" for k in changed)
+            + "; set the trained prompts to resume it (or start a new run_dir)")
 
 
 def _override(value: Any) -> str:

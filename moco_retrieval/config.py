@@ -262,11 +262,21 @@ class ColumnsConfig:
 
 
 @dataclass
+class PromptsConfig:
+    """Prefixes put before every query / document text (data/prompts.py), e.g. E5's "query: " and
+    "passage: "; stored with the checkpoint and written into exported models."""
+
+    query: str = ""
+    doc: str = ""
+
+
+@dataclass
 class DataConfig(RangeChecked):
     kind: str = "debian"  # debian | jsonl | parquet | csv | beir
     train_path: Optional[str] = None  # jsonl / parquet / csv: training pairs
     eval_dir: Optional[str] = None  # jsonl / parquet / csv: BEIR-layout evaluation directory
     columns: ColumnsConfig = field(default_factory=ColumnsConfig)  # parquet / csv column names
+    prompts: PromptsConfig = field(default_factory=PromptsConfig)  # query / document prefixes
     dir: Optional[str] = None  # beir: directory with corpus.jsonl, queries.jsonl, qrels/
     train_split: str = "train"
     eval_split: str = "test"
@@ -554,6 +564,7 @@ __all__ = [
     "objective_config",
     "OptimConfig",
     "ColumnsConfig",
+    "PromptsConfig",
     "DataConfig",
     "TrainerConfig",
     "LoggerConfig",

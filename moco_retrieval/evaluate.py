@@ -103,7 +103,7 @@ def run_evaluate(cfg: Any, out_dir: str | Path) -> dict[str, Path]:
     )
     results, models, taken = {}, {}, set()
     for kwargs, which, given in specs:
-        enc, desc = load_encoder(model=base_model, encoder=which, **kwargs)
+        enc, desc = load_encoder(model=base_model, encoder=which, prompts=cfg.data.prompts, **kwargs)
         name = _unique(_model_name(kwargs, desc, given), taken)
         enc.to(device)
         announce_encoding(enc, [(list(evalset.corpus.values()), "doc"), (list(evalset.queries.values()), "query")],

@@ -10,6 +10,9 @@ top level), Pooling (mean or CLS, as trained), Dense layer(s) for a ``linear`` /
 Normalize when the model normalizes (similarity ``cosine``; ``dot`` otherwise). A
 ``moco_retrieval.json`` next to them records the ModelConfig and the source, so the trainer's own
 commands (``evaluate model_dir=DIR``, ``search model_dir=DIR``) rebuild the same encoder.
+The prompts trained with (``data.prompts``, data/prompts.py) become the model's ``prompts``
+``{"query", "document"}`` (``default_prompt_name`` "document" when there is a document prompt, so
+plain ``encode`` stays the document side) and are recorded in ``moco_retrieval.json`` too.
 
 ``encoder=query`` (default) exports the query-side encoder that training optimised;
 ``encoder=key`` the momentum (EMA) key encoder of a MoCo checkpoint. With separate towers
@@ -93,8 +96,10 @@ def export_encoder(
             modules.append(dense)
         if encoder.normalize:
             modules.append(Normalize())
+        prompts, default_prompt = encoder.prompts.sentence_transformers()
         st = SentenceTransformer(modules=modules, device="cpu",
-                                 similarity_fn_name="cosine" if encoder.normalize else "dot")
+                                 similarity_fn_name="cosine" if encoder.normalize else "dot",
+                                 prompts=prompts, default_prompt_name=default_prompt)
         st.save(str(out))
     cfg = {
         "backbone_kind": "transformer",
@@ -105,7 +110,8 @@ def export_encoder(
         "query_max_len": int(encoder.query_max_len),
         "doc_max_len": int(encoder.doc_max_len),
     }
-    meta = {"format_version": FORMAT_VERSION, "model": cfg, "side": side, "source": source or {}}
+    meta = {"format_version": FORMAT_VERSION, "model": cfg, "side": side, "source": source or {},
+            "prompts": encoder.prompts.to_dict()}
     (out / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     _apply_umask(out)
     return out

@@ -16,6 +16,7 @@ from moco_retrieval.distributed import all_gather_rows, row_counts, shard_range
 from moco_retrieval.evaluation.encode import evaluate_embeddings
 from moco_retrieval.gradcache import GradCache
 from moco_retrieval.model.encoder import build_encoder
+from moco_retrieval.data.prompts import to_prompts
 from moco_retrieval.model.momentum import MomentumEncoder, state_dict_prefix
 from moco_retrieval.model.guide import build_guide_encoder
 from moco_retrieval.objectives import GUIDE, TRAINED, View, build_objective
@@ -59,9 +60,11 @@ class RetrievalModule(L.LightningModule):
 
     Args:
         model, objective, optim, eval: configs (dataclasses, DictConfigs or dicts); see config.py.
+        prompts: the data's query / document prompts (``data.prompts``), kept in the checkpoint's
+            hyper-parameters so that the commands and the export use the ones trained with.
     """
 
-    def __init__(self, model: Any, objective: Any, optim: Any, eval: Any = None, seed: int = 0):
+    def __init__(self, model: Any, objective: Any, optim: Any, eval: Any = None, seed: int = 0, prompts: Any = None):
         super().__init__()
         self.seed = seed
         self.model_cfg: ModelConfig = to_config(ModelConfig, model)
@@ -72,9 +75,10 @@ class RetrievalModule(L.LightningModule):
         self.save_hyperparameters(
             {k: OmegaConf.to_container(OmegaConf.structured(v)) for k, v in
              dict(model=self.model_cfg, objective=self.objective_cfg, optim=self.optim_cfg, eval=self.eval_cfg).items()}
-            | {"seed": seed}
+            | {"seed": seed, "prompts": to_prompts(prompts).to_dict()}
         )
         self.encoder = build_encoder(self.model_cfg)
+        self.encoder.prompts = to_prompts(prompts)
         # the fixed guide of guided masking: frozen, held outside the state dict (checkpoints stay
         # the trained model's; the guide is rebuilt from its config)
         guide = build_guide_encoder(self.objective_cfg.guide, self.model_cfg)
@@ -98,7 +102,7 @@ class RetrievalModule(L.LightningModule):
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> "RetrievalModule":
-        return cls(cfg.model, cfg.objective, cfg.optim, cfg.eval, seed=cfg.seed)
+        return cls(cfg.model, cfg.objective, cfg.optim, cfg.eval, seed=cfg.seed, prompts=cfg.data.prompts)
 
     @staticmethod
     def state_dict_prefix(encoder: str) -> str:

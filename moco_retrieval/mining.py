@@ -506,11 +506,13 @@ def run_mine(cfg: Any) -> MiningResult:
     if cfg.sampling not in SAMPLINGS:
         raise SystemExit(f"sampling={cfg.sampling!r}: expected one of {SAMPLINGS}")
     pairs = load_training_pairs(cfg.data)
-    encoder, desc = load_encoder(checkpoint=cfg.checkpoint, model_dir=cfg.model_dir, model=cfg.model, encoder=cfg.encoder)
+    encoder, desc = load_encoder(checkpoint=cfg.checkpoint, model_dir=cfg.model_dir, model=cfg.model, encoder=cfg.encoder,
+                                 prompts=cfg.data.prompts)
     print(f"mining with {desc['source']} encoder ({desc.get('path', desc.get('backbone'))}, dim {encoder.dim}) "
           f"for {len(pairs):,} training pairs", file=sys.stderr)
     if encoder.frozen:
-        encoder.warm_features([p.query for p in pairs], build_corpus(pairs).texts, progress=cfg.progress)
+        encoder.warm_features(encoder.prompts.apply([p.query for p in pairs], "query"),
+                              encoder.prompts.apply(build_corpus(pairs).texts, "doc"), progress=cfg.progress)
     else:
         from moco_retrieval.evaluation.forecast import announce_encoding
 

@@ -211,9 +211,12 @@ def run_search(cfg: Any, out=None) -> list[dict]:
         raise ConfigError(f"format={cfg.format!r}: expected text or json")
     eval_cfg = to_config(EvalConfig, cfg.eval)
     corpus, corpus_desc = load_corpus(cfg.corpus, cfg.data)
+    enc, desc = load_encoder(checkpoint=cfg.checkpoint, model_dir=cfg.model_dir, model=cfg.model, encoder=cfg.encoder,
+                             prompts=cfg.data.prompts)
     identity = _model_identity(cfg)
+    if not enc.prompts.empty:  # the documents are encoded with them: another index
+        identity["prompts"] = enc.prompts.to_dict()
     index_dir = Path(cfg.index_dir).expanduser() if cfg.index_dir else default_index_dir(identity, corpus_desc, eval_cfg)
-    enc, desc = load_encoder(checkpoint=cfg.checkpoint, model_dir=cfg.model_dir, model=cfg.model, encoder=cfg.encoder)
     enc.to(pick_device(cfg.device))
     batch_size = int(cfg.batch_size or cfg.data.eval_batch_size)
     index, built = build_or_load_index(enc, corpus, eval_cfg, index_dir, identity, batch_size=batch_size,

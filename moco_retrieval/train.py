@@ -40,6 +40,7 @@ from moco_retrieval.checkpointing import (LAST, AtomicCheckpointIO, check_same_o
 from moco_retrieval.cluster import is_rank_zero, on_slurm, torchrun_devices
 from moco_retrieval.config import TrainConfig, TrainerConfig, register_configs
 from moco_retrieval.data.datamodule import RetrievalDataModule
+from moco_retrieval.data.prompts import to_prompts
 from moco_retrieval.errors import reports_user_errors
 from moco_retrieval.evaluation.callback import ValidationReport
 from moco_retrieval.lightning_module import RetrievalModule
@@ -175,7 +176,8 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> Optional[str]:
     if ckpt_path == str(previous_of(last)) and is_rank_zero():  # the fallback: keep the good one as predecessor
         set_aside_unreadable(last)
     if ckpt_path is not None:
-        check_same_objective(ckpt_path, OmegaConf.to_container(OmegaConf.structured(cfg.objective)))
+        check_same_objective(ckpt_path, OmegaConf.to_container(OmegaConf.structured(cfg.objective)),
+                             to_prompts(cfg.data.prompts).to_dict())
     if cfg.ckpt_path is None and (run_dir / "checkpoints" / "last.ckpt").exists() and is_rank_zero():
         print(f"[moco_retrieval] warning: {run_dir / 'checkpoints' / 'last.ckpt'} exists but ckpt_path is not set: "
               "training starts from scratch and overwrites it (ckpt_path=last resumes)", file=sys.stderr)
@@ -198,10 +200,10 @@ def _train(cfg: TrainConfig, run_dir: Path) -> dict:
     dm.setup("fit")
     L.seed_everything(cfg.seed, workers=True)
     module, dm, trainer = build(cfg, run_dir, dm)
-    if module.encoder.frozen:  # every frozen feature computed (or loaded) once, up front
+    if module.encoder.frozen:  # every frozen feature computed (or loaded) once, up front, of the texts as prompted
         module.encoder.warm_features(
-            queries=[p.query for p in dm.train_pairs] + list(dm.eval_set.queries.values()),
-            docs=[p.positive for p in dm.train_pairs] + list(dm.eval_set.corpus.values()),
+            queries=dm.prompts.apply([p.query for p in dm.train_pairs] + list(dm.eval_set.queries.values()), "query"),
+            docs=dm.prompts.apply([p.positive for p in dm.train_pairs] + list(dm.eval_set.corpus.values()), "doc"),
         )
     if trainer.is_global_zero:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))

@@ -2,7 +2,8 @@
 evaluation pool's items and batches (one kind, documents or queries, per batch).
 
 ``tokenize(texts, "query"|"doc") -> {"input_ids", "attention_mask"}`` (e.g. ``TextEncoder.tokenize``)
-pads dynamically; None gives text-only batches.
+pads dynamically; None gives text-only batches. ``prompts`` (:mod:`.prompts`) prefix each side's
+texts before they are tokenized: a side's ``texts`` are what the model sees.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch.utils.data import Dataset
 from moco_retrieval.distributed import shard_range
 
 from .formats import DataError, EvalSet, Negative, Pair
+from .prompts import NO_PROMPTS, Prompts
 from .sampler import source_of
 
 Tokenize = Callable[[list[str], str], dict]
@@ -33,7 +35,8 @@ class PairDataset(Dataset):
         return i, self.pairs[i]
 
 
-def _side(texts: list[str], kind: str, tokenize: Optional[Tokenize]) -> dict:
+def _side(texts: list[str], kind: str, tokenize: Optional[Tokenize], prompts: Prompts = NO_PROMPTS) -> dict:
+    texts = prompts.apply(texts, kind)
     side: dict[str, Any] = {"texts": texts}
     if tokenize is not None:
         side.update(dict(tokenize(texts, kind)))
@@ -69,14 +72,15 @@ def collate(
     n_negatives: Optional[int] = None,
     seed: int = 0,
     source_offsets: Optional[Sequence[int]] = None,
+    prompts: Prompts = NO_PROMPTS,
 ) -> dict:
     """``(index, Pair)`` items -> the batch dict of docs/design.md; with ``source_offsets`` (several
     sources, see :class:`.sampler.MultiSourceBatchSampler`) it holds each row's ``source`` too."""
     idx = [int(i) for i, _ in items]
     pairs = [p for _, p in items]
     batch: dict[str, Any] = {
-        "query": _side([p.query for p in pairs], "query", tokenize),
-        "doc": _side([p.positive for p in pairs], "doc", tokenize),
+        "query": _side([p.query for p in pairs], "query", tokenize, prompts),
+        "doc": _side([p.positive for p in pairs], "doc", tokenize, prompts),
         "doc_id": torch.tensor([p.doc_id for p in pairs], dtype=torch.long),
         "group": torch.tensor([p.group for p in pairs], dtype=torch.long),
         "index": torch.tensor(idx, dtype=torch.long),
@@ -85,7 +89,7 @@ def collate(
         batch["source"] = torch.as_tensor(source_of(idx, source_offsets), dtype=torch.long)
     if n_negatives:
         negs = [neg for i, p in zip(idx, pairs) for neg in select_negatives(p, i, n_negatives, seed)]
-        batch["neg"] = _side([n.text for n in negs], "doc", tokenize)
+        batch["neg"] = _side([n.text for n in negs], "doc", tokenize, prompts)
         batch["neg_id"] = torch.tensor([n.doc_id for n in negs], dtype=torch.long)
         batch["neg_group"] = torch.tensor([n.group for n in negs], dtype=torch.long)
     return batch
@@ -95,12 +99,12 @@ class Collator:
     """Picklable ``collate`` with its settings (for DataLoader workers)."""
 
     def __init__(self, tokenize: Optional[Tokenize] = None, n_negatives: Optional[int] = None, seed: int = 0,
-                 source_offsets: Optional[Sequence[int]] = None):
+                 source_offsets: Optional[Sequence[int]] = None, prompts: Prompts = NO_PROMPTS):
         self.tokenize, self.n_negatives, self.seed = tokenize, n_negatives, seed
-        self.source_offsets = source_offsets
+        self.source_offsets, self.prompts = source_offsets, prompts
 
     def __call__(self, items: Sequence[tuple[int, Pair]]) -> dict:
-        return collate(items, self.tokenize, self.n_negatives, self.seed, self.source_offsets)
+        return collate(items, self.tokenize, self.n_negatives, self.seed, self.source_offsets, self.prompts)
 
 
 class EvalItems(Dataset):
@@ -130,15 +134,15 @@ class EvalItems(Dataset):
 
 
 class EvalCollator:
-    def __init__(self, tokenize: Optional[Tokenize] = None):
-        self.tokenize = tokenize
+    def __init__(self, tokenize: Optional[Tokenize] = None, prompts: Prompts = NO_PROMPTS):
+        self.tokenize, self.prompts = tokenize, prompts
 
     def __call__(self, items: Sequence[tuple[str, str, str]]) -> dict:
         kinds = {k for k, _, _ in items}
         assert len(kinds) == 1, "an eval batch holds one kind"
         kind = kinds.pop()
         out: dict[str, Any] = {"kind": kind, "ids": [i for _, i, _ in items]}
-        out.update(_side([t for _, _, t in items], kind, self.tokenize))
+        out.update(_side([t for _, _, t in items], kind, self.tokenize, self.prompts))
         return out
 
 

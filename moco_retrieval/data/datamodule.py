@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 
 from .collate import Collator, EvalCollator, EvalItems, PairDataset, Tokenize, select_negatives
 from .formats import DataError, EvalSet, Pair
+from .prompts import to_prompts
 from .sampler import ResumableDataLoader, RetrievalBatchSampler, dist_rank_world
 from .sources import debian_folder, load
 
@@ -158,11 +159,16 @@ class RetrievalDataModule(L.LightningDataModule):
         return ResumableDataLoader(
             PairDataset(self.train_pairs),
             batch_sampler=self.batch_sampler,
-            collate_fn=Collator(self.tokenize, self.n_negatives, self.cfg.seed),
+            collate_fn=Collator(self.tokenize, self.n_negatives, self.cfg.seed, prompts=self.prompts),
             num_workers=self.cfg.num_workers,
             state_fn=self.state_dict,
             load_fn=self.load_state_dict,
         )
+
+    @property
+    def prompts(self):
+        """``data.prompts`` (:mod:`.prompts`): the collate puts them before the texts."""
+        return to_prompts(getattr(self.cfg, "prompts", None))
 
     def eval_shard(self) -> tuple[int, int]:
         """``(rank, world size)`` that validation splits the eval pool over: each rank encodes its
@@ -180,7 +186,7 @@ class RetrievalDataModule(L.LightningDataModule):
         return DataLoader(
             items,
             batch_sampler=items.batches(self.cfg.eval_batch_size, *self.eval_shard()),
-            collate_fn=EvalCollator(self.tokenize),
+            collate_fn=EvalCollator(self.tokenize, self.prompts),
             num_workers=self.cfg.num_workers,
         )
 

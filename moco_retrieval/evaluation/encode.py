@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from moco_retrieval.data.prompts import NO_PROMPTS
 from moco_retrieval.distributed import all_gather_rows, rank, shard_range, world_size
 
 from .geometry import compute_geometry
@@ -80,7 +81,8 @@ def encode_texts(
     """Embeddings ``float32 [len(texts), d]`` of ``texts`` as ``kind`` ("query" or "doc").
 
     Batched, under ``torch.no_grad`` with the encoder in eval mode (its mode is restored after).
-    The side dict is ``{"texts": ..., **encoder.tokenize(texts, kind)}`` when
+    The encoder's ``prompts`` (data/prompts.py; none when it has no such attribute) go before
+    each text first. The side dict is ``{"texts": ..., **encoder.tokenize(texts, kind)}`` when
     ``encoder.needs_tokens``, else ``{"texts": ...}``. Texts are encoded longest first, so each
     batch pads to similar lengths, and returned in the order given. Each batch's rows are written
     into ``out`` (``[len(texts), d]``, e.g. :func:`embedding_file`'s memory map; it is returned)
@@ -88,7 +90,7 @@ def encode_texts(
     """
     if kind not in ("query", "doc"):
         raise ValueError(f"kind must be 'query' or 'doc', got {kind!r}")
-    texts = list(texts)
+    texts = getattr(encoder, "prompts", NO_PROMPTS).apply(texts, kind)
     n = len(texts)
     order = sorted(range(n), key=lambda i: -len(texts[i])) if sort_by_length else list(range(n))
     needs_tokens = bool(getattr(encoder, "needs_tokens", False))

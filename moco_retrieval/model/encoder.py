@@ -24,6 +24,7 @@ from torch import nn
 from moco_retrieval.progress import progress_bar
 
 from moco_retrieval.config import ModelConfig
+from moco_retrieval.data.prompts import NO_PROMPTS, Prompts
 from moco_retrieval.errors import ConfigError
 from moco_retrieval.model.backbone import (
     BACKBONE_KINDS,
@@ -186,6 +187,9 @@ class TextEncoder(nn.Module):
         self.query_max_len = int(cfg.query_max_len)
         self.doc_max_len = int(cfg.doc_max_len)
         self.feature_cache_dir = str(cfg.feature_cache_dir) if cfg.feature_cache_dir else None
+        # the prompts it was trained with (data/prompts.py): set by training and the loaders, put
+        # before the texts by encode_texts; forward() takes texts as given (batches carry them already)
+        self.prompts: Prompts = NO_PROMPTS
         if cfg.backbone_kind == "bag_of_wordpieces":
             backbone: nn.Module = bag_of_wordpieces(model)
             hidden = backbone.embedding_dim

@@ -11,7 +11,11 @@ Used by every command that reads a model (evaluate, search, mine, export):
 * :func:`load_encoder`: one of the two, or the untrained base encoder of a ``ModelConfig``;
   :func:`describe_spec` turns ``base`` / a file / a folder into its keyword arguments.
 
-Each returns ``(encoder, description)``, the description a JSON-able dict for reports.
+Each returns ``(encoder, description)``, the description a JSON-able dict for reports. The
+encoder's ``prompts`` (data/prompts.py) are the model's own: a checkpoint's hyper-parameters
+``prompts``, an exported directory's ``moco_retrieval.json`` (or, for another sentence-transformers
+directory, its ``config_sentence_transformers.json``); a base model takes the command's
+``data.prompts`` (:func:`load_encoder`'s ``prompts``), which may not contradict stored ones.
 """
 from __future__ import annotations
 
@@ -24,11 +28,13 @@ from omegaconf import OmegaConf
 
 from moco_retrieval.checkpointing import read_checkpoint
 from moco_retrieval.config import ModelConfig, to_config
+from moco_retrieval.data.prompts import Prompts, model_prompts, to_prompts
 from moco_retrieval.errors import CheckpointError, ConfigError, ModelLoadError, ModelNotFoundError
 from moco_retrieval.model.encoder import TextEncoder, build_encoder
 from moco_retrieval.model.momentum import ENCODERS, state_dict_prefix
 
 META_FILE = "moco_retrieval.json"  # written next to an exported model: its ModelConfig and source
+ST_CONFIG = "config_sentence_transformers.json"
 
 
 def load_checkpoint(path: str | Path) -> dict:
@@ -81,7 +87,28 @@ def load_checkpoint_encoder(path: str | Path, encoder: str = "query") -> tuple[T
         "epoch": int(ckpt.get("epoch", -1)),
         **describe_encoder(cfg, enc),
     }
+    enc.prompts = checkpoint_prompts(ckpt)
     return enc, desc
+
+
+def checkpoint_prompts(ckpt: dict) -> Prompts:
+    """The prompts a checkpoint was trained with (none for one from before prompts existed)."""
+    return to_prompts((ckpt.get("hyper_parameters") or {}).get("prompts"))
+
+
+def stored_prompts(model_dir: Path) -> Optional[Prompts]:
+    """A model directory's prompts: ours (``moco_retrieval.json``), else a sentence-transformers
+    ``prompts`` dict; None when it records none."""
+    for name in (META_FILE, ST_CONFIG):
+        try:
+            meta = json.loads((model_dir / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if name == META_FILE and isinstance(meta.get("prompts"), dict):
+            return to_prompts(meta["prompts"])
+        if name == ST_CONFIG and isinstance(meta.get("prompts"), dict):
+            return Prompts.from_sentence_transformers(meta["prompts"])
+    return None
 
 
 def load_model_dir(path: str | Path, fallback: Optional[ModelConfig] = None) -> tuple[TextEncoder, dict]:
@@ -97,6 +124,7 @@ def load_model_dir(path: str | Path, fallback: Optional[ModelConfig] = None) -> 
         cfg = to_config(ModelConfig, {**OmegaConf.to_container(OmegaConf.structured(fallback)), "path": str(d)})
         enc = build_encoder(cfg)
         enc.eval()
+        enc.prompts = stored_prompts(d) or enc.prompts
         return enc, {"source": "model_dir", "path": str(d.resolve()), "exported": False, **describe_encoder(cfg, enc)}
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
     cfg = to_config(ModelConfig, {**meta["model"], "backbone": str(d), "path": None, "frozen_backbone": False,
@@ -114,6 +142,7 @@ def load_model_dir(path: str | Path, fallback: Optional[ModelConfig] = None) -> 
             if lin.bias is not None:
                 lin.bias.copy_(sd["linear.bias"])
     enc.eval()
+    enc.prompts = stored_prompts(d) or enc.prompts
     return enc, {"source": "model_dir", "path": str(d.resolve()), "exported": True,
                  "exported_from": meta.get("source", {}), **describe_encoder(cfg, enc)}
 
@@ -127,20 +156,32 @@ def _read_dense(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_encoder(
-    *, checkpoint: Optional[str] = None, model_dir: Optional[str] = None, model: Any = None, encoder: str = "query"
+    *, checkpoint: Optional[str] = None, model_dir: Optional[str] = None, model: Any = None, encoder: str = "query",
+    prompts: Any = None,
 ) -> tuple[TextEncoder, dict]:
     """The encoder of a checkpoint, of an exported model directory, or (neither) the untrained
-    base encoder described by ``model`` (a ModelConfig, DictConfig or dict)."""
+    base encoder described by ``model`` (a ModelConfig, DictConfig or dict). ``prompts``: the
+    command's ``data.prompts``, for a model without prompts on record (:func:`~moco_retrieval.data.
+    prompts.model_prompts`; ConfigError when they contradict the model's)."""
     if checkpoint and model_dir:
         raise ConfigError("give checkpoint=PATH or model_dir=PATH, not both")
     if checkpoint:
-        return load_checkpoint_encoder(checkpoint, encoder)
-    fallback = to_config(ModelConfig, model)
-    if model_dir:
-        return load_model_dir(model_dir, fallback)
-    enc = build_encoder(fallback)
-    enc.eval()
-    return enc, {"source": "base", **describe_encoder(fallback, enc)}
+        enc, desc = load_checkpoint_encoder(checkpoint, encoder)
+        stored: Optional[Prompts] = enc.prompts
+    else:
+        fallback = to_config(ModelConfig, model)
+        if model_dir:
+            enc, desc = load_model_dir(model_dir, fallback)
+            stored = stored_prompts(Path(model_dir).expanduser())
+        else:
+            enc = build_encoder(fallback)
+            enc.eval()
+            desc, stored = {"source": "base", **describe_encoder(fallback, enc)}, None
+    enc.prompts = model_prompts(stored, prompts, f"checkpoint={checkpoint}" if checkpoint else
+                                f"model_dir={model_dir}" if model_dir else "the base model")
+    if not enc.prompts.empty:
+        desc["prompts"] = enc.prompts.to_dict()
+    return enc, desc
 
 
 def describe_spec(spec: str) -> dict[str, Optional[str]]:
