@@ -1,4 +1,5 @@
-"""``python -m moco_retrieval.data debian --out DIR [--lists DIR | --translation FILE --packages FILE]``"""
+"""``python -m moco_retrieval.data debian --out DIR [--lists DIR | --translation FILE --packages FILE]``
+``python -m moco_retrieval.data pydoc --out DIR [--stdlib DIR] [--modules a,b.c]``"""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +17,7 @@ from .debian import (
     find_index_files,
 )
 from .formats import DataError
+from .stdlib_docs import DEFAULT_EVAL_FRACTION as PYDOC_EVAL_FRACTION, build_stdlib_docs
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,32 +43,53 @@ def _parser() -> argparse.ArgumentParser:
         "--dedup", choices=DEDUP_MODES, default="first-paragraph",
         help="document key for duplicate removal (default first-paragraph)",
     )
+    p = sub.add_parser(
+        "pydoc",
+        help="Python standard library docstrings: query = summary line, document = the rest",
+        description=("Build a summary-to-description retrieval set from the installed standard library's docstrings "
+                     "(parsed, not imported): DIR/train.jsonl, DIR/eval/ (BEIR layout) and DIR/manifest.json."),
+    )
+    p.add_argument("--out", required=True, help="output folder (created; a previous build there is replaced)")
+    p.add_argument("--stdlib", default=None, help="the library folder (default: this interpreter's)")
+    p.add_argument("--modules", default=None, help="comma-separated dotted module names (default: every module)")
+    p.add_argument("--eval-fraction", type=float, default=PYDOC_EVAL_FRACTION,
+                   help=f"share of top-level packages held out for evaluation (default {PYDOC_EVAL_FRACTION})")
     return ap
+
+
+def _build_pydoc(args: argparse.Namespace) -> dict:
+    modules = [m.strip() for m in args.modules.split(",") if m.strip()] if args.modules else None
+    return build_stdlib_docs(args.out, args.stdlib, modules, eval_fraction=args.eval_fraction)
+
+
+def _build_debian(args: argparse.Namespace) -> dict:
+    if args.translation or args.packages:
+        if args.lists:
+            raise DataError("pass either --lists or --translation/--packages, not both")
+        if not (args.translation and args.packages):
+            raise DataError("--translation and --packages go together (one or more of each)")
+        tr, pk = args.translation, args.packages
+    else:
+        tr, pk = find_index_files(args.lists or DEFAULT_LISTS_DIR)
+    return build_debian(args.out, tr, pk, eval_fraction=args.eval_fraction, dedup=args.dedup)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    t0 = time.time()
     try:
-        if args.translation or args.packages:
-            if args.lists:
-                raise DataError("pass either --lists or --translation/--packages, not both")
-            if not (args.translation and args.packages):
-                raise DataError("--translation and --packages go together (one or more of each)")
-            tr, pk = args.translation, args.packages
-        else:
-            tr, pk = find_index_files(args.lists or DEFAULT_LISTS_DIR)
-        t0 = time.time()
-        manifest = build_debian(args.out, tr, pk, eval_fraction=args.eval_fraction, dedup=args.dedup)
+        manifest = _build_pydoc(args) if args.command == "pydoc" else _build_debian(args)
     except (DataError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     c = manifest["counts"]
     print(json.dumps(c, indent=2, sort_keys=True))
+    unit = "sources" if args.command == "debian" else "packages"
     print(
-        f"wrote {args.out}: {c['train_pairs']} train pairs ({c['train_sources']} sources), "
-        f"{c['eval_queries']} eval queries / documents ({c['eval_sources']} sources) in {time.time() - t0:.1f}s"
+        f"wrote {args.out}: {c['train_pairs']} train pairs ({c['train_' + unit]} {unit}), "
+        f"{c['eval_queries']} eval queries / documents ({c['eval_' + unit]} {unit}) in {time.time() - t0:.1f}s"
     )
-    if c["eval_documents"] < MIN_EVAL_DOCS:
+    if args.command == "debian" and c["eval_documents"] < MIN_EVAL_DOCS:
         print(
             f"warning: the eval pool holds {c['eval_documents']} documents (< {MIN_EVAL_DOCS}); "
             "raise --eval-fraction for a comparable benchmark",

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
 from ..config import cache_root
+from .builds import build_into, check_output_dir, sha256_file, temp_dir_beside
 from .formats import DataError, write_jsonl, write_qrels
 from .ids import normalize_text, stable_id
 
@@ -177,14 +178,6 @@ def source_name(fields: dict[str, str]) -> str:
     """``Source`` without its ``(version)``; the package name when absent or empty."""
     src = fields.get("Source", "").split("(", 1)[0].strip()
     return src or fields["Package"]
-
-
-def sha256_file(path: os.PathLike | str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _is_index_file(p: Path) -> bool:
@@ -403,46 +396,14 @@ def build_debian(
     pk = sorted({Path(p) for p in packages_files}, key=lambda p: (p.name, str(p)))
     if not tr or not pk:
         raise DataError(f"need at least one Translation-en and one Packages file; {APT_UPDATE_HINT}")
-    if out.exists():
-        if not out.is_dir():
-            raise DataError(f"{out}: exists and is not a directory")
-        if any(out.iterdir()) and not (out / "manifest.json").is_file():
-            raise DataError(f"{out}: not empty and not a previous build (no manifest.json); refusing to overwrite")
-        if (out / "manifest.json").is_file() and not overwrite:
-            raise DataError(f"{out}: already holds a build")
+    check_output_dir(out, overwrite)
     records, counts = load_records(tr, pk)
     pairs, dcounts = deduplicate(records, dedup)
     counts.update(dcounts)
     if not pairs:
         raise DataError(f"no usable pairs from {[str(p) for p in tr]} + {[str(p) for p in pk]} (no translation joined a Packages entry)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _mkdtemp(out.parent, f".{out.name}.tmp-")
-    try:
-        manifest = write_debian(tmp, pairs, eval_fraction, _inputs_manifest(tr, pk), counts, dedup)
-        _replace_dir(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return manifest
-
-
-def _mkdtemp(parent: Path, prefix: str) -> Path:
-    """A temporary build folder next to the target, with ordinary permissions (mkdtemp gives 0700)."""
-    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-    umask = os.umask(0o022)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
-    return tmp
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.rename(out, old / "d")
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
+    inputs = _inputs_manifest(tr, pk)
+    return build_into(out, lambda tmp: write_debian(tmp, pairs, eval_fraction, inputs, counts, dedup))
 
 
 # ----------------------------------------------------------------------------- training: cache
@@ -565,7 +526,7 @@ def ensure_debian_dataset(
     records, counts = load_records(tr, pk)
     pairs, dcounts = deduplicate(records, dedup)
     counts.update(dcounts)
-    tmp = _mkdtemp(cache, f".debian-{key}.tmp-")
+    tmp = temp_dir_beside(cache, f".debian-{key}.tmp-")
     try:
         manifest = write_debian(tmp, pairs, eval_fraction, inputs, counts, dedup)
         try:

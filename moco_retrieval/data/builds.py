@@ -1,0 +1,72 @@
+"""Writing a built data set's folder atomically (the builders: debian.py, stdlib_docs.py).
+
+A build is written into a temporary sibling folder and renamed into place, so a reader never sees
+half a build and an interrupted one leaves the old build intact. An existing ``out`` is replaced
+only when it holds a previous build (a ``manifest.json``): a folder a user filled is not touched.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from .formats import DataError
+
+
+def sha256_file(path: os.PathLike | str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def temp_dir_beside(parent: Path, prefix: str) -> Path:
+    """A temporary build folder next to the target, with ordinary permissions (mkdtemp gives 0700)."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    return tmp
+
+
+def replace_dir(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``, replacing a previous ``out`` (moved aside first, then removed)."""
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.rename(out, old / "d")
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
+
+
+def check_output_dir(out: Path, overwrite: bool = True) -> None:
+    """``out`` may not exist, be empty, or hold a previous build (replaced when ``overwrite``)."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise DataError(f"{out}: exists and is not a directory")
+    if any(out.iterdir()) and not (out / "manifest.json").is_file():
+        raise DataError(f"{out}: not empty and not a previous build (no manifest.json); refusing to overwrite")
+    if (out / "manifest.json").is_file() and not overwrite:
+        raise DataError(f"{out}: already holds a build")
+
+
+def build_into(out: Path, write: Callable[[Path], dict]) -> dict:
+    """``write(folder) -> manifest`` into a temporary sibling of ``out``, then renamed to ``out``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_dir_beside(out.parent, f".{out.name}.tmp-")
+    try:
+        manifest = write(tmp)
+        replace_dir(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
+__all__ = ["build_into", "check_output_dir", "replace_dir", "sha256_file", "temp_dir_beside"]
