@@ -270,6 +270,28 @@ class PromptsConfig:
     doc: str = ""
 
 
+SOURCE_MODES = ("weighted", "round_robin")  # data/sampler.py's MultiSourceBatchSampler
+
+
+@dataclass
+class SourceConfig(RangeChecked):
+    """One training source of ``data.sources`` (data/multisource.py): its own file, columns, prompts
+    and weight; every batch is drawn from one source. Unset prompts: ``data.prompts``."""
+
+    name: str = MISSING
+    kind: str = "jsonl"  # jsonl | parquet | csv | beir | debian
+    train_path: Optional[str] = None  # jsonl / parquet / csv
+    dir: Optional[str] = None  # beir: its qrels/<train_split>.tsv
+    train_split: str = "train"
+    columns: ColumnsConfig = field(default_factory=ColumnsConfig)
+    prompts: Optional[PromptsConfig] = None
+    weight: Optional[float] = None  # share of the batches (give every source one, or none: by size)
+    max_train_examples: Optional[int] = None
+
+    SECTION: ClassVar[str] = "data.sources[]"
+    RANGES: ClassVar[dict[str, Range]] = {"weight": NON_NEGATIVE, "max_train_examples": AT_LEAST_ONE}
+
+
 @dataclass
 class DataConfig(RangeChecked):
     kind: str = "debian"  # debian | jsonl | parquet | csv | beir
@@ -277,6 +299,10 @@ class DataConfig(RangeChecked):
     eval_dir: Optional[str] = None  # jsonl / parquet / csv: BEIR-layout evaluation directory
     columns: ColumnsConfig = field(default_factory=ColumnsConfig)  # parquet / csv column names
     prompts: PromptsConfig = field(default_factory=PromptsConfig)  # query / document prefixes
+    # several training sources (data/multisource.py): they replace train_path; validation stays on
+    # this config's pool (eval_dir, or the kind's); source_mode: weighted | round_robin
+    sources: list[SourceConfig] = field(default_factory=list)
+    source_mode: str = "weighted"
     dir: Optional[str] = None  # beir: directory with corpus.jsonl, queries.jsonl, qrels/
     train_split: str = "train"
     eval_split: str = "test"
@@ -565,6 +591,8 @@ __all__ = [
     "OptimConfig",
     "ColumnsConfig",
     "PromptsConfig",
+    "SOURCE_MODES",
+    "SourceConfig",
     "DataConfig",
     "TrainerConfig",
     "LoggerConfig",

@@ -175,7 +175,19 @@ class RetrievalModule(L.LightningModule):
         if self._trainer is not None and self.trainer.optimizers:  # the rate this batch's step applies
             self.log("lr-AdamW", float(self.trainer.optimizers[0].param_groups[0]["lr"]), batch_size=bs)
         self.log_dict({f"train/{k}": torch.as_tensor(v).float() for k, v in stats.items()}, batch_size=bs)
+        if "source" in batch:  # several sources (data.sources, in their order): every rank's batch is of one
+            self.log_source_counts(batch["source"], bs)
         return loss
+
+    def log_source_counts(self, source: torch.Tensor, bs: int) -> None:
+        """``train/source``: this step's source; ``train/pairs_source_S``: pairs of source S trained
+        on in the epoch, all ranks (logged at the epoch's end)."""
+        world = self.trainer.world_size if self._trainer is not None else 1
+        values, counts = torch.unique(source.detach().cpu(), return_counts=True)
+        self.log("train/source", float(values[0]), batch_size=bs)
+        for s, n in zip(values.tolist(), counts.tolist()):
+            self.log(f"train/pairs_source_{s}", float(n * world), on_step=False, on_epoch=True, reduce_fx="sum",
+                     batch_size=bs)
 
     def on_fit_start(self) -> None:
         if self.grad_cache is not None and self.trainer.world_size > 1 and self.objective.unused_parameters:

@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 from moco_retrieval.distributed import shard_range
 
 from .formats import DataError, EvalSet, Negative, Pair
-from .prompts import NO_PROMPTS, Prompts
+from .prompts import NO_PROMPTS, Prompts, apply_by_row
 from .sampler import source_of
 
 Tokenize = Callable[[list[str], str], dict]
@@ -35,8 +35,7 @@ class PairDataset(Dataset):
         return i, self.pairs[i]
 
 
-def _side(texts: list[str], kind: str, tokenize: Optional[Tokenize], prompts: Prompts = NO_PROMPTS) -> dict:
-    texts = prompts.apply(texts, kind)
+def _side(texts: list[str], kind: str, tokenize: Optional[Tokenize]) -> dict:
     side: dict[str, Any] = {"texts": texts}
     if tokenize is not None:
         side.update(dict(tokenize(texts, kind)))
@@ -73,23 +72,30 @@ def collate(
     seed: int = 0,
     source_offsets: Optional[Sequence[int]] = None,
     prompts: Prompts = NO_PROMPTS,
+    source_prompts: Optional[Sequence[Prompts]] = None,
 ) -> dict:
     """``(index, Pair)`` items -> the batch dict of docs/design.md; with ``source_offsets`` (several
-    sources, see :class:`.sampler.MultiSourceBatchSampler`) it holds each row's ``source`` too."""
+    sources, see :class:`.sampler.MultiSourceBatchSampler`) it holds each row's ``source`` too, and
+    ``source_prompts`` (one :class:`.prompts.Prompts` per source) replace ``prompts``."""
     idx = [int(i) for i, _ in items]
     pairs = [p for _, p in items]
+    sources = None if source_offsets is None else source_of(idx, source_offsets)
+    if source_prompts is not None and sources is None:
+        raise ValueError("source_prompts need source_offsets")
+    rows = [prompts] * len(idx) if source_prompts is None else [source_prompts[s] for s in sources.tolist()]
     batch: dict[str, Any] = {
-        "query": _side([p.query for p in pairs], "query", tokenize, prompts),
-        "doc": _side([p.positive for p in pairs], "doc", tokenize, prompts),
+        "query": _side(apply_by_row(rows, [p.query for p in pairs], "query"), "query", tokenize),
+        "doc": _side(apply_by_row(rows, [p.positive for p in pairs], "doc"), "doc", tokenize),
         "doc_id": torch.tensor([p.doc_id for p in pairs], dtype=torch.long),
         "group": torch.tensor([p.group for p in pairs], dtype=torch.long),
         "index": torch.tensor(idx, dtype=torch.long),
     }
-    if source_offsets is not None:
-        batch["source"] = torch.as_tensor(source_of(idx, source_offsets), dtype=torch.long)
+    if sources is not None:
+        batch["source"] = torch.as_tensor(sources, dtype=torch.long)
     if n_negatives:
         negs = [neg for i, p in zip(idx, pairs) for neg in select_negatives(p, i, n_negatives, seed)]
-        batch["neg"] = _side([n.text for n in negs], "doc", tokenize, prompts)
+        neg_rows = [r for r in rows for _ in range(n_negatives)]
+        batch["neg"] = _side(apply_by_row(neg_rows, [n.text for n in negs], "doc"), "doc", tokenize)
         batch["neg_id"] = torch.tensor([n.doc_id for n in negs], dtype=torch.long)
         batch["neg_group"] = torch.tensor([n.group for n in negs], dtype=torch.long)
     return batch
@@ -99,12 +105,14 @@ class Collator:
     """Picklable ``collate`` with its settings (for DataLoader workers)."""
 
     def __init__(self, tokenize: Optional[Tokenize] = None, n_negatives: Optional[int] = None, seed: int = 0,
-                 source_offsets: Optional[Sequence[int]] = None, prompts: Prompts = NO_PROMPTS):
+                 source_offsets: Optional[Sequence[int]] = None, prompts: Prompts = NO_PROMPTS,
+                 source_prompts: Optional[Sequence[Prompts]] = None):
         self.tokenize, self.n_negatives, self.seed = tokenize, n_negatives, seed
-        self.source_offsets, self.prompts = source_offsets, prompts
+        self.source_offsets, self.prompts, self.source_prompts = source_offsets, prompts, source_prompts
 
     def __call__(self, items: Sequence[tuple[int, Pair]]) -> dict:
-        return collate(items, self.tokenize, self.n_negatives, self.seed, self.source_offsets, self.prompts)
+        return collate(items, self.tokenize, self.n_negatives, self.seed, self.source_offsets, self.prompts,
+                       self.source_prompts)
 
 
 class EvalItems(Dataset):
@@ -142,7 +150,7 @@ class EvalCollator:
         assert len(kinds) == 1, "an eval batch holds one kind"
         kind = kinds.pop()
         out: dict[str, Any] = {"kind": kind, "ids": [i for _, i, _ in items]}
-        out.update(_side([t for _, _, t in items], kind, self.tokenize, self.prompts))
+        out.update(_side(self.prompts.apply([t for _, _, t in items], kind), kind, self.tokenize))
         return out
 
 

@@ -27,9 +27,10 @@ from torch.utils.data import DataLoader
 
 from .collate import Collator, EvalCollator, EvalItems, PairDataset, Tokenize, select_negatives
 from .formats import DataError, EvalSet, Pair
+from .multisource import has_sources, load_sources, source_names, source_prompts, source_weights
 from .prompts import to_prompts
-from .sampler import ResumableDataLoader, RetrievalBatchSampler, dist_rank_world
-from .sources import debian_folder, load
+from .sampler import MultiSourceBatchSampler, ResumableDataLoader, RetrievalBatchSampler, dist_rank_world
+from .sources import debian_folder, load, load_eval_pool
 
 
 class RetrievalDataModule(L.LightningDataModule):
@@ -65,6 +66,7 @@ class RetrievalDataModule(L.LightningDataModule):
         self._sampler: Optional[RetrievalBatchSampler] = None
         self._pending_state: Optional[dict] = None
         self.data_dir: Optional[Path] = None  # the built Debian folder (kind=debian, when loaded here)
+        self.source_offsets = None  # data.sources: source s is rows [offsets[s], offsets[s + 1]) (multisource.py)
 
     @classmethod
     def from_loaded(
@@ -111,7 +113,10 @@ class RetrievalDataModule(L.LightningDataModule):
         return self._eval_set
 
     def _load(self) -> None:
-        train, pool = load(self.cfg)
+        if has_sources(self.cfg):
+            (train, self.source_offsets), pool = load_sources(self.cfg), load_eval_pool(self.cfg)
+        else:
+            train, pool = load(self.cfg)
         self.data_dir = train.folder
         self._set_data(train.pairs, pool.eval_set, train.where)
 
@@ -135,20 +140,24 @@ class RetrievalDataModule(L.LightningDataModule):
         if self._sampler is None:
             pairs = self.train_pairs
             cfg = self.cfg
-            self._sampler = RetrievalBatchSampler(
-                [p.doc_id for p in pairs],
-                [p.group for p in pairs],
-                cfg.batch_size,
-                seed=cfg.seed,
-                shuffle=cfg.shuffle,
-                unique_in_batch=cfg.unique_in_batch,
-                rank=self._rank,
-                world_size=self._world_size,
-            )
+            kw = dict(seed=cfg.seed, shuffle=cfg.shuffle, unique_in_batch=cfg.unique_in_batch, rank=self._rank,
+                      world_size=self._world_size)
+            ids, groups = [p.doc_id for p in pairs], [p.group for p in pairs]
+            if self.source_offsets is None:
+                self._sampler = RetrievalBatchSampler(ids, groups, cfg.batch_size, **kw)
+            else:
+                names = [f"data.sources[{i}] ({n})" for i, n in enumerate(source_names(cfg))]
+                self._sampler = MultiSourceBatchSampler(ids, groups, self.source_offsets, cfg.batch_size,
+                                                        weights=source_weights(cfg), mode=cfg.source_mode,
+                                                        names=names, **kw)
             if self._pending_state is not None:
                 self._sampler.load_state_dict(self._pending_state)
                 self._pending_state = None
-            if len(self._sampler) == 0:
+            try:
+                n_batches = len(self._sampler)
+            except ValueError as exc:  # a source too small for a batch (MultiSourceBatchSampler)
+                raise DataError(str(exc)) from None
+            if n_batches == 0:
                 raise DataError(
                     f"data: {len(pairs)} training pairs make no full batch of data.batch_size={cfg.batch_size} "
                     f"x {self._sampler.world_size} rank(s)"
@@ -159,7 +168,8 @@ class RetrievalDataModule(L.LightningDataModule):
         return ResumableDataLoader(
             PairDataset(self.train_pairs),
             batch_sampler=self.batch_sampler,
-            collate_fn=Collator(self.tokenize, self.n_negatives, self.cfg.seed, prompts=self.prompts),
+            collate_fn=Collator(self.tokenize, self.n_negatives, self.cfg.seed, self.source_offsets, self.prompts,
+                                source_prompts(self.cfg) if self.source_offsets is not None else None),
             num_workers=self.cfg.num_workers,
             state_fn=self.state_dict,
             load_fn=self.load_state_dict,

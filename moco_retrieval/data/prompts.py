@@ -72,6 +72,13 @@ class Prompts:
 NO_PROMPTS = Prompts()
 
 
+def apply_by_row(prompts: Sequence[Prompts], texts: Sequence[str], kind: str) -> list[str]:
+    """``texts[i]`` with ``prompts[i]``'s prefix for side ``kind`` (rows of several sources)."""
+    if len(prompts) != len(texts):
+        raise ValueError(f"{len(prompts)} prompts for {len(texts)} texts")
+    return [p.for_kind(kind) + t for p, t in zip(prompts, texts)]
+
+
 def to_prompts(value: Any) -> Prompts:
     """A :class:`Prompts` from a PromptsConfig, a DictConfig or dict of one, or None (none)."""
     if value is None:
@@ -101,4 +108,4 @@ def model_prompts(stored: Optional[Prompts], given: Any, model: str) -> Prompts:
     return stored
 
 
-__all__ = ["KINDS", "NO_PROMPTS", "Prompts", "model_prompts", "to_prompts"]
+__all__ = ["KINDS", "NO_PROMPTS", "Prompts", "apply_by_row", "model_prompts", "to_prompts"]

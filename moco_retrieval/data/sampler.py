@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from moco_retrieval.config import SOURCE_MODES
+
 from .ids import NO_GROUP
 
 
@@ -171,7 +173,6 @@ class RetrievalBatchSampler(Sampler[list[int]]):
             raise ValueError(f"batches_done must be >= 0, got {self.batches_done}")
 
 
-SOURCE_MODES = ("weighted", "round_robin")
 _PASS_STRIDE = 1 << 32  # a source's pass p of epoch e is its sampler's "epoch" e + p * _PASS_STRIDE
 _SCHEDULE_STREAM = 0x5EED5  # keeps the schedule's random stream apart from the sources' ([seed, epoch])
 
@@ -243,6 +244,7 @@ class MultiSourceBatchSampler(Sampler[list[int]]):
         unique_in_batch: bool = True,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
+        names: Optional[Sequence[str]] = None,
     ):
         if len(doc_ids) != len(groups):
             raise ValueError("doc_ids and groups differ in length")
@@ -255,6 +257,7 @@ class MultiSourceBatchSampler(Sampler[list[int]]):
             if w.shape != (n_sources,) or not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
                 raise ValueError(f"weights must be {n_sources} non-negative numbers, not all 0, got {list(weights)}")
         self.weights = None if weights is None else [float(x) for x in weights]
+        self.names = [f"source {s}" for s in range(n_sources)] if names is None else [str(n) for n in names]
         self.mode, self.seed, self.shuffle = mode, int(seed), bool(shuffle)
         self.sources = [
             RetrievalBatchSampler(
@@ -293,7 +296,7 @@ class MultiSourceBatchSampler(Sampler[list[int]]):
         while len(out) < n:
             more = src.global_batches(epoch + p * _PASS_STRIDE)
             if not more:
-                raise ValueError(f"source {s} makes no full batch in pass {p} of epoch {epoch}")
+                raise ValueError(f"{self.names[s]} makes no full batch in pass {p} of epoch {epoch}")
             out.extend([base + i for i in g] for g in more[: n - len(out)])
             p += 1
         return out
@@ -307,7 +310,7 @@ class MultiSourceBatchSampler(Sampler[list[int]]):
         if short:
             s = short[0]
             raise ValueError(
-                f"source {s} has {self.offsets[s + 1] - self.offsets[s]} rows: no full batch of "
+                f"{self.names[s]} has {self.offsets[s + 1] - self.offsets[s]} rows: no full batch of "
                 f"{self.batch_size} x {self.world_size} rank(s)"
                 + (" with distinct doc ids and groups" if self.sources[s].unique_in_batch else "")
             )

@@ -1,0 +1,88 @@
+"""Several training sources in one run (``data.sources``): each read as a data config of its own
+through :func:`.sources.load_training_pairs` (same formats, same located errors, prefixed with the
+source), concatenated in the order given, with ``source_offsets`` (source ``s`` is rows
+``[offsets[s], offsets[s + 1])``) for :class:`.sampler.MultiSourceBatchSampler` and the collate.
+
+Each source has its own ``prompts`` (unset: ``data.prompts``) and ``weight`` (every source one, or
+none: batches in proportion to the sources' sizes). Validation stays on the data config's own pool
+(``data.eval_dir``, or the kind's), encoded with ``data.prompts``.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+from omegaconf import OmegaConf
+
+from moco_retrieval.config import SOURCE_MODES
+
+from .formats import DataError
+from .prompts import Prompts, to_prompts
+from .sources import TrainingPairs, load_training_pairs
+
+# what a source sets for itself; everything else (seed, caps of the pool, cache_dir, ...) is the data config's
+SOURCE_KEYS = ("kind", "train_path", "dir", "train_split", "columns", "max_train_examples")
+
+
+def has_sources(cfg: Any) -> bool:
+    return bool(getattr(cfg, "sources", None))
+
+
+def source_config(cfg: Any, i: int) -> Any:
+    """The data config that source ``i`` is read with: ``cfg`` with the source's own keys."""
+    src = cfg.sources[i]
+    base = cfg if OmegaConf.is_config(cfg) else OmegaConf.structured(cfg)
+    return OmegaConf.merge(base, {**{k: getattr(src, k) for k in SOURCE_KEYS}, "sources": []})
+
+
+def check_sources(cfg: Any) -> None:
+    """The settings of ``data.sources`` that no reader checks: names, weights, mode, no train_path."""
+    if cfg.source_mode not in SOURCE_MODES:
+        raise DataError(f"data.source_mode={cfg.source_mode!r}: expected one of {', '.join(SOURCE_MODES)}")
+    if getattr(cfg, "train_path", None):
+        raise DataError("data.train_path and data.sources are both set: give the training files in data.sources only")
+    names = [s.name for s in cfg.sources]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise DataError(f"data.sources: the name {dup[0]!r} is given to more than one source")
+    weighted = [s.weight is not None for s in cfg.sources]
+    if any(weighted) and not all(weighted):
+        missing = [s.name for s in cfg.sources if s.weight is None]
+        raise DataError(f"data.sources: give every source a weight or none (no weight: {', '.join(missing)})")
+    if all(weighted) and sum(s.weight for s in cfg.sources) <= 0:
+        raise DataError("data.sources: the weights are all 0")
+
+
+def load_sources(cfg: Any) -> tuple[TrainingPairs, np.ndarray]:
+    """Every source's training pairs, concatenated, and the offsets ``[S + 1]``."""
+    check_sources(cfg)
+    pairs, where, offsets = [], [], [0]
+    for i, src in enumerate(cfg.sources):
+        try:
+            data = load_training_pairs(source_config(cfg, i))
+        except DataError as exc:
+            raise DataError(f"data.sources[{i}] ({src.name}): {exc}") from None
+        pairs.extend(data.pairs)
+        where.extend(data.where)
+        offsets.append(len(pairs))
+    return TrainingPairs(pairs, where), np.asarray(offsets, dtype=np.int64)
+
+
+def source_weights(cfg: Any) -> Optional[list[float]]:
+    """The sources' weights, or None (by size)."""
+    weights = [s.weight for s in cfg.sources]
+    return None if any(w is None for w in weights) else [float(w) for w in weights]
+
+
+def source_prompts(cfg: Any) -> list[Prompts]:
+    """Each source's prompts: its own, else ``data.prompts``."""
+    default = to_prompts(cfg.prompts)
+    return [default if s.prompts is None else to_prompts(s.prompts) for s in cfg.sources]
+
+
+def source_names(cfg: Any) -> list[str]:
+    return [str(s.name) for s in cfg.sources]
+
+
+__all__ = ["SOURCE_KEYS", "check_sources", "has_sources", "load_sources", "source_config", "source_names",
+           "source_prompts", "source_weights"]

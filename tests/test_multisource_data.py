@@ -1,0 +1,129 @@
+"""Several training sources in one run (data.sources): the data module draws every batch from one
+source, with its own prompts and weight, validates on data.eval_dir, resumes mid-epoch exactly, and
+names a bad source; a run trains on two sources and logs each one's pair count."""
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from moco_retrieval.config import DataConfig, PromptsConfig, SourceConfig
+from moco_retrieval.data.datamodule import RetrievalDataModule
+from moco_retrieval.data.formats import DataError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_datamodule import fake_tokenize, write_eval, write_jsonl  # noqa: E402
+from test_train_cli import compose_train  # noqa: E402
+
+
+def two_sources(tmp_path: Path, n_a=48, n_b=24, **kw) -> DataConfig:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    a = write_jsonl(tmp_path / "a.jsonl", [{"query": f"alpha query {i}", "positive": f"alpha doc {i}"} for i in range(n_a)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"query": f"beta query {i}", "positive": f"beta doc {i}"} for i in range(n_b)])
+    if not (tmp_path / "eval").exists():
+        write_eval(tmp_path / "eval")
+    sources = [SourceConfig(name="a", train_path=str(a)),
+               SourceConfig(name="b", train_path=str(b), prompts=PromptsConfig(query="question: ", doc="answer: "))]
+    args = dict(kind="jsonl", eval_dir=str(tmp_path / "eval"), batch_size=4, eval_batch_size=5, sources=sources,
+                prompts=PromptsConfig(query="query: ", doc="passage: "))
+    args.update(kw)
+    return DataConfig(**args)
+
+
+def test_batches_of_one_source_with_its_prompts(tmp_path):
+    dm = RetrievalDataModule(two_sources(tmp_path), fake_tokenize, rank=0, world_size=1)
+    dm.setup()
+    assert dm.source_offsets.tolist() == [0, 48, 72]
+    batches = list(dm.train_dataloader())
+    assert len(batches) == 18  # 12 + 6: one pass over each (no weights: by size)
+    assert Counter(int(b["source"][0]) for b in batches) == {0: 12, 1: 6}
+    for b in batches:
+        (src,) = set(b["source"].tolist())
+        word, q, d = ("alpha", "query: ", "passage: ") if src == 0 else ("beta", "question: ", "answer: ")
+        assert all(t.startswith(f"{q}{word} query") for t in b["query"]["texts"])
+        assert all(t.startswith(f"{d}{word} doc") for t in b["doc"]["texts"])
+    val = list(dm.val_dataloader())  # validation: data.eval_dir with data.prompts
+    assert val[0]["texts"][0] == "passage: eval document 0" and val[-1]["texts"][0].startswith("query: eval query")
+
+
+def test_weights_and_round_robin(tmp_path):
+    weighted = RetrievalDataModule(_weighted(tmp_path, [1, 3]), fake_tokenize, rank=0, world_size=1)
+    sources = [int(b["source"][0]) for b in weighted.train_dataloader()]
+    assert Counter(sources) == {0: 5, 1: 13}  # 18 batches split 1:3 (source b repeats: a new pass)
+    rr = RetrievalDataModule(two_sources(tmp_path, source_mode="round_robin"), fake_tokenize, rank=0, world_size=1)
+    assert [int(b["source"][0]) for b in rr.train_dataloader()] == [0, 1] * 6
+
+
+def _weighted(tmp_path, weights):
+    cfg = two_sources(tmp_path)
+    for src, w in zip(cfg.sources, weights):
+        src.weight = w
+    return cfg
+
+
+def test_resume_mid_epoch_across_sources(tmp_path):
+    cfg = _weighted(tmp_path, [2, 1])
+    full = [b["index"].tolist() for b in RetrievalDataModule(cfg, fake_tokenize, rank=0, world_size=1).train_dataloader()]
+    run = RetrievalDataModule(cfg, fake_tokenize, rank=0, world_size=1)
+    for _ in range(5):
+        run.on_train_batch_end()
+    state = run.state_dict()
+    resumed = RetrievalDataModule(cfg, fake_tokenize, rank=0, world_size=1)
+    resumed.load_state_dict(state)
+    assert [b["index"].tolist() for b in resumed.train_dataloader()] == full[5:]
+
+
+def test_bad_sources_are_named(tmp_path):
+    cfg = two_sources(tmp_path)
+    (tmp_path / "b.jsonl").write_text('{"query": "q"}\n')
+    with pytest.raises(DataError, match=rf"data.sources\[1\] \(b\): {tmp_path / 'b.jsonl'}:1: .*positive"):
+        RetrievalDataModule(cfg, fake_tokenize, rank=0, world_size=1).setup()
+    for change, message in [
+        (dict(train_path=str(tmp_path / "a.jsonl")), "data.train_path and data.sources are both set"),
+        (dict(source_mode="random"), "data.source_mode='random': expected one of weighted, round_robin"),
+    ]:
+        with pytest.raises(DataError, match=message):
+            RetrievalDataModule(two_sources(tmp_path / "x", **change), rank=0, world_size=1).setup()
+    cfg = two_sources(tmp_path / "y")
+    cfg.sources[0].weight = 1.0
+    with pytest.raises(DataError, match=r"give every source a weight or none \(no weight: b\)"):
+        RetrievalDataModule(cfg, rank=0, world_size=1).setup()
+    cfg.sources[1].name = "a"
+    with pytest.raises(DataError, match="the name 'a' is given to more than one source"):
+        RetrievalDataModule(cfg, rank=0, world_size=1).setup()
+    small = RetrievalDataModule(two_sources(tmp_path / "z", n_b=3), rank=0, world_size=1)
+    with pytest.raises(DataError, match=r"data.sources\[1\] \(b\) has 3 rows: no full batch of 4 x 1 rank"):
+        small.train_dataloader()
+
+
+def test_sources_compose_strictly_from_the_command_line(tmp_path):
+    sources = "[{name: a, train_path: a.jsonl, weight: 2}, {name: b, kind: parquet, train_path: b.parquet, prompts: {query: 'q: '}}]"
+    cfg = compose_train(["data=jsonl", f"data.sources={sources}", "data.source_mode=round_robin"])
+    assert [s.name for s in cfg.data.sources] == ["a", "b"] and cfg.data.sources[0].weight == 2
+    assert cfg.data.sources[1].prompts.query == "q: " and cfg.data.sources[1].prompts.doc == ""
+    assert cfg.data.sources[1].columns.query == "query"
+    with pytest.raises(ConfigCompositionException):
+        compose_train(["data=jsonl", "data.sources=[{name: a, train_file: a.jsonl}]"])
+
+
+def test_a_run_on_two_sources_logs_each_ones_pairs(tmp_path, one_thread):
+    from moco_retrieval.train import train
+
+    data = two_sources(tmp_path / "data", n_a=64, n_b=32)
+    sources = "[" + ", ".join(f"{{name: {s.name}, train_path: '{s.train_path}'}}" for s in data.sources) + "]"
+    cfg = OmegaConf.to_object(compose_train([
+        "+experiment=smoke", "data=jsonl", f"data.sources={sources}", f"data.eval_dir={data.eval_dir}",
+        "data.max_eval_queries=null", "data.max_eval_docs=null", "logger=csv", "trainer.val_check_interval=null",
+        "data.prompts.query='query: '"]))
+    train(cfg, tmp_path / "run")
+    rows = list(csv.DictReader((tmp_path / "run" / "csv" / "metrics.csv").open()))
+    totals = {k: float(v) for r in rows for k, v in r.items() if k.startswith("train/pairs_source_") and v}
+    assert totals == {"train/pairs_source_0": 64.0, "train/pairs_source_1": 32.0}  # 16-pair batches: 4 + 2
+    hparams = json.loads(json.dumps(OmegaConf.to_container(OmegaConf.load(tmp_path / "run" / "config.yaml"))))
+    assert [s["name"] for s in hparams["data"]["sources"]] == ["a", "b"]
