@@ -18,7 +18,7 @@ from moco_retrieval.data.datamodule import RetrievalDataModule
 from moco_retrieval.data.formats import DataError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_datamodule import fake_tokenize, write_eval, write_jsonl  # noqa: E402
+from test_datamodule import fake_tokenize, make_cfg, write_eval, write_jsonl  # noqa: E402
 from test_train_cli import compose_train  # noqa: E402
 
 
@@ -77,6 +77,17 @@ def test_resume_mid_epoch_across_sources(tmp_path):
     resumed = RetrievalDataModule(cfg, fake_tokenize, rank=0, world_size=1)
     resumed.load_state_dict(state)
     assert [b["index"].tolist() for b in resumed.train_dataloader()] == full[5:]
+    assert state["sources"] == {"names": ["a", "b"], "weights": [2.0, 1.0], "mode": "weighted"}
+    other = RetrievalDataModule(_weighted(tmp_path, [1, 1]), fake_tokenize, rank=0, world_size=1)
+    with pytest.raises(DataError, match=r"in a run on data.sources \['a', 'b'\] \(a=2, b=1\), data.source_mode=weighted, "
+                                        r"but this run's config has data.sources \['a', 'b'\] \(a=1, b=1\)"):
+        other.load_state_dict(state)
+    (tmp_path / "one").mkdir()
+    single = RetrievalDataModule(make_cfg(tmp_path / "one"), fake_tokenize, rank=0, world_size=1)
+    with pytest.raises(DataError, match=r"this run's config has one source \(no data.sources\)"):
+        single.load_state_dict(state)
+    with pytest.raises(DataError, match=r"in a run on one source"):
+        other.load_state_dict(single.state_dict())
 
 
 def test_bad_sources_are_named(tmp_path):

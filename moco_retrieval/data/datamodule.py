@@ -7,7 +7,8 @@ Loading by ``data.kind``, subsets and caps live in :mod:`.sources`. Batches foll
 batch twice, and resumes mid-epoch.
 
 Position in the epoch (resume). :meth:`RetrievalDataModule.state_dict` returns
-``{"epoch", "batches_done"}``; Lightning stores it in every checkpoint and hands it back to
+``{"epoch", "batches_done"}`` (with ``data.sources`` also ``"sources"``: names, weights and mode, which
+fix the schedule; a resume under others is refused, see :mod:`.multisource`); Lightning stores it in every checkpoint and hands it back to
 :meth:`RetrievalDataModule.load_state_dict` before the training dataloader is iterated, so the
 resumed epoch yields exactly the batches that were not trained on yet. Under a Lightning fit,
 ``batches_done`` is derived from the fit loop (``batch_progress.current.processed``: batches whose
@@ -27,7 +28,8 @@ from torch.utils.data import DataLoader
 
 from .collate import Collator, EvalCollator, EvalItems, PairDataset, Tokenize, select_negatives
 from .formats import DataError, EvalSet, Pair
-from .multisource import has_sources, load_sources, source_names, source_prompts, source_weights
+from .multisource import (check_same_schedule, has_sources, load_sources, schedule_record, source_names,
+                          source_prompts, source_weights)
 from .prompts import to_prompts
 from .sampler import MultiSourceBatchSampler, ResumableDataLoader, RetrievalBatchSampler, dist_rank_world
 from .sources import debian_folder, load, load_eval_pool
@@ -218,16 +220,19 @@ class RetrievalDataModule(L.LightningDataModule):
         except AttributeError:
             return None
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict:
         if self._sampler is None:
-            return dict(self._pending_state or {"epoch": 0, "batches_done": 0})
-        state = self._sampler.state_dict()
-        done = self._fit_progress()
-        if done is not None:
-            state["batches_done"] = done
-        return state
+            state = dict(self._pending_state or {"epoch": 0, "batches_done": 0})
+        else:
+            state = self._sampler.state_dict()
+            done = self._fit_progress()
+            if done is not None:
+                state["batches_done"] = done
+        record = schedule_record(self.cfg)
+        return state if record is None else {**state, "sources": record}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        check_same_schedule(state_dict.get("sources"), schedule_record(self.cfg))
         state = {"epoch": int(state_dict.get("epoch", 0)), "batches_done": int(state_dict.get("batches_done", 0))}
         if self._sampler is None:
             self._pending_state = state

@@ -84,5 +84,27 @@ def source_names(cfg: Any) -> list[str]:
     return [str(s.name) for s in cfg.sources]
 
 
-__all__ = ["SOURCE_KEYS", "check_sources", "has_sources", "load_sources", "source_config", "source_names",
-           "source_prompts", "source_weights"]
+def schedule_record(cfg: Any) -> Optional[dict]:
+    """What fixes the order of the sources (with the seed): names, weights, mode; None for one source.
+    Kept with the data module's position in checkpoints (:func:`check_same_schedule`)."""
+    if not has_sources(cfg):
+        return None
+    return {"names": source_names(cfg), "weights": source_weights(cfg), "mode": str(cfg.source_mode)}
+
+
+def check_same_schedule(trained: Optional[dict], now: Optional[dict]) -> None:
+    """A resume under other sources, weights or mode would continue another schedule from the
+    checkpoint's position (not the batches that were left): refused."""
+    if trained == now:
+        return
+    def show(r: Optional[dict]) -> str:
+        if r is None:
+            return "one source (no data.sources)"
+        w = "by size" if r["weights"] is None else ", ".join(f"{n}={x:g}" for n, x in zip(r["names"], r["weights"]))
+        return f"data.sources {r['names']} ({w}), data.source_mode={r['mode']}"
+    raise DataError(f"the checkpoint's position is in a run on {show(trained)}, but this run's config has {show(now)}; "
+                    "resume with the sources it was trained on (or start a new run_dir)")
+
+
+__all__ = ["SOURCE_KEYS", "check_same_schedule", "check_sources", "has_sources", "load_sources", "schedule_record",
+           "source_config", "source_names", "source_prompts", "source_weights"]
