@@ -116,6 +116,10 @@ def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Op
         lines.append(f"- Optimizer: AdamW, {_settings(record['optim'])}")
     if record.get("data"):
         lines.append(f"- Data: {_data_line(record['data'])}")
+    if desc.get("prompts"):  # encode_query / encode_document put them before the texts
+        p = desc["prompts"]
+        lines.append(f"- Prompts: query {p.get('query', '')!r}, document {p.get('doc', '')!r} "
+                     "(the model's `prompts`; `encode_query` / `encode_document` apply them)")
     lines.append("")
     if metrics:
         shown = [k for k in SHOWN_METRICS if k in metrics]

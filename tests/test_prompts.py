@@ -124,6 +124,7 @@ def test_exported_model_gives_our_embeddings_with_encode_query_and_encode_docume
     st_mod = pytest.importorskip("sentence_transformers")
     out = tmp_path / "m"
     run_export(_compose("export", _tiny(tiny_dir) + [f"checkpoint={e5_checkpoint}", f"out_dir={out}"]))
+    assert "- Prompts: query 'query: ', document 'passage: '" in (out / "README.md").read_text()
     st_cfg = json.loads((out / "config_sentence_transformers.json").read_text())
     assert st_cfg["prompts"] == {"query": "query: ", "document": "passage: "}
     assert st_cfg["default_prompt_name"] == "document"
