@@ -138,3 +138,12 @@ def test_a_run_on_two_sources_logs_each_ones_pairs(tmp_path, one_thread):
     assert totals == {"train/pairs_source_0": 64.0, "train/pairs_source_1": 32.0}  # 16-pair batches: 4 + 2
     hparams = json.loads(json.dumps(OmegaConf.to_container(OmegaConf.load(tmp_path / "run" / "config.yaml"))))
     assert [s["name"] for s in hparams["data"]["sources"]] == ["a", "b"]
+
+
+def test_unset_source_keys_are_the_data_configs(tmp_path):
+    cfg = two_sources(tmp_path, max_train_examples=20)  # every source capped at 20 ...
+    cfg.sources[1].max_train_examples = 8  # ... but b at its own 8
+    dm = RetrievalDataModule(cfg, rank=0, world_size=1)
+    dm.setup()
+    assert dm.source_offsets.tolist() == [0, 20, 28]
+    assert {p.query.split()[0] for p in dm.train_pairs[20:]} == {"beta"}

@@ -29,10 +29,12 @@ def has_sources(cfg: Any) -> bool:
 
 
 def source_config(cfg: Any, i: int) -> Any:
-    """The data config that source ``i`` is read with: ``cfg`` with the source's own keys."""
+    """The data config that source ``i`` is read with: ``cfg`` with the keys the source sets (an
+    unset one, e.g. ``max_train_examples``, stays the data config's)."""
     src = cfg.sources[i]
     base = cfg if OmegaConf.is_config(cfg) else OmegaConf.structured(cfg)
-    return OmegaConf.merge(base, {**{k: getattr(src, k) for k in SOURCE_KEYS}, "sources": []})
+    own = {k: getattr(src, k) for k in SOURCE_KEYS if getattr(src, k) is not None}
+    return OmegaConf.merge(base, {**own, "sources": []})
 
 
 def check_sources(cfg: Any) -> None:
