@@ -186,3 +186,18 @@ def test_resume_with_other_prompts_is_refused(tmp_path):
     assert resume() == str(last)
     with pytest.raises(CheckpointError, match=r"trained with data.prompts.doc=''"):
         resume("data.prompts.doc='passage: '")
+
+
+def test_a_sentence_transformers_directory_brings_its_prompts(tiny_dir, tmp_path):
+    """A model directory not written by our export (e.g. an E5 model saved by sentence-transformers)."""
+    import shutil
+
+    d = tmp_path / "st"
+    shutil.copytree(tiny_dir, d)
+    (d / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {"query": "query: ", "passage": "passage: "}}))
+    fallback = ModelConfig(backbone="tiny", path=tiny_dir)
+    enc, desc = load_encoder(model_dir=str(d), model=fallback)
+    assert enc.prompts == E5 and desc["prompts"] == {"query": "query: ", "doc": "passage: "}
+    (d / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {"query": "", "document": ""}}))
+    enc, _ = load_encoder(model_dir=str(d), model=fallback, prompts={"query": "q: "})  # empty: none on record
+    assert enc.prompts == Prompts(query="q: ")

@@ -97,8 +97,9 @@ def checkpoint_prompts(ckpt: dict) -> Prompts:
 
 
 def stored_prompts(model_dir: Path) -> Optional[Prompts]:
-    """A model directory's prompts: ours (``moco_retrieval.json``), else a sentence-transformers
-    ``prompts`` dict; None when it records none."""
+    """A model directory's prompts: ours (``moco_retrieval.json``, empty ones included: trained
+    without), else a sentence-transformers ``prompts`` dict with a non-empty query or document
+    prompt (empty ones are its default, not a record); None when it records none."""
     for name in (META_FILE, ST_CONFIG):
         try:
             meta = json.loads((model_dir / name).read_text(encoding="utf-8"))
@@ -107,7 +108,8 @@ def stored_prompts(model_dir: Path) -> Optional[Prompts]:
         if name == META_FILE and isinstance(meta.get("prompts"), dict):
             return to_prompts(meta["prompts"])
         if name == ST_CONFIG and isinstance(meta.get("prompts"), dict):
-            return Prompts.from_sentence_transformers(meta["prompts"])
+            found = Prompts.from_sentence_transformers(meta["prompts"])
+            return None if found.empty else found
     return None
 
 
