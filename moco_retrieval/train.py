@@ -40,7 +40,9 @@ from moco_retrieval.checkpointing import (LAST, AtomicCheckpointIO, check_same_o
 from moco_retrieval.cluster import is_rank_zero, on_slurm, torchrun_devices
 from moco_retrieval.config import TrainConfig, TrainerConfig, register_configs
 from moco_retrieval.data.datamodule import RetrievalDataModule
-from moco_retrieval.data.prompts import to_prompts
+from moco_retrieval.data.multisource import source_prompts
+from moco_retrieval.data.prompts import apply_by_row, by_row, to_prompts
+from moco_retrieval.data.sampler import source_of
 from moco_retrieval.errors import reports_user_errors
 from moco_retrieval.evaluation.callback import ValidationReport
 from moco_retrieval.lightning_module import RetrievalModule
@@ -200,15 +202,25 @@ def _train(cfg: TrainConfig, run_dir: Path) -> dict:
     dm.setup("fit")
     L.seed_everything(cfg.seed, workers=True)
     module, dm, trainer = build(cfg, run_dir, dm)
-    if module.encoder.frozen:  # every frozen feature computed (or loaded) once, up front, of the texts as prompted
-        module.encoder.warm_features(
-            queries=dm.prompts.apply([p.query for p in dm.train_pairs] + list(dm.eval_set.queries.values()), "query"),
-            docs=dm.prompts.apply([p.positive for p in dm.train_pairs] + list(dm.eval_set.corpus.values()), "doc"),
-        )
+    if module.encoder.frozen:  # every frozen feature computed (or loaded) once, up front
+        warm_frozen_features(module.encoder, dm)
     if trainer.is_global_zero:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     with distributed.exit_when_peers_stall(cfg.trainer.process_group_timeout, lambda: trainer.global_step):
         return _fit(module, dm, trainer, ckpt_path, run_dir)
+
+
+def warm_frozen_features(encoder, dm: RetrievalDataModule) -> int:
+    """A frozen backbone's features of every text the run will embed, as its batches hold them
+    (with their prompts: the cache is keyed by the text the model sees); returns how many were computed."""
+    pairs, ev = dm.train_pairs, dm.eval_set
+    if dm.source_offsets is None:
+        queries, docs = dm.prompts.apply([p.query for p in pairs], "query"), dm.prompts.apply([p.positive for p in pairs], "doc")
+    else:  # each source's rows with its own prompts
+        rows = by_row(source_prompts(dm.cfg), source_of(range(len(pairs)), dm.source_offsets))
+        queries, docs = apply_by_row(rows, [p.query for p in pairs], "query"), apply_by_row(rows, [p.positive for p in pairs], "doc")
+    return encoder.warm_features(queries=queries + dm.prompts.apply(list(ev.queries.values()), "query"),
+                                 docs=docs + dm.prompts.apply(list(ev.corpus.values()), "doc"))
 
 
 def _fit(module: RetrievalModule, dm: RetrievalDataModule, trainer: L.Trainer, ckpt_path: Optional[str],

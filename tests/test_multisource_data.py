@@ -147,3 +147,25 @@ def test_unset_source_keys_are_the_data_configs(tmp_path):
     dm.setup()
     assert dm.source_offsets.tolist() == [0, 20, 28]
     assert {p.query.split()[0] for p in dm.train_pairs[20:]} == {"beta"}
+
+
+def test_frozen_features_are_warmed_for_the_prompted_texts(tmp_path):
+    """train.py's warm-up fills the frozen backbone's cache with the texts the batches hold (each
+    source's prompts, data.prompts for the pool): training and validation compute nothing more."""
+    from moco_retrieval.config import ModelConfig
+    from moco_retrieval.model.encoder import build_encoder
+    from moco_retrieval.model.tiny import build_tiny_bert
+    from moco_retrieval.train import warm_frozen_features
+
+    enc = build_encoder(ModelConfig(backbone="tiny", path=str(build_tiny_bert(tmp_path / "tiny")), frozen_backbone=True,
+                                    feature_cache_dir=None))
+    dm = RetrievalDataModule(two_sources(tmp_path / "data", n_a=16, n_b=8), None, rank=0, world_size=1)
+    dm.setup()
+    cache = enc.feature_cache
+    assert warm_frozen_features(enc, dm) > 0
+    before = cache.computed
+    for batch in dm.train_dataloader():
+        enc(batch["query"], "query"), enc(batch["doc"], "doc")
+    for batch in dm.val_dataloader():
+        enc(batch, batch["kind"])
+    assert cache.computed == before

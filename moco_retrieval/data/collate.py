@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 from moco_retrieval.distributed import shard_range
 
 from .formats import DataError, EvalSet, Negative, Pair
-from .prompts import NO_PROMPTS, Prompts, apply_by_row
+from .prompts import NO_PROMPTS, Prompts, apply_by_row, by_row
 from .sampler import source_of
 
 Tokenize = Callable[[list[str], str], dict]
@@ -82,7 +82,7 @@ def collate(
     sources = None if source_offsets is None else source_of(idx, source_offsets)
     if source_prompts is not None and sources is None:
         raise ValueError("source_prompts need source_offsets")
-    rows = [prompts] * len(idx) if source_prompts is None else [source_prompts[s] for s in sources.tolist()]
+    rows = [prompts] * len(idx) if source_prompts is None else by_row(source_prompts, sources)
     batch: dict[str, Any] = {
         "query": _side(apply_by_row(rows, [p.query for p in pairs], "query"), "query", tokenize),
         "doc": _side(apply_by_row(rows, [p.positive for p in pairs], "doc"), "doc", tokenize),

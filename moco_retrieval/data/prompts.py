@@ -72,6 +72,11 @@ class Prompts:
 NO_PROMPTS = Prompts()
 
 
+def by_row(per_source: Sequence[Prompts], sources: Sequence[int]) -> list[Prompts]:
+    """Each row's prompts from its source index."""
+    return [per_source[int(s)] for s in sources]
+
+
 def apply_by_row(prompts: Sequence[Prompts], texts: Sequence[str], kind: str) -> list[str]:
     """``texts[i]`` with ``prompts[i]``'s prefix for side ``kind`` (rows of several sources)."""
     if len(prompts) != len(texts):
@@ -108,4 +113,4 @@ def model_prompts(stored: Optional[Prompts], given: Any, model: str) -> Prompts:
     return stored
 
 
-__all__ = ["KINDS", "NO_PROMPTS", "Prompts", "apply_by_row", "model_prompts", "to_prompts"]
+__all__ = ["KINDS", "NO_PROMPTS", "Prompts", "apply_by_row", "by_row", "model_prompts", "to_prompts"]
