@@ -278,7 +278,7 @@ class SourceConfig(RangeChecked):
     """One training source of ``data.sources`` (data/multisource.py): its own file, columns, prompts
     and weight; every batch is drawn from one source. Unset prompts: ``data.prompts``."""
 
-    name: str = MISSING
+    name: Optional[str] = None  # in messages and the checkpoint (default: its position, "0", "1", ...)
     kind: str = "jsonl"  # jsonl | parquet | csv | beir | debian
     train_path: Optional[str] = None  # jsonl / parquet / csv
     dir: Optional[str] = None  # beir: its qrels/<train_split>.tsv

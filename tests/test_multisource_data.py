@@ -169,3 +169,11 @@ def test_frozen_features_are_warmed_for_the_prompted_texts(tmp_path):
     for batch in dm.val_dataloader():
         enc(batch, batch["kind"])
     assert cache.computed == before
+
+
+def test_a_source_without_a_name_is_named_by_its_position(tmp_path):
+    cfg = two_sources(tmp_path)
+    cfg.sources[1].name = None
+    (tmp_path / "b.jsonl").write_text("not json\n")
+    with pytest.raises(DataError, match=r"data.sources\[1\] \(1\): .*b.jsonl:1: malformed JSON"):
+        RetrievalDataModule(cfg, rank=0, world_size=1).setup()

@@ -43,13 +43,13 @@ def check_sources(cfg: Any) -> None:
         raise DataError(f"data.source_mode={cfg.source_mode!r}: expected one of {', '.join(SOURCE_MODES)}")
     if getattr(cfg, "train_path", None):
         raise DataError("data.train_path and data.sources are both set: give the training files in data.sources only")
-    names = [s.name for s in cfg.sources]
+    names = source_names(cfg)
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise DataError(f"data.sources: the name {dup[0]!r} is given to more than one source")
     weighted = [s.weight is not None for s in cfg.sources]
     if any(weighted) and not all(weighted):
-        missing = [s.name for s in cfg.sources if s.weight is None]
+        missing = [n for n, s in zip(names, cfg.sources) if s.weight is None]
         raise DataError(f"data.sources: give every source a weight or none (no weight: {', '.join(missing)})")
     if all(weighted) and sum(s.weight for s in cfg.sources) <= 0:
         raise DataError("data.sources: the weights are all 0")
@@ -59,11 +59,11 @@ def load_sources(cfg: Any) -> tuple[TrainingPairs, np.ndarray]:
     """Every source's training pairs, concatenated, and the offsets ``[S + 1]``."""
     check_sources(cfg)
     pairs, where, offsets = [], [], [0]
-    for i, src in enumerate(cfg.sources):
+    for i, name in enumerate(source_names(cfg)):
         try:
             data = load_training_pairs(source_config(cfg, i))
         except DataError as exc:
-            raise DataError(f"data.sources[{i}] ({src.name}): {exc}") from None
+            raise DataError(f"data.sources[{i}] ({name}): {exc}") from None
         pairs.extend(data.pairs)
         where.extend(data.where)
         offsets.append(len(pairs))
@@ -83,7 +83,8 @@ def source_prompts(cfg: Any) -> list[Prompts]:
 
 
 def source_names(cfg: Any) -> list[str]:
-    return [str(s.name) for s in cfg.sources]
+    """Each source's name, its position when it has none."""
+    return [str(i) if s.name is None else str(s.name) for i, s in enumerate(cfg.sources)]
 
 
 def schedule_record(cfg: Any) -> Optional[dict]:
