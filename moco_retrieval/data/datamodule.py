@@ -7,9 +7,9 @@ Loading by ``data.kind``, subsets and caps live in :mod:`.sources`. Batches foll
 batch twice, and resumes mid-epoch.
 
 Position in the epoch (resume). :meth:`RetrievalDataModule.state_dict` returns
-``{"epoch", "batches_done"}`` (with ``data.sources`` also ``"sources"``: names, weights and mode, which
-fix the schedule; a resume under others is refused, see :mod:`.multisource`); Lightning stores it in every checkpoint and hands it back to
-:meth:`RetrievalDataModule.load_state_dict` before the training dataloader is iterated, so the
+``{"epoch", "batches_done"}`` (with ``data.sources`` also ``"sources"``: names, weights and mode,
+which fix the schedule; a resume under others is refused, see :mod:`.multisource`); Lightning
+stores it in every checkpoint and hands it back to :meth:`RetrievalDataModule.load_state_dict` before the training dataloader is iterated, so the
 resumed epoch yields exactly the batches that were not trained on yet. Under a Lightning fit,
 ``batches_done`` is derived from the fit loop (``batch_progress.current.processed``: batches whose
 training step finished, which is right for checkpoints saved in ``on_train_batch_end``, at
@@ -142,16 +142,7 @@ class RetrievalDataModule(L.LightningDataModule):
         if self._sampler is None:
             pairs = self.train_pairs
             cfg = self.cfg
-            kw = dict(seed=cfg.seed, shuffle=cfg.shuffle, unique_in_batch=cfg.unique_in_batch, rank=self._rank,
-                      world_size=self._world_size)
-            ids, groups = [p.doc_id for p in pairs], [p.group for p in pairs]
-            if self.source_offsets is None:
-                self._sampler = RetrievalBatchSampler(ids, groups, cfg.batch_size, **kw)
-            else:
-                names = [f"data.sources[{i}] ({n})" for i, n in enumerate(source_names(cfg))]
-                self._sampler = MultiSourceBatchSampler(ids, groups, self.source_offsets, cfg.batch_size,
-                                                        weights=source_weights(cfg), mode=cfg.source_mode,
-                                                        names=names, **kw)
+            self._sampler = self._new_sampler(pairs)
             if self._pending_state is not None:
                 self._sampler.load_state_dict(self._pending_state)
                 self._pending_state = None
@@ -165,6 +156,18 @@ class RetrievalDataModule(L.LightningDataModule):
                     f"x {self._sampler.world_size} rank(s)"
                 )
         return self._sampler
+
+    def _new_sampler(self, pairs: list[Pair]) -> RetrievalBatchSampler | MultiSourceBatchSampler:
+        """One source: RetrievalBatchSampler; ``data.sources``: MultiSourceBatchSampler over them."""
+        cfg = self.cfg
+        kw = dict(seed=cfg.seed, shuffle=cfg.shuffle, unique_in_batch=cfg.unique_in_batch, rank=self._rank,
+                  world_size=self._world_size)
+        ids, groups = [p.doc_id for p in pairs], [p.group for p in pairs]
+        if self.source_offsets is None:
+            return RetrievalBatchSampler(ids, groups, cfg.batch_size, **kw)
+        names = [f"data.sources[{i}] ({n})" for i, n in enumerate(source_names(cfg))]
+        return MultiSourceBatchSampler(ids, groups, self.source_offsets, cfg.batch_size, weights=source_weights(cfg),
+                                       mode=cfg.source_mode, names=names, **kw)
 
     def train_dataloader(self) -> DataLoader:
         return ResumableDataLoader(
