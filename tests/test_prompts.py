@@ -14,7 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from moco_retrieval.checkpointing import atomic_torch_save
-from moco_retrieval.config import DataConfig, InBatchConfig, ModelConfig, OptimConfig, PromptsConfig
+from moco_retrieval.config import InBatchConfig, ModelConfig, OptimConfig, PromptsConfig
 from moco_retrieval.data.collate import EvalCollator, collate
 from moco_retrieval.data.datamodule import RetrievalDataModule
 from moco_retrieval.data.formats import EvalSet, Negative, Pair, write_beir
@@ -23,7 +23,6 @@ from moco_retrieval.errors import CheckpointError, ConfigError
 from moco_retrieval.evaluation.encode import encode_texts
 from moco_retrieval.export import run_export
 from moco_retrieval.lightning_module import RetrievalModule
-from moco_retrieval.model.encoder import build_encoder
 from moco_retrieval.model.loading import load_checkpoint_encoder, load_encoder, load_model_dir
 from moco_retrieval.model.tiny import build_tiny_bert
 from moco_retrieval.search import run_search
