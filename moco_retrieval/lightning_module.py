@@ -18,7 +18,7 @@ from moco_retrieval.gradcache import GradCache
 from moco_retrieval.model.encoder import build_encoder
 from moco_retrieval.model.momentum import MomentumEncoder, state_dict_prefix
 from moco_retrieval.model.guide import build_guide_encoder
-from moco_retrieval.objectives import GUIDE, TRAINED, View, build_objective
+from moco_retrieval.objectives import GUIDE, TRAINED, StepInput, View, build_objective
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -152,11 +152,10 @@ class RetrievalModule(L.LightningModule):
         has_neg = "neg" in batch
         emb = {name: self._embed(view, batch) for name, view in self.objective.views_for(self.global_step).items()
                if view.side != "neg" or has_neg}
-        meta = {"doc_id": batch["doc_id"], "group": batch["group"], **emb,
-                "tokens": {name: batch[name] for name in ("query", "doc", "neg") if name in batch}}
-        if has_neg:
-            meta.update(neg_id=batch["neg_id"], neg_group=batch["neg_group"])
-        return self.objective(meta.pop("q"), meta.pop("k"), meta, step=self.global_step)
+        step = StepInput(**emb, doc_id=batch["doc_id"], group=batch["group"], step=self.global_step,
+                         neg_id=batch.get("neg_id"), neg_group=batch.get("neg_group"),
+                         tokens={name: batch[name] for name in ("query", "doc", "neg") if name in batch})
+        return self.objective(step)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss, stats = self.shared_step(batch)
