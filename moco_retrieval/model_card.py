@@ -15,14 +15,10 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
+from moco_retrieval.objectives.registry import OBJECTIVES
+
 # the packaged backbones by their published names
 KNOWN_BACKBONES = {"minilm": "sentence-transformers/all-MiniLM-L6-v2"}
-OBJECTIVE_TEXT = {
-    "moco": "MoCo: queries against a momentum (EMA) key encoder's documents and a FIFO queue of its past keys",
-    "two_queue": "two-queue MoCo: query->document and document->query, each against an EMA encoder and a queue",
-    "inbatch": "in-batch InfoNCE: every other document of the (global) batch is a negative",
-    "feature_memory": "in-batch InfoNCE plus a queue of frozen-backbone features re-projected by the trained head",
-}
 SHOWN_METRICS = ("recall@1", "recall@10", "mrr@10", "ndcg@10", "map@100")
 
 
@@ -111,7 +107,8 @@ def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Op
         lines.append("- Exported: the untrained base encoder (no checkpoint)")
     if objective:
         name = objective.get("name")
-        lines.append(f"- Objective: {OBJECTIVE_TEXT.get(name, name)} (`objective={name}`); {_settings(objective)}")
+        text = OBJECTIVES[name].description if name in OBJECTIVES else name
+        lines.append(f"- Objective: {text} (`objective={name}`); {_settings(objective)}")
     if record.get("optim"):
         lines.append(f"- Optimizer: AdamW, {_settings(record['optim'])}")
     if record.get("data"):

@@ -56,6 +56,11 @@ class Objective(nn.Module):
         self.scoring = Scoring(cfg, guided=self.guide.on)
         self._register_load_state_dict_pre_hook(_rename_legacy_keys, with_module=True)
 
+    def use_momentum_encoder(self, cfg) -> None:
+        """An EMA key encoder as ``cfg``'s momentum options set it: its schedule and dropout."""
+        self.momentum = MomentumSchedule(cfg.momentum, cfg.momentum_schedule)
+        self.key_encoder_dropout = bool(cfg.key_encoder_dropout)
+
     @classmethod
     def build(cls, cfg: ObjectiveConfig, encoder, guide_dim: int | None) -> "Objective":
         """The objective ``cfg`` describes, for ``encoder`` (checks what it needs of the encoder)."""

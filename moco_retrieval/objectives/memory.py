@@ -117,6 +117,9 @@ class KeyMemory(nn.Module):
         if self.guide is not None:
             self.guide.enqueue(p.guide_keys, p.ids, p.groups, p.step, gather=not p.gathered)
         if self.refresh is not None:
+            if not p.tokens:
+                raise ValueError(f"the {self.prefix} refreshes its keys and needs their texts: StepInput.tokens "
+                                 f"has no {self.kind!r} side")
             self.refresh.store(slots, p.tokens, p.step)
 
     @torch.no_grad()

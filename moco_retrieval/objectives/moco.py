@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from moco_retrieval.config import MoCoConfig
-from moco_retrieval.objectives.base import MomentumSchedule, Objective
+from moco_retrieval.objectives.base import Objective
 from moco_retrieval.objectives.direction import Direction, Keys, gathered_keys
 from moco_retrieval.objectives.memory import KeyMemory, batch_enqueue
 from moco_retrieval.objectives.step import MOMENTUM, Enqueue, StepInput, View
@@ -51,11 +51,15 @@ def hard_keys(batch: StepInput) -> Keys | None:
     return Keys(batch.neg.detach().float(), batch.neg_id, batch.neg_group)
 
 
-def max_lengths(encoder) -> dict[str, int]:
-    """The encoder's tokens per query and per document: the width of a refreshing memory's texts."""
-    if encoder.frozen:  # (TrainConfig refuses the combination first)
-        raise ValueError("objective.queue_refresh needs a trained backbone: a frozen one never changes its keys")
-    return {kind: encoder.max_len(kind) for kind in ("query", "doc")}
+def build_momentum_objective(cls, cfg, encoder, guide_dim: int | None):
+    """``cls(cfg, dim, guide_dim, max_len)`` for ``encoder``: MoCo's and the two-queue objective's
+    ``build`` (``max_len``, the encoder's tokens per kind, is the width of a refreshing memory's texts)."""
+    max_len = None
+    if cfg.queue_refresh:
+        if encoder.frozen:  # (TrainConfig refuses the combination first)
+            raise ValueError("objective.queue_refresh needs a trained backbone: a frozen one never changes its keys")
+        max_len = {kind: encoder.max_len(kind) for kind in ("query", "doc")}
+    return cls(cfg, encoder.dim, guide_dim, max_len)
 
 
 class MoCoObjective(Objective):
@@ -79,12 +83,9 @@ class MoCoObjective(Objective):
         self.docs = KeyMemory.of(cfg, dim, guide_dim=guide_dim if self.fixed_guide else None, max_len=max_len)
         self.batch_negatives = bool(cfg.batch_negatives)
         self.enqueue_hard_negatives = bool(cfg.enqueue_hard_negatives)
-        self.momentum = MomentumSchedule(cfg.momentum, cfg.momentum_schedule)
-        self.key_encoder_dropout = bool(cfg.key_encoder_dropout)
+        self.use_momentum_encoder(cfg)
 
-    @classmethod
-    def build(cls, cfg: MoCoConfig, encoder, guide_dim: int | None) -> "MoCoObjective":
-        return cls(cfg, encoder.dim, guide_dim, max_lengths(encoder) if cfg.queue_refresh else None)
+    build = classmethod(build_momentum_objective)
 
     def forward(self, batch: StepInput) -> tuple[torch.Tensor, dict]:
         self.write_fresh(batch)

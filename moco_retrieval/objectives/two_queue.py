@@ -59,11 +59,11 @@ from torch import Tensor
 
 from moco_retrieval.config import TwoQueueConfig
 from moco_retrieval.distributed import all_gather_no_grad, all_gather_with_grad
-from moco_retrieval.objectives.base import MomentumSchedule, Objective
+from moco_retrieval.objectives.base import Objective
 from moco_retrieval.objectives.direction import Direction, Keys, gathered_keys
 from moco_retrieval.objectives.guided import GuideScores
 from moco_retrieval.objectives.memory import KeyMemory, batch_enqueue
-from moco_retrieval.objectives.moco import hard_keys, max_lengths
+from moco_retrieval.objectives.moco import build_momentum_objective, hard_keys
 from moco_retrieval.objectives.step import MOMENTUM, StepInput, View
 
 
@@ -103,12 +103,9 @@ class TwoQueueObjective(Objective):
         self.queue_warmup_steps = int(cfg.queue_warmup_steps)
         self.same_side_negatives = bool(cfg.same_side_negatives)
         self.inbatch_weight = float(cfg.inbatch_weight)
-        self.momentum = MomentumSchedule(cfg.momentum, cfg.momentum_schedule)
-        self.key_encoder_dropout = bool(cfg.key_encoder_dropout)
+        self.use_momentum_encoder(cfg)
 
-    @classmethod
-    def build(cls, cfg: TwoQueueConfig, encoder, guide_dim: int | None) -> "TwoQueueObjective":
-        return cls(cfg, encoder.dim, guide_dim, max_lengths(encoder) if cfg.queue_refresh else None)
+    build = classmethod(build_momentum_objective)
 
     def forward(self, batch: StepInput) -> tuple[Tensor, dict]:
         self.write_fresh(batch)
