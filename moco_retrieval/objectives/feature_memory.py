@@ -1,19 +1,12 @@
-"""Feature memory for frozen backbones: a queue of past documents' backbone *features*, projected
-by the trained head every step, with gradient through every key.
+"""Feature memory for frozen backbones (``FeatureMemoryObjective``): a queue of past documents'
+backbone *features*, projected by the trained head every step, with gradient through every key.
 
-With a frozen backbone a document's embedding is a function of (backbone feature, head) only, so a
-queue of features re-projected by the current head holds exactly the keys the current encoder
-would give: nothing goes stale, whatever the queue's age. Keeping the projections' gradient makes
-the loss in-batch InfoNCE over the batch's queries against batch + K documents, both sides
-trained: a cross-batch memory (Wang et al., "Cross-Batch Memory for Embedding Learning", CVPR
-2020) made exact, since XBM stores embeddings and relies on their slow drift. Contrast MoCo
-(moco.py), whose queued keys are constants and train only the query side.
-
-The cost is one K x hidden x d projection (and its backward) per step. A fine-tuned backbone
-cannot use this: its stored features would be stale, so the module refuses it.
-
-Defaults: K = 16,384 (the ``frozen_queue`` preset's measured choice; see benchmarks/results/
-batch_size.md), batch negatives on; temperature comes from the preset.
+Design notes. With a frozen backbone a document's embedding is a function of (backbone feature,
+head) only, so a queue of features re-projected by the current head holds exactly the keys the
+current encoder would give: nothing goes stale, whatever the queue's age. The module serves the
+projection as the "memory" view (the stored features through the head, with gradient). The cost is
+one K x hidden x d projection (and its backward) per step. A fine-tuned backbone cannot use this:
+its stored features would be stale, so ``build`` refuses it.
 """
 from __future__ import annotations
 
@@ -29,14 +22,27 @@ from moco_retrieval.objectives.step import Enqueue, StepInput, View
 
 
 class FeatureMemoryObjective(Objective):
-    """Feature memory (see the module docstring): in-batch InfoNCE whose candidates also include K
-    past documents, kept as frozen backbone features in a key memory and projected by the current
-    head every step, with gradient.
+    """In-batch InfoNCE whose candidates also include K past documents: each query against its document,
+    the batch's other documents, the hard negatives and the memory's documents, every one embedded by
+    the current encoder with gradient, so both sides train. Candidates sharing the positive's document
+    id or group are masked.
 
     Args:
-        cfg: ``FeatureMemoryConfig``: queue size and storage, batch negatives, temperature.
+        cfg: ``FeatureMemoryConfig``. Defaults, and why: ``queue_size`` 16,384 (the ``frozen_queue``
+            preset's measured choice; see benchmarks/results/batch_size.md); ``batch_negatives`` on;
+            the temperature comes from the preset.
         feature_dim: the frozen backbone's feature width (what the memory stores).
-        guide_dim: a fixed guide encoder's dimension (``objective.guide`` = base or a model).
+        guide_dim: a fixed guide encoder's dimension, when ``cfg.guide`` names one.
+
+    References:
+        - Wang et al., "Cross-Batch Memory for Embedding Learning" (XBM), CVPR 2020: a cross-batch
+          memory, made exact here (XBM stores embeddings and relies on their slow drift).
+
+    Parts: one ``Direction``; one ``KeyMemory`` of features, ``memory``.
+
+    Relations:
+        - ``MoCoObjective``'s queued keys are constants and train only the query side.
+        - ``InBatchObjective`` is this without the memory.
     """
 
     VIEWS = {

@@ -1,27 +1,14 @@
-"""ICoL: the query tower and the document tower trained in turns, each against a queue of the other's
-embeddings, which do not go stale.
+"""ICoL (``ICoLObjective``): the query tower and the document tower trained in turns, each against a
+queue of the other's embeddings, which do not go stale.
 
-Xu et al., "LaPraDoR: Unsupervised Pretrained Dense Retriever for Zero-Shot Text Retrieval"
-(Findings of ACL 2022), Iterative Contrastive Learning. A dual encoder (``model.shared_tower=false``)
-trains one tower at a time. For ``phase_steps`` optimizer steps the query tower learns, with
-gradient, against documents that the document tower (not trained in this phase) embeds without
-gradient: each query's positive, the batch's other documents, its hard negatives, and a queue of
-the document embeddings of this phase. Then the document tower learns the same way against the
-query tower's embeddings of the queries and a queue of them, and so on, starting with the queries.
-Within a phase the tower that fills the queue does not change, so every queued embedding is what
-that tower would make of its text now: a large set of negatives without MoCo's stale keys and
-without an EMA copy. When the phase turns the queue is emptied (it held the other side).
-
-False negatives (same document id or group as the pair's positive) are masked in the batch and the
-queue in both phases (queued queries carry their pair's document id and group). Under DDP the
+Design notes. Within a phase the tower that fills the queue does not change, so every queued
+embedding is what that tower would make of its text now: a large set of negatives without MoCo's
+stale keys and without an EMA copy. When the phase turns the memory is emptied (it held the other
+side); ``queue_phase`` records which phase filled it, so a resumed run knows. Queued queries carry
+their pair's document id and group, so false negatives are masked in both phases. Under DDP the
 batch's embeddings are all-gathered in rank order before they are enqueued, so every rank holds the
 same queue. The tower out of training gets no gradient in its phase, so DDP must allow unused
-parameters (``unused_parameters``: train.py's strategy sets it). A shared tower cannot take turns:
-the objective refuses one.
-
-Defaults: ``phase_steps`` 128 and ``queue_size`` 4,096 (a phase at batch 32 fills the queue once;
-at larger batches the queue holds the newest 4,096), temperature 0.05; no guided masking and no
-logQ correction (refused: the queue's side changes every phase).
+parameters (``unused_parameters``: train.py's strategy sets it).
 """
 from __future__ import annotations
 
@@ -40,13 +27,28 @@ DOC_PHASE = {"q": View("query", grad=False), "k": View("doc")}
 
 
 class ICoLObjective(Objective):
-    """ICoL (see the module docstring): one direction per phase, the trained tower's side against the
-    other tower's embeddings of the batch, its hard negatives (queries' phase) and a key memory of
-    this phase's embeddings, emptied when the phase turns.
+    """Iterative contrastive learning of a dual encoder (``model.shared_tower=false``), one tower at a
+    time. For ``phase_steps`` optimizer steps the query tower learns, with gradient, against documents
+    the document tower embeds without gradient: each query's positive, the batch's other documents,
+    its hard negatives, and a queue of this phase's document embeddings. Then the document tower
+    learns the same way against the query tower's embeddings of the queries and a queue of them, and so
+    on, starting with the queries. Candidates sharing the positive's document id or group are masked.
 
     Args:
-        cfg: ``ICoLConfig``: phase length, queue size and storage, temperature.
+        cfg: ``ICoLConfig``. Defaults, and why: ``phase_steps`` 128 and ``queue_size`` 4,096 (a phase
+            at batch 32 fills the queue once; at larger batches it holds the newest 4,096);
+            ``temperature`` 0.05. No guided masking and no logQ correction (refused: the queue's
+            side changes every phase). A shared tower cannot take turns: refused too.
         dim: the embedding dimension.
+
+    References:
+        - Xu et al., "LaPraDoR: Unsupervised Pretrained Dense Retriever for Zero-Shot Text
+          Retrieval", Findings of ACL 2022 (Iterative Contrastive Learning).
+
+    Parts: one ``Direction`` per step (the phase's trained side as anchors); one ``KeyMemory``, ``memory``.
+
+    Relations:
+        - ``MoCoObjective`` keeps its queue fresh with an EMA encoder instead of turns.
     """
 
     VIEWS = QUERY_PHASE  # (the first phase's; views_for(step) gives each step's)

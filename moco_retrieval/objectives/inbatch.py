@@ -1,16 +1,8 @@
-"""In-batch negatives: InfoNCE over the B x B score matrix (optionally symmetric).
+"""In-batch negatives (``InBatchObjective``): InfoNCE over the B x B score matrix, optionally symmetric.
 
-Each query's positive is its own document; every other document of the batch is a negative
-(Henderson et al. 2017; Karpukhin et al. 2020, "DPR"; sentence-transformers'
-``MultipleNegativesRankingLoss``; facebookresearch/contriever ``src/inbatch.py``). Both sides are
-embedded by the trained encoder, with gradient.
-
-Under DDP with ``cross_device`` (default on) documents and hard negatives are all-gathered *with
-gradient*, so each query contrasts against the global batch; the target of local row i is
-column ``rank * B + i``. Documents sharing the positive's id or group are masked.
-
-Defaults: temperature 0.05 (MNRL's scale 20), not symmetric (``symmetric`` adds the
-document->query loss, as MNRL's symmetric variant does).
+Design notes. Under DDP with ``cross_device`` documents and hard negatives are all-gathered *with
+gradient*, so each query contrasts against the global batch; the target of local row i is column
+``rank * B + i``. The document -> query direction masks by the document's own id and group.
 """
 from __future__ import annotations
 
@@ -25,12 +17,26 @@ from moco_retrieval.objectives.step import StepInput, View
 
 
 class InBatchObjective(Objective):
-    """In-batch negatives (see the module docstring): each query against its own document and every
-    other document (and hard negative) of the global batch, both sides trained; ``symmetric`` adds
-    the documents -> queries direction and averages the two.
+    """In-batch negatives: each query's positive is its own document; every other document of the
+    (global) batch, and every hard negative, is a negative. Both sides are embedded by the trained
+    encoder, with gradient. Documents sharing the positive's id or group are masked.
 
     Args:
-        cfg: ``InBatchConfig``: temperature, ``symmetric``, ``cross_device``.
+        cfg: ``InBatchConfig``. Defaults, and why: ``temperature`` 0.05 (MNRL's scale 20);
+            ``symmetric`` off (on adds the document -> query loss and averages the two, as MNRL's
+            symmetric variant does); ``cross_device`` on (a larger batch of negatives for one
+            all-gather).
+
+    References:
+        - Henderson et al., "Efficient Natural Language Response Suggestion for Smart Reply", 2017.
+        - Karpukhin et al., "Dense Passage Retrieval for Open-Domain Question Answering" (DPR), 2020.
+
+    Parts: one ``Direction`` (two when symmetric); no memory.
+
+    Relations:
+        - sentence-transformers' ``MultipleNegativesRankingLoss`` (and its symmetric variant);
+          facebookresearch/contriever ``src/inbatch.py``.
+        - ``FeatureMemoryObjective`` adds K re-projected past documents (frozen backbones).
     """
 
     VIEWS = {"q": View("query"), "k": View("doc"), "neg": View("neg")}

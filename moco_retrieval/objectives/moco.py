@@ -1,37 +1,20 @@
-"""MoCo: queries against the momentum encoder's keys and a FIFO queue of its past keys.
+"""MoCo for retrieval (``MoCoObjective``): one direction, queries -> documents, and one key memory.
 
-One direction (direction.py), queries -> documents, and one key memory (memory.py) of documents.
-
-He et al., "Momentum Contrast for Unsupervised Visual Representation Learning" (CVPR 2020),
-as adapted to retrieval by Izacard et al., "Unsupervised Dense Information Retrieval with
-Contrastive Learning" (Contriever, 2021; facebookresearch/contriever ``src/moco.py``).
-
-Queries come from the trained encoder; documents (positives, hard negatives) from its EMA copy,
-without gradient, so only the query side learns from this loss. For query i with key k_i+ the
-candidates are, in this order:
-
-* its positive k_i+ (the target);
-* the other keys of the current (global) batch, when ``batch_negatives`` (default on);
-* the batch's hard negatives, shared by every query of the batch, when the batch carries them;
-* every filled slot of the queue.
-
-A candidate with the positive's document id or group is masked out (``mask_false_negatives``,
-default on). The loss is computed before this batch's keys are enqueued, so a query never sees
-its own key in the queue within the step that produced it: ``forward`` holds the keys back and
-``after_backward`` writes them (the queue logits' backward still needs the queue as it was, and
-copying a K x d queue every step to avoid that is what this design avoids).
+Design notes. Queries come from the trained encoder; documents (positives, hard negatives) from its
+EMA copy, without gradient. For query i the candidates are, in this order: its positive k_i+ (the
+target), the other keys of the current (global) batch, the batch's hard negatives (shared by every
+query of the batch), every negative of the queue. The loss is computed before this batch's keys
+are enqueued, so a query never sees its own key in the queue within the step that produced it:
+``forward`` holds the keys back (an ``Enqueue``) and ``after_backward`` writes them (the queue
+logits' backward still needs the queue as it was, and copying a K x d queue every step to avoid
+that is what this design avoids).
 
 Guided masking (``objective.guide``, guided.py): "momentum" scores candidates with the EMA key
 encoder (its query embeddings, one extra forward of the queries without gradient, against the keys
-this objective holds anyway); a fixed guide keeps its own embeddings of queued documents in a
-second queue. logQ (``objective.logq_correction``) corrects the positive, batch and queue logits.
-
-``queue_refresh`` N re-encodes N queued documents a step with the current key encoder (the
+this objective holds anyway); a fixed guide keeps its own embeddings of queued documents in the
+memory, slot for slot. logQ (``objective.logq_correction``) corrects the positive, batch and queue
+logits. ``queue_refresh`` N re-encodes N queued documents a step with the current key encoder (the
 negative cache's refresh, refresh.py); their new keys replace the stale ones before the step's logits.
-
-Defaults: K = 65,536 and m = 0.999 (MoCo's and Contriever's), temperature 0.05; hard negatives are
-not enqueued (``enqueue_hard_negatives``: they are chosen per query and would make the queue less
-representative of the corpus); no refresh.
 """
 from __future__ import annotations
 
@@ -63,14 +46,33 @@ def build_momentum_objective(cls, cfg, encoder, guide_dim: int | None):
 
 
 class MoCoObjective(Objective):
-    """MoCo's loss for retrieval: each query against the EMA key of its document, the batch's other
-    keys, the hard negatives and a queue of past keys (see the module docstring).
+    """MoCo's loss for retrieval: each query against the EMA key encoder's key of its document (the
+    positive), the batch's other keys, the batch's hard negatives and a FIFO queue of past keys, in one
+    softmax. Only the query side gets gradient from it; candidates sharing the positive's document id
+    or group are masked.
 
     Args:
-        cfg: ``MoCoConfig``: temperature, queue size and storage, momentum, age bound, refresh, ...
+        cfg: ``MoCoConfig``. Defaults, and why: ``queue_size`` 65,536 and ``momentum`` 0.999 (MoCo's
+            and Contriever's: a large, slowly changing set of negatives); ``temperature`` 0.05
+            (Contriever's); ``batch_negatives`` on (one B x B product for B more negatives);
+            ``enqueue_hard_negatives`` off (they are chosen per query and would make the queue less
+            representative of the corpus); ``queue_max_age`` null and ``queue_refresh`` 0 (every queued
+            key counts as it was encoded: MoCo's own setting).
         dim: the embedding dimension (the queue's key width).
-        guide_dim: a fixed guide encoder's dimension (``objective.guide`` = base or a model).
-        max_len: the encoder's tokens per kind (``objective.queue_refresh`` stores texts).
+        guide_dim: a fixed guide encoder's dimension, when ``cfg.guide`` names one.
+        max_len: the encoder's tokens per kind, when ``cfg.queue_refresh`` keeps the queued texts.
+
+    References:
+        - He et al., "Momentum Contrast for Unsupervised Visual Representation Learning", CVPR 2020.
+        - Izacard et al., "Unsupervised Dense Information Retrieval with Contrastive Learning"
+          (Contriever), 2021; facebookresearch/contriever ``src/moco.py``.
+
+    Parts: one ``Direction`` (queries -> documents); one ``KeyMemory``, ``docs``.
+
+    Relations:
+        - ``TwoQueueObjective`` adds the document -> query direction and a query memory: both
+          inputs train.
+        - ``InBatchObjective`` has neither EMA keys nor queue: the batch's documents, with gradient.
     """
 
     VIEWS = {"q": View("query"), "k": View("doc", MOMENTUM, grad=False), "neg": View("neg", MOMENTUM, grad=False)}

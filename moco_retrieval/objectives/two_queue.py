@@ -1,56 +1,30 @@
-"""Two-queue momentum contrast: both inputs trained, each against a momentum queue of the other side.
+"""Two-queue momentum contrast (``TwoQueueObjective``): both inputs trained, each against a momentum
+queue of the other side.
 
-MoCo (moco.py) trains only the query side: its keys are constants. Here the trained encoder embeds
-queries *and* documents, the EMA key encoder embeds both sides too, and two directions (direction.py),
-each with a key memory (memory.py) of the other side, are averaged:
+Design notes. Each softmax stays inside one consistent key space (EMA keys of one side), while both
+encoders' inputs get gradient, which is what in-batch negatives have and MoCo lacks. The query
+memory stores each query key with its pair's document id and group, so false negatives are masked
+in both memories and in the batch. Under DDP both memories are all-gathered in rank order before
+they are written, so every rank holds identical ones. The global batch's ids and groups are the
+same for both sides: gathered once.
 
-* query -> document: query q_i against the EMA key of its document, the batch's other document
-  keys, the hard negatives and a queue of past EMA document keys (MoCo's loss);
-* document -> query: document d_i against the EMA key of its query, the batch's other query keys
-  and a queue of past EMA query keys.
+``same_side_negatives`` adds the other side's space to each softmax: a query is also contrasted with
+the other queries' EMA keys and the query queue, a document with the other documents' keys and the
+document queue (a model never contrasted on title-title pairs behaves oddly there; GTE's "improved
+contrastive loss"). A pair's own key on the other side is masked, as are keys sharing its document
+id or group; the guide does not score these blocks.
 
-Each softmax stays inside one consistent key space (EMA keys of one side), while both encoders'
-inputs get gradient, which is what in-batch negatives have and MoCo lacks. False negatives (same
-document id or group as the pair's positive) are masked in both queues and in the batch; the query
-queue stores each query key with its pair's document id and group. Under DDP both queues are
-all-gathered in rank order before enqueue, so every rank holds identical queues.
-
-Sources: xMoCo (Yang et al., "xMoCo: Cross Momentum Contrastive Learning for Open-Domain Question
-Answering", ACL 2021: two fast/slow encoder pairs and two queues, one per direction); MoCo v3's
-symmetrized loss (Chen et al., ICCV 2021); ALBEF's retrieval fine-tune (Li et al., NeurIPS 2021:
-momentum distillation with both directions, m 0.995, queue 65,536); ContAccum (Kim et al., NeurIPS
-2024: a dual memory bank of queries and documents).
-
-``same_side_negatives`` adds the other side's space to each softmax: a query is also contrasted
-with the other queries' EMA keys and the query queue, a document with the other documents' keys
-and the document queue (the essay: a model never contrasted on title-title pairs behaves oddly
-there; GTE's "improved contrastive loss", Li et al. 2023, "Towards General Text Embeddings with
-Multi-stage Contrastive Learning"). A pair's own key on the other side is masked, as are keys
-sharing its document id or group; the guide does not score these blocks.
-
-``inbatch_weight`` adds a third loss, weighted: each query against the trained encoder's documents
-of the (global) batch, with gradient on both sides, i.e. in-batch negatives (inbatch.py), masked by
-id and group. XBM (Wang et al., "Cross-Batch Memory for Embedding Learning", CVPR 2020) sums a
-batch loss and a memory loss the same way. Why here: every key the two directions see comes from
-the EMA encoder, and queued keys are older than the batch's; the faster the EMA moves, the more
-the current embeddings can lower the queue's logits by drifting together away from older keys,
-and the space narrows into a cone (B6 measures it as mean unrelated cosine). The in-batch term
-contrasts current embeddings with each other, which that drift does not help. It costs one B x B
-product: both sides are embedded with gradient already. Its candidates are the batch's documents,
-so the query -> document guide masks the same ones there.
+``inbatch_weight``: why an in-batch term here. Every key the two directions see comes from the EMA
+encoder, and queued keys are older than the batch's; the faster the EMA moves, the more the current
+embeddings can lower the queue's logits by drifting together away from older keys, and the space
+narrows into a cone (B6 measures it as mean unrelated cosine). The in-batch term contrasts current
+embeddings with each other, which that drift does not help. It costs one B x B product (both sides
+are embedded with gradient already). Its candidates are the batch's documents, so it reuses the
+query -> document batch block's mask (id, group and guide) when that block exists.
 
 Guided masking and logQ work as in MoCo, in both directions (the document -> query direction's
-guide scores query keys against the documents).
-
-``queue_refresh`` N re-encodes N queued documents and N queued queries a step with the current
-key encoder (refresh.py), as MoCo's does its document queue.
-
-Defaults: K 65,536 per queue and temperature 0.05 (MoCo's); m 0.995 (ALBEF's) with
-``queue_max_age`` 128, so every queued key is younger than the EMA's time constant 1/(1-m) = 200
-steps (older keys let the space narrow into a cone; at batch 32 this is a 4,096-key window, at a
-global batch of 512 the whole ring); both directions weighted equally (``doc_to_query_weight`` 1),
-queues count from the first step (``queue_warmup_steps`` 0), no same-side negatives, no refresh, and the
-in-batch term at weight 1 (``inbatch_weight``; 0 turns it off). B6 measured each of these.
+guide scores query keys against the documents). ``queue_refresh`` N re-encodes N queued documents
+and N queued queries a step with the current key encoder (refresh.py).
 """
 from __future__ import annotations
 
@@ -68,15 +42,44 @@ from moco_retrieval.objectives.step import MOMENTUM, StepInput, View
 
 
 class TwoQueueObjective(Objective):
-    """Two-queue momentum contrast (see the module docstring): query -> document against EMA
-    document keys and a document queue, document -> query against EMA query keys and a query queue,
-    weighted ``1 : doc_to_query_weight``, plus ``inbatch_weight`` of in-batch InfoNCE.
+    """Two-queue momentum contrast: two InfoNCE directions, averaged with weights ``1 : doc_to_query_weight``:
+
+    * query -> document: each query against the EMA key of its document, the batch's other document
+      keys, the hard negatives and a queue of past EMA document keys (MoCo's loss);
+    * document -> query: each document, by the trained encoder, against the EMA key of its query, the
+      batch's other query keys and a queue of past EMA query keys;
+
+    plus ``inbatch_weight`` times in-batch InfoNCE of the queries against the trained encoder's
+    documents. Candidates sharing the positive's document id or group are masked everywhere.
 
     Args:
-        cfg: ``TwoQueueConfig``.
+        cfg: ``TwoQueueConfig``. Defaults, and why: ``queue_size`` 65,536 per queue and ``temperature``
+            0.05 (MoCo's); ``momentum`` 0.995 (ALBEF's) with ``queue_max_age`` 128, so every queued key
+            is younger than the EMA's time constant 1/(1-m) = 200 steps (older keys let the space narrow
+            into a cone; at batch 32 a 4,096-key window, at a global batch of 512 the whole ring);
+            ``doc_to_query_weight`` 1 (both directions alike); ``queue_warmup_steps`` 0 (queues count
+            from the first step); ``same_side_negatives`` off; ``queue_refresh`` 0; ``inbatch_weight``
+            1 (0 turns the in-batch term off). B6 measured each of these.
         dim: the embedding dimension (both queues' key width).
-        guide_dim: a fixed guide encoder's dimension (``objective.guide`` = base or a model).
-        max_len: the encoder's tokens per kind (``objective.queue_refresh`` stores texts).
+        guide_dim: a fixed guide encoder's dimension, when ``cfg.guide`` names one.
+        max_len: the encoder's tokens per kind, when ``cfg.queue_refresh`` keeps the queued texts.
+
+    References:
+        - Yang et al., "xMoCo: Cross Momentum Contrastive Learning for Open-Domain Question
+          Answering", ACL 2021 (two fast/slow encoder pairs and two queues, one per direction).
+        - Chen et al., "An Empirical Study of Training Self-Supervised Vision Transformers" (MoCo v3,
+          ICCV 2021): the symmetrized loss.
+        - Li et al., "Align before Fuse" (ALBEF, NeurIPS 2021): momentum distillation both ways, m 0.995,
+          queue 65,536. Kim et al., ContAccum (NeurIPS 2024): a dual memory bank of queries and documents.
+        - Wang et al., "Cross-Batch Memory for Embedding Learning" (XBM, CVPR 2020): a batch loss and a
+          memory loss summed. Li et al. 2023, "Towards General Text Embeddings with Multi-stage
+          Contrastive Learning" (GTE): same-side negatives.
+
+    Parts: two ``Direction``s (and an in-batch one); two ``KeyMemory``s, ``docs`` and ``queries``.
+
+    Relations:
+        - ``MoCoObjective`` is the query -> document direction alone.
+        - ``InBatchObjective(symmetric=True)`` is both directions without EMA keys or queues.
     """
 
     VIEWS = {
