@@ -98,8 +98,11 @@ def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Op
              f"A dense-retrieval bi-encoder trained with moco-retrieval from `{base or 'a random init'}`: "
              f"{desc.get('dim')}-dimensional embeddings, {model_cfg.get('pooling')} pooling, head `{model_cfg.get('head')}`, "
              f"{'cosine similarity (normalized)' if model_cfg.get('normalize') else 'dot product (not normalized)'}; "
-             f"queries truncated at {model_cfg.get('query_max_len')} tokens, documents at {model_cfg.get('doc_max_len')}.", "",
-             "## Training", ""]
+             f"queries truncated at {model_cfg.get('query_max_len')} tokens, documents at {model_cfg.get('doc_max_len')}.", ""]
+    if not model_cfg.get("shared_tower", True):
+        lines += ["Two towers, exported whole as a sentence-transformers `Router`: `encode_query` runs the query "
+                  "tower (route `query`), `encode_document` and plain `encode` the document tower (route `document`).", ""]
+    lines += ["## Training", ""]
     if desc.get("source") == "checkpoint":
         lines.append(f"- Exported: the {'query' if side == 'query' else 'momentum key'} encoder at step "
                      f"{desc.get('global_step')} (epoch {desc.get('epoch')}) of `{Path(str(desc.get('path'))).name}`")
