@@ -137,6 +137,10 @@ class ObjectiveConfig(RangeChecked):
     logq_correction: bool = False
     logq_alpha: float = 0.01  # the estimator's learning rate (Yi et al. 2019)
     logq_buckets: int = 1 << 20  # hash buckets of the estimator (collisions merge documents)
+    # Matryoshka embeddings (objectives/matryoshka.py): the loss summed over these prefixes of every
+    # embedding (e.g. [384, 256, 128, 64]), weighted by matryoshka_weights (empty: 1 each); empty: off
+    matryoshka_dims: list[int] = field(default_factory=list)
+    matryoshka_weights: list[float] = field(default_factory=list)
 
     SECTION: ClassVar[str] = "objective"
     RANGES: ClassVar[dict[str, Range]] = {

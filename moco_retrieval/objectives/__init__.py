@@ -22,6 +22,9 @@ def build_objective(cfg: ObjectiveConfig, encoder, guide_encoder=None) -> Object
     guide_dim = guide_encoder.dim if guide_encoder is not None else None
     objective = OBJECTIVES[cfg.name].objective.build(cfg, encoder, guide_dim)
     check_views(type(objective).__name__, objective.views)
+    if objective.scoring.matryoshka is not None:  # prefixes of the encoder's embeddings, unit when they are
+        objective.scoring.matryoshka.check(encoder.dim)
+        objective.scoring.matryoshka.normalize = bool(getattr(encoder, "normalize", True))
     return objective
 
 

@@ -87,7 +87,7 @@ class FeatureMemoryObjective(Objective):
             hard = Keys(batch.neg.float(), batch.neg_id, batch.neg_group) if batch.neg is not None else None
             fm = Direction(self.scoring, q, k, ids, groups, guide).add_keys(keys, hard)
             if self.memory.fill > 0:  # the stored features as the current head projects them
-                fm.add(q @ batch.memory.float().T, self.memory.ids(), self.memory.groups(), "queue")
+                fm.add(batch.memory.float(), self.memory.ids(), self.memory.groups(), "queue")
             loss, stats = fm.loss(tau)
         self.hold(self.memory, Enqueue(batch.doc_features, ids, groups, batch.step,
                                        guide_keys=batch.g_k if self.fixed_guide else None))

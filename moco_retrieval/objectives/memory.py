@@ -74,8 +74,10 @@ class KeyMemory(nn.Module):
     def groups(self) -> Tensor:
         return self.queue.groups()
 
-    def logits(self, anchors: Tensor) -> Tensor:
-        return self.queue.logits(anchors)
+    def logits(self, anchors: Tensor, transform=None) -> Tensor:
+        """fp32 ``anchors @ keys^T`` over the negatives (``transform``: applied to the keys first,
+        a chunk at a time, e.g. a Matryoshka prefix)."""
+        return self.queue.logits(anchors, transform)
 
     def guide_keys(self) -> Tensor:
         return self.guide.keys()

@@ -1,5 +1,6 @@
 """What every objective scores and masks the same way: temperature, label smoothing, false-negative
-masks (id and group, masking.py; guided, guided.py) and the logQ correction (logq.py).
+masks (id and group, masking.py; guided, guided.py), the logQ correction (logq.py) and Matryoshka
+prefixes (matryoshka.py).
 
 Every direction (direction.py) of every objective scores its blocks through one ``Scoring``, so a
 rule changes in one place.
@@ -13,6 +14,7 @@ from moco_retrieval.distributed import all_gather_no_grad
 from moco_retrieval.objectives.contrastive import Block, Temperature, info_nce
 from moco_retrieval.objectives.guided import GuidedMask
 from moco_retrieval.objectives.logq import StreamingFrequency
+from moco_retrieval.objectives.matryoshka import Matryoshka
 from moco_retrieval.objectives.masking import Mask, Pairs, false_negative_pairs, merge_pairs
 
 
@@ -27,6 +29,8 @@ class Scoring(nn.Module):
         self.mask_false_negatives = bool(cfg.mask_false_negatives)
         self.guide = GuidedMask(cfg.guide_margin, cfg.guide_threshold) if guided else None
         self.logq = StreamingFrequency(cfg.logq_buckets, cfg.logq_alpha) if cfg.logq_correction else None
+        # Matryoshka prefixes (matryoshka.py); build_objective sets whether they are re-normalised
+        self.matryoshka = Matryoshka(cfg.matryoshka_dims, cfg.matryoshka_weights) if cfg.matryoshka_dims else None
 
     def mask(self, pos_ids: Tensor, pos_groups: Tensor, cand_ids: Tensor, cand_groups: Tensor,
              guide: tuple[Tensor, Tensor, Tensor] | None = None, own: Pairs | None = None) -> Mask:

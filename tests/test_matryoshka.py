@@ -1,0 +1,106 @@
+"""objective.matryoshka_dims (objectives/matryoshka.py): the loss summed over truncated, re-normalised
+prefixes of every embedding, queued keys included, against loop references."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moco_retrieval.config import ConfigError, InBatchConfig, MoCoConfig, TwoQueueConfig
+from moco_retrieval.objectives import build_objective
+from moco_retrieval.objectives.step import StepInput
+
+TAU, D = 0.07, 8
+IDS = torch.tensor([10, 11, 12, 13, 10, 15])  # rows 0 and 4 share a positive document
+GROUPS = torch.tensor([1, 2, 2, -1, 1, -1])
+Q_IDS = torch.tensor([10, 99, 12, 98, 97, 96, 13, 95, 94, 93])  # the queue holds positives 10, 12, 13
+Q_GROUPS = torch.tensor([-1, 2, -1, -1, 1, -1, -1, 5, -1, -1])
+
+
+def unit(*shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return F.normalize(torch.randn(*shape, generator=g), dim=-1)
+
+
+def excluded(i, j_id, j_group):
+    return bool(j_id == IDS[i] or (GROUPS[i] >= 0 and j_group == GROUPS[i]))
+
+
+def ref_loss(q, k, batch_keys, extra, dim, normalize=True):
+    """MoCo's loss on the first ``dim`` coordinates (re-normalised): loops over candidates."""
+    def cut(x):
+        x = x[..., :dim]
+        return F.normalize(x, dim=-1) if normalize else x
+    q, k, batch_keys = cut(q), cut(k), cut(batch_keys)
+    out = []
+    for i in range(len(q)):
+        logits = [q[i] @ k[i] / TAU]
+        logits += [q[i] @ batch_keys[j] / TAU for j in range(len(batch_keys)) if j != i and not excluded(i, IDS[j], GROUPS[j])]
+        for vecs, ids, groups in extra:
+            vecs = cut(vecs)
+            logits += [q[i] @ vecs[j] / TAU for j in range(len(vecs)) if not excluded(i, ids[j], groups[j])]
+        out.append(torch.logsumexp(torch.stack(logits), 0) - logits[0])
+    return torch.stack(out).mean()
+
+
+def encoder(normalize=True):
+    return SimpleNamespace(dim=D, hidden_size=D, frozen=False, shared_tower=True, normalize=normalize,
+                           max_len=lambda kind: 6)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_moco_loss_and_gradient_are_the_weighted_sum_over_prefixes(normalize):
+    """Every block is truncated, queued keys included (they stay full-size in the queue)."""
+    cfg = MoCoConfig(queue_size=20, temperature=TAU, matryoshka_dims=[8, 4, 2], matryoshka_weights=[1.0, 0.5, 0.25])
+    obj = build_objective(cfg, encoder(normalize)).train()
+    obj.docs.queue.enqueue(unit(10, D, seed=5), Q_IDS, Q_GROUPS, step=0)
+    queue = obj.docs.queue.keys().clone()
+    q, k = unit(6, D, seed=1).requires_grad_(), unit(6, D, seed=2)
+    hard, hard_ids, hard_groups = unit(4, D, seed=9), torch.tensor([200, 11, 202, 203]), torch.tensor([-1, -1, 1, -1])
+    loss, stats = obj(StepInput(q, k, IDS, GROUPS, neg=hard, neg_id=hard_ids, neg_group=hard_groups))
+    (got,) = torch.autograd.grad(loss, [q])
+    q2 = q.detach().clone().requires_grad_()
+    extra = [(hard, hard_ids, hard_groups), (queue, Q_IDS, Q_GROUPS)]
+    parts = {dim: ref_loss(q2, k, k, extra, dim, normalize) for dim in (8, 4, 2)}
+    ref = parts[8] + 0.5 * parts[4] + 0.25 * parts[2]
+    (want,) = torch.autograd.grad(ref, [q2])
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-5)
+    for dim, part in parts.items():
+        assert stats[f"loss_dim{dim}"].item() == pytest.approx(part.item(), abs=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    obj.after_backward()
+    assert obj.docs.queue.keys().shape[1] == D  # the queue keeps full-size keys
+
+
+def test_two_queue_prefixes_cover_both_queues_and_the_in_batch_term():
+    """With the one full dimension it is the objective without Matryoshka; with a smaller prefix
+    alone, the objective on truncated, re-normalised embeddings and queues."""
+    def make(**kw):
+        obj = build_objective(TwoQueueConfig(queue_size=20, temperature=TAU, **kw), encoder()).train()
+        obj.docs.queue.enqueue(unit(10, D, seed=5), Q_IDS, Q_GROUPS, step=0)
+        obj.queries.queue.enqueue(unit(10, D, seed=6), Q_IDS.flip(0), Q_GROUPS.flip(0), step=0)
+        return obj
+    step = dict(q=unit(6, D, seed=1), k=unit(6, D, seed=2), doc_id=IDS, group=GROUPS, d=unit(6, D, seed=3),
+                q_key=unit(6, D, seed=4))
+    plain = make()(StepInput(**step))[0]
+    assert make(matryoshka_dims=[D])(StepInput(**step))[0].item() == pytest.approx(plain.item(), rel=1e-6)
+    cut = make(matryoshka_dims=[4])(StepInput(**step))[0]
+    truncated = make()  # the same queues, truncated and re-normalised by hand
+    for memory in (truncated.docs, truncated.queries):
+        memory.queue.queue_keys[:, 4:] = 0
+        memory.queue.queue_keys.copy_(F.normalize(memory.queue.queue_keys, dim=1))
+    short = {n: (F.pad(F.normalize(v[:, :4], dim=1), (0, D - 4)) if n in ("q", "k", "d", "q_key") else v)
+             for n, v in step.items()}
+    assert cut.item() == pytest.approx(truncated(StepInput(**short))[0].item(), rel=1e-6)
+    assert abs(cut.item() - plain.item()) > 1e-3
+
+
+def test_bad_prefixes_are_refused():
+    with pytest.raises(ValueError, match="the embeddings have 8 dimensions"):
+        build_objective(InBatchConfig(matryoshka_dims=[16, 8]), encoder())
+    with pytest.raises(ValueError, match="one weight >= 0 per dimension"):
+        build_objective(InBatchConfig(matryoshka_dims=[8, 4], matryoshka_weights=[1.0]), encoder())
+    with pytest.raises((ValueError, ConfigError)):
+        build_objective(InBatchConfig(matryoshka_dims=[8, 0]), encoder())
