@@ -95,6 +95,8 @@ def export_encoder(
         "shared_tower": bool(encoder.shared_tower),
     }
     meta = {"format_version": FORMAT_VERSION, "model": cfg, "side": side, "source": source or {}}
+    if (source or {}).get("matryoshka_dims"):  # trained for these prefixes (SentenceTransformer(truncate_dim=d))
+        meta["matryoshka_dims"] = list(source["matryoshka_dims"])
     (out / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     _apply_umask(out)
     return out

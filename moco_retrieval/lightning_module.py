@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from moco_retrieval.config import EvalConfig, ModelConfig, ObjectiveConfig, OptimConfig, TrainConfig, objective_config, to_config
 from moco_retrieval.distributed import all_gather_rows, row_counts, shard_range
 from moco_retrieval.evaluation.encode import evaluate_embeddings
+from moco_retrieval.evaluation.matryoshka import metrics_by_dim
 from moco_retrieval.gradcache import GradCache
 from moco_retrieval.model.encoder import build_encoder
 from moco_retrieval.model.momentum import MomentumEncoder, state_dict_prefix
@@ -243,8 +244,12 @@ class RetrievalModule(L.LightningModule):
         result = evaluate_embeddings(
             doc_ids, docs, query_ids, queries, dm.eval_set.qrels, self.eval_cfg, normalize=self.encoder.normalize,
         )
+        if self.objective_cfg.matryoshka_dims:  # the metrics at each Matryoshka prefix too
+            result.metrics_by_dim = metrics_by_dim(doc_ids, docs, query_ids, queries, dm.eval_set.qrels, self.eval_cfg,
+                                                   self.objective_cfg.matryoshka_dims, bool(self.encoder.normalize))
         self.last_val_result, self.last_val_step = result, self.global_step
         logged = {f"val/{k}": float(v) for k, v in result.metrics.items()}
+        logged.update({f"val/dim{d}/{k}": float(v) for d, m in result.metrics_by_dim.items() for k, v in m.items()})
         logged.update({f"val/{k}": float(v) for k, v in result.geometry.items() if isinstance(v, (int, float))})
         logged.update({f"val/{k}": v for k, v in self.objective.stats(self.global_step).items()})
         # identical on every rank (each holds the whole pool's embeddings), so no reduction is needed

@@ -124,6 +124,7 @@ def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Op
                   "|" + "---|" * (len(shown) + 1),
                   "| " + " | ".join(f"{metrics[k]:.4f}" for k in shown)
                   + f" | {metrics.get('unrelated_cos_mean', float('nan')):+.3f} |", ""]
+    lines += _matryoshka_lines(objective.get("matryoshka_dims") or desc.get("matryoshka_dims"), metrics, out_name)
     lines += ["## Usage", "", "```python", "from sentence_transformers import SentenceTransformer", "",
               f'model = SentenceTransformer("{out_name}")',
               'queries = model.encode_query(["resize images from the command line"])',
@@ -132,6 +133,26 @@ def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Op
               "`encode_query` / `encode_document` truncate as in training; the moco-retrieval commands "
               f"also read this folder: `python -m moco_retrieval.evaluate model_dir={out_name}`.", ""]
     return "\n".join(lines)
+
+
+def _matryoshka_lines(dims: Optional[list], metrics: Optional[dict], out_name: str) -> list[str]:
+    """A Matryoshka model's section: the prefixes it was trained for, their held-out metrics when
+    validated (``dim<d>/<metric>``), and how to load it truncated."""
+    if not dims:
+        return []
+    lines = ["## Matryoshka dimensions", "",
+             f"Trained with the loss summed over the first {', '.join(str(d) for d in dims)} dimensions "
+             f"(`objective.matryoshka_dims`), so the embeddings can be truncated to any of them: "
+             f'`SentenceTransformer("{out_name}", truncate_dim={min(dims)})`.', ""]
+    rows = [(d, {m: metrics[f"dim{d}/{m}"] for m in SHOWN_METRICS if f"dim{d}/{m}" in metrics})
+            for d in dims] if metrics else []
+    rows = [(d, m) for d, m in rows if m]
+    if rows:
+        shown = [m for m in SHOWN_METRICS if m in rows[0][1]]
+        lines += ["| dimensions | " + " | ".join(shown) + " |", "|" + "---|" * (len(shown) + 1)]
+        lines += [f"| {d} | " + " | ".join(f"{m[k]:.4f}" for k in shown) + " |" for d, m in rows]
+        lines.append("")
+    return lines
 
 
 __all__ = ["model_card", "training_record", "validation_at", "run_dir_of", "KNOWN_BACKBONES"]

@@ -104,3 +104,93 @@ def test_bad_prefixes_are_refused():
         build_objective(InBatchConfig(matryoshka_dims=[8, 4], matryoshka_weights=[1.0]), encoder())
     with pytest.raises((ValueError, ConfigError)):
         build_objective(InBatchConfig(matryoshka_dims=[8, 0]), encoder())
+
+
+# ------------------------------------------------------------------ evaluation at each prefix
+
+WORDS = "image resize shell terminal backup archive network server editor font audio video mail web".split()
+
+
+def evalset():
+    import random
+
+    from moco_retrieval.data.formats import EvalSet
+
+    rng = random.Random(0)
+    docs = {f"d{i}": " ".join(rng.sample(WORDS, 5)) for i in range(30)}
+    queries = {f"q{i}": " ".join(docs[f"d{2 * i}"].split()[:2]) for i in range(10)}
+    return EvalSet(corpus=docs, queries=queries, qrels={f"q{i}": {f"d{2 * i}": 1} for i in range(10)})
+
+
+def test_metrics_by_dim_score_the_truncated_renormalised_embeddings():
+    import numpy as np
+
+    from moco_retrieval.config import EvalConfig
+    from moco_retrieval.evaluation.encode import evaluate_embeddings
+    from moco_retrieval.evaluation.matryoshka import metrics_by_dim
+
+    es, cfg = evalset(), EvalConfig(top_k=10)
+    rng = np.random.default_rng(0)
+    docs, queries = rng.normal(size=(30, 8)).astype(np.float32), rng.normal(size=(10, 8)).astype(np.float32)
+    got = metrics_by_dim(list(es.corpus), docs, list(es.queries), queries, es.qrels, cfg, [8, 4, 2], normalize=True)
+    assert set(got) == {"4", "2"}  # the full size is the ordinary evaluation
+    for dim in (4, 2):
+        cut = [x[:, :dim] / np.linalg.norm(x[:, :dim], axis=1, keepdims=True) for x in (docs, queries)]
+        want = evaluate_embeddings(list(es.corpus), cut[0], list(es.queries), cut[1], es.qrels, cfg, normalize=True)
+        assert got[str(dim)] == pytest.approx(want.metrics)
+    assert got["4"] != got["2"]
+
+
+def test_validation_evaluate_and_export_report_each_prefix(tmp_path_factory, tmp_path):
+    """A Matryoshka model: validation logs val/dim<d>/*, evaluate writes metrics_by_dim, export
+    records the dimensions (card included) and sentence-transformers' truncate_dim serves them."""
+    import json
+
+    import lightning as L
+    import numpy as np
+
+    from moco_retrieval.config import DataConfig, EvalConfig, ModelConfig, OptimConfig
+    from moco_retrieval.data.datamodule import RetrievalDataModule
+    from moco_retrieval.evaluation.encode import encode_texts, evaluate_encoder
+    from moco_retrieval.export import export_encoder, write_model_card
+    from moco_retrieval.lightning_module import RetrievalModule
+    from moco_retrieval.model.loading import load_model_dir
+    from moco_retrieval.model.tiny import build_tiny_bert
+
+    st_mod = pytest.importorskip("sentence_transformers")
+    tiny = str(build_tiny_bert(tmp_path_factory.mktemp("tiny") / "bert"))
+    torch.manual_seed(0)
+    m = RetrievalModule(ModelConfig(backbone="tiny", path=tiny, head="linear", head_dim=8),
+                        InBatchConfig(matryoshka_dims=[8, 4]), OptimConfig(), EvalConfig(top_k=10))
+    es = evalset()
+    dm = RetrievalDataModule.from_loaded(DataConfig(kind="jsonl", eval_batch_size=8), [], es, tokenize=m.encoder.tokenize)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)
+    (logged,) = trainer.validate(m, datamodule=dm, verbose=False)
+    res = evaluate_encoder(m.encoder, es, EvalConfig(top_k=10), batch_size=8, show_progress=False, dims=[8, 4])
+    assert set(res.metrics_by_dim) == {"4"} and res.summary()["metrics_by_dim"]["4"] == res.metrics_by_dim["4"]
+    for k in ("recall@1", "ndcg@10"):
+        assert logged[f"val/dim4/{k}"] == pytest.approx(res.metrics_by_dim["4"][k], abs=1e-6)
+        assert logged[f"val/{k}"] == pytest.approx(res.metrics[k], abs=1e-6)
+
+    out = export_encoder(m.encoder, tmp_path / "m", source={"source": "checkpoint", "matryoshka_dims": [8, 4]})
+    assert json.loads((out / "moco_retrieval.json").read_text())["matryoshka_dims"] == [8, 4]
+    back, desc = load_model_dir(out)
+    assert desc["matryoshka_dims"] == [8, 4]  # so evaluate model_dir= scores each prefix
+    texts = list(es.queries.values())
+    ref = encode_texts(m.encoder, texts, "query", show_progress=False)
+    st = st_mod.SentenceTransformer(str(out), device="cpu", truncate_dim=4)
+    np.testing.assert_allclose(st.encode_query(texts), ref[:, :4], atol=1e-5)
+    desc = {"source": "checkpoint", "dim": 8, "matryoshka_dims": [8, 4], "global_step": 0, "path": "x.ckpt"}
+    card = write_model_card(out, desc, None, "query", "m").read_text()
+    assert "## Matryoshka dimensions" in card and "truncate_dim=4" in card
+
+
+def test_model_card_lists_each_prefix_with_its_held_out_metrics():
+    from moco_retrieval.model_card import model_card
+
+    metrics = {"recall@1": 0.5, "ndcg@10": 0.6, "dim64/recall@1": 0.4, "dim64/ndcg@10": 0.45}
+    card = model_card({"dim": 128}, {"pooling": "mean"}, "query",
+                      {"objective": {"name": "inbatch", "matryoshka_dims": [128, 64]}}, metrics, "out")
+    assert "| dimensions | recall@1 | ndcg@10 |" in card and "| 64 | 0.4000 | 0.4500 |" in card
+    assert 'SentenceTransformer("out", truncate_dim=64)' in card

@@ -81,6 +81,9 @@ def load_checkpoint_encoder(path: str | Path, encoder: str = "query") -> tuple[T
         "epoch": int(ckpt.get("epoch", -1)),
         **describe_encoder(cfg, enc),
     }
+    dims = (ckpt["hyper_parameters"].get("objective") or {}).get("matryoshka_dims")
+    if dims:  # trained for these prefixes: evaluate scores each, export records them
+        desc["matryoshka_dims"] = [int(d) for d in dims]
     return enc, desc
 
 
@@ -111,8 +114,11 @@ def load_model_dir(path: str | Path, fallback: Optional[ModelConfig] = None) -> 
         for kind, folders in routes.items():
             _load_head(enc.tower_for(kind).head, [d / f for f in folders if f.endswith("Dense")], path)
     enc.eval()
-    return enc, {"source": "model_dir", "path": str(d.resolve()), "exported": True,
-                 "exported_from": meta.get("source", {}), **describe_encoder(exported_config(meta, d, shared), enc)}
+    desc = {"source": "model_dir", "path": str(d.resolve()), "exported": True, "exported_from": meta.get("source", {}),
+            **describe_encoder(exported_config(meta, d, shared), enc)}
+    if meta.get("matryoshka_dims"):
+        desc["matryoshka_dims"] = [int(x) for x in meta["matryoshka_dims"]]
+    return enc, desc
 
 
 def exported_config(meta: dict, backbone: Path, shared: bool) -> ModelConfig:

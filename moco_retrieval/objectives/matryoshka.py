@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
+from moco_retrieval.errors import ConfigError
+
 
 class Matryoshka:
     """The prefixes ``dims`` (each at most the embedding dimension) and their loss ``weights``;
@@ -23,16 +25,17 @@ class Matryoshka:
         dims = [int(d) for d in dims]
         weights = [1.0] * len(dims) if not weights else [float(w) for w in weights]
         if not dims or min(dims) < 1 or len(set(dims)) != len(dims):
-            raise ValueError(f"objective.matryoshka_dims must be distinct dimensions >= 1, got {dims}")
+            raise ConfigError(f"objective.matryoshka_dims must be distinct dimensions >= 1, got {dims}")
         if len(weights) != len(dims) or min(weights) < 0:
-            raise ValueError(f"objective.matryoshka_weights must be one weight >= 0 per dimension "
+            raise ConfigError(f"objective.matryoshka_weights must be one weight >= 0 per dimension "
                              f"(objective.matryoshka_dims={dims}), got {weights}")
         self.dims, self.weights, self.normalize = dims, weights, bool(normalize)
 
     def check(self, dim: int) -> None:
         """Refuse a prefix longer than the embeddings (``dim``)."""
         if max(self.dims) > dim:
-            raise ValueError(f"objective.matryoshka_dims={self.dims}: the embeddings have {dim} dimensions")
+            raise ConfigError(f"objective.matryoshka_dims={self.dims}: the embeddings have {dim} dimensions "
+                              "(model.head_dim, or the backbone's width without a head)")
 
     def prefix(self, x: Tensor, dim: int) -> Tensor:
         """The first ``dim`` coordinates of each row of ``x``, re-normalised when the model normalises."""
