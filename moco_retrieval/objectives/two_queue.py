@@ -146,12 +146,17 @@ class TwoQueueObjective(Objective):
         stats.update(loss=loss.detach(), loss_query_to_doc=loss_qd.detach(), loss_doc_to_query=loss_dq.detach(),
                      accuracy_doc_to_query=stats_dq["accuracy"],
                      masked_per_query_doc_to_query=stats_dq["masked_per_query"])
+        self.hold_keys(batch, (self.docs, "doc", k, batch_k, guide_qd), (self.queries, "query", q_key, batch_q, guide_dq))
+        return loss, stats
+
+    def hold_keys(self, batch: StepInput, *memories: tuple) -> None:
+        """Each (memory, side, this rank's keys, the gathered Keys or None, its direction's guide
+        scores): the batch's keys of that side, enqueued after backward (with a fixed guide's
+        embeddings of them, gathered by the guide's scores when the keys were)."""
         fixed = self.fixed_guide
-        for memory, side, keys, gathered, guide in ((self.docs, "doc", k, batch_k, guide_qd),
-                                                    (self.queries, "query", q_key, batch_q, guide_dq)):
+        for memory, side, keys, gathered, guide in memories:
             self.hold(memory, batch_enqueue(batch, side, keys, gathered, self.guide.embedding(batch, side) if fixed else None,
                                             guide.candidates.get("batch") if fixed else None))
-        return loss, stats
 
     def in_batch(self, q: Tensor, batch: StepInput, batch_k: Keys | None, batch_mask, guide: GuideScores | None) -> Direction:
         """In-batch InfoNCE: queries (already / tau) against the global batch's trained documents,
