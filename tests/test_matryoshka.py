@@ -194,3 +194,17 @@ def test_model_card_lists_each_prefix_with_its_held_out_metrics():
                       {"objective": {"name": "inbatch", "matryoshka_dims": [128, 64]}}, metrics, "out")
     assert "| dimensions | recall@1 | ndcg@10 |" in card and "| 64 | 0.4000 | 0.4500 |" in card
     assert 'SentenceTransformer("out", truncate_dim=64)' in card
+
+
+def test_resuming_a_run_from_before_matryoshka_with_it_on_is_refused(tmp_path):
+    """A checkpoint written before the option existed trained without prefixes: turning them on
+    mid-run would train another loss, so the resume names the override that keeps it as trained."""
+    from moco_retrieval.checkpointing import check_same_objective
+    from moco_retrieval.errors import CheckpointError
+
+    path = tmp_path / "old.ckpt"
+    torch.save({"hyper_parameters": {"objective": {"name": "inbatch", "temperature": 0.05}}}, path)
+    check_same_objective(str(path), {"name": "inbatch", "temperature": 0.05, "matryoshka_dims": []})
+    with pytest.raises(CheckpointError, match=r"objective.matryoshka_dims=\[\], but this run's config has "
+                                              r"objective.matryoshka_dims=\[64,32\]"):
+        check_same_objective(str(path), {"name": "inbatch", "temperature": 0.05, "matryoshka_dims": [64, 32]})
