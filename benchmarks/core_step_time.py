@@ -30,7 +30,7 @@ def make(model: str, K: int, tiny_dir: str) -> RetrievalModule:
     m = RetrievalModule(mcfg, MoCoConfig(queue_size=max(K, 1)), OptimConfig())
     if K:  # fill the queue: every slot takes part in the loss
         keys = torch.nn.functional.normalize(torch.randn(K, m.encoder.dim), dim=1)
-        m.objective.queue.enqueue(keys, torch.arange(K) + 10**9, torch.full((K,), -1), step=0)
+        m.objective.docs.queue.enqueue(keys, torch.arange(K) + 10**9, torch.full((K,), -1), step=0)
     return m.train()
 
 
@@ -75,7 +75,7 @@ def main() -> None:
             b = batch(mods[0], args.batch, 32, 128, g)
             for K in mods:  # interleaved, same batch
                 if K == 0:  # the K = 0 module's queue stays empty
-                    mods[K].objective.queue.reset()
+                    mods[K].objective.docs.reset()
                 t = step(mods[K], opts[K], b)
                 if r >= warmup:
                     times[K].append(t)

@@ -47,13 +47,12 @@ class OursStep:
         self.clip = cfg.trainer.gradient_clip_val
         self.opt = torch.optim.AdamW(decay_groups(self.m.named_parameters(), cfg.optim.weight_decay), lr=cfg.optim.lr)
         self.data, self.collate = PairDataset(bench.train_pairs), Collator(self.m.encoder.tokenize)
-        refresh = {r.queue: r for _, r in getattr(self.m.objective, "refreshes", dict)().values()}
-        for q in (getattr(self.m.objective, n, None) for n in ("queue", "query_queue")):
-            if q is not None:
-                keys = torch.nn.functional.normalize(torch.randn(MEAN_FILL, self.m.encoder.dim), dim=1)
-                slots = q.enqueue(keys, torch.arange(MEAN_FILL) + 10**9, torch.full((MEAN_FILL,), -1), step=0, gather=False)
-                if q in refresh:  # a refreshed queue re-encodes real texts: store real ones
-                    self.store_texts(refresh[q], slots, bench)
+        for memory in self.m.objective.memories():
+            keys = torch.nn.functional.normalize(torch.randn(MEAN_FILL, self.m.encoder.dim), dim=1)
+            slots = memory.queue.enqueue(keys, torch.arange(MEAN_FILL) + 10**9, torch.full((MEAN_FILL,), -1), step=0,
+                                         gather=False)
+            if memory.refresh is not None:  # a refreshed queue re-encodes real texts: store real ones
+                self.store_texts(memory.refresh, slots, bench)
 
     def store_texts(self, refresh, slots, bench: Bench) -> None:
         """Training texts of the refresh's side as the tokens of ``slots`` (the pre-filled keys)."""

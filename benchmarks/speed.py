@@ -77,7 +77,7 @@ def section_step(args) -> dict:
         torch.manual_seed(0)
         m = RetrievalModule.from_config(cfg).to(dev)
         m.train()
-        q = m.objective.queue
+        q = m.objective.docs.queue
         if k > 0:  # steady state: a full queue of unit keys with ids that never match
             g = torch.Generator().manual_seed(k)
             for s in range(0, k, 16384):
@@ -113,7 +113,7 @@ def section_step(args) -> dict:
         m.key_encoder.update(m.encoder, 0.999)
         m.objective.after_backward()
         if k == 0:  # the queue stays empty
-            m.objective.queue.reset()
+            m.objective.docs.reset()
         sync(dev)
         return time.perf_counter() - t
 

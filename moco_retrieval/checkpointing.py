@@ -198,7 +198,8 @@ def resolve_ckpt_path(ckpt_path: Optional[str], run_dir: Path) -> Optional[str]:
 
 # objective options added since checkpoints were first written: the value a checkpoint without
 # the option was trained with (the behaviour before the option existed)
-OPTIONS_BEFORE_THEY_EXISTED = {"inbatch_weight": 0.0, "queue_max_age": None, "queue_refresh": 0}
+OPTIONS_BEFORE_THEY_EXISTED = {"inbatch_weight": 0.0, "queue_max_age": None, "queue_refresh": 0, "matryoshka_dims": [],
+                               "matryoshka_weights": []}
 
 
 def check_same_objective(ckpt_path: str, objective: dict, prompts: Optional[dict] = None) -> None:
@@ -242,6 +243,8 @@ def _check_same_prompts(ckpt_path: str, trained: dict, prompts: dict) -> None:
 
 def _override(value: Any) -> str:
     """A value as a Hydra command-line override spells it."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_override(v) for v in value) + "]"
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 

@@ -64,10 +64,18 @@ class RangeChecked:
     RANGES: ClassVar[dict[str, Range]] = {}
 
     def __post_init__(self) -> None:
-        for key, valid in self.RANGES.items():
+        for key, valid in self.ranges().items():
             value = getattr(self, key, None)
             if value is not None and not valid.holds(value):
                 raise ConfigError(f"{self.SECTION}.{key}={value}: must be {valid}")
+
+    @classmethod
+    def ranges(cls) -> dict[str, Range]:
+        """``RANGES`` of this class and of every class (option group) it is composed of."""
+        out: dict[str, Range] = {}
+        for base in reversed(cls.__mro__):
+            out.update(base.__dict__.get("RANGES", {}))
+        return out
 
 
 @dataclass
@@ -101,7 +109,9 @@ class ModelConfig(RangeChecked):
     }
 
 
-# ---- objectives: one schema per objective, so an option the chosen one does not use is an error
+# ---- objectives: one schema per objective, so an option the chosen one does not use is an error.
+# Each schema is the shared options plus the option groups it uses (QueueOptions, MomentumOptions),
+# composed as mixins: one level, whatever the objective; every group checks its own RANGES.
 
 
 @dataclass
@@ -127,17 +137,17 @@ class ObjectiveConfig(RangeChecked):
     logq_correction: bool = False
     logq_alpha: float = 0.01  # the estimator's learning rate (Yi et al. 2019)
     logq_buckets: int = 1 << 20  # hash buckets of the estimator (collisions merge documents)
+    # Matryoshka embeddings (objectives/matryoshka.py): the loss summed over these prefixes of every
+    # embedding (e.g. [384, 256, 128, 64]), weighted by matryoshka_weights (empty: 1 each); empty: off
+    matryoshka_dims: list[int] = field(default_factory=list)
+    matryoshka_weights: list[float] = field(default_factory=list)
 
     SECTION: ClassVar[str] = "objective"
     RANGES: ClassVar[dict[str, Range]] = {
         "temperature": POSITIVE, "temperature_min": POSITIVE, "temperature_max": POSITIVE,
-        "label_smoothing": PROPER_FRACTION, "queue_size": AT_LEAST_ONE, "momentum": FRACTION,
-        "queue_max_age": AT_LEAST_ONE,
-        "doc_to_query_weight": NON_NEGATIVE, "queue_warmup_steps": NON_NEGATIVE, "inbatch_weight": NON_NEGATIVE,
-        "queue_refresh": NON_NEGATIVE, "phase_steps": AT_LEAST_ONE,
-        "guide_margin": Range(-2, 2), "guide_threshold": Range(-1, 1), "logq_alpha": Range(0, 1, lo_open=True),
-        "logq_buckets": AT_LEAST_ONE,
-    }  # (each subclass has the fields it uses; the rest are skipped)
+        "label_smoothing": PROPER_FRACTION, "guide_margin": Range(-2, 2), "guide_threshold": Range(-1, 1),
+        "logq_alpha": Range(0, 1, lo_open=True), "logq_buckets": AT_LEAST_ONE,
+    }
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -150,30 +160,20 @@ class ObjectiveConfig(RangeChecked):
 
 
 @dataclass
-class InBatchConfig(ObjectiveConfig):
-    """``objective=inbatch``: every other document of the (global) batch is a negative."""
+class QueueOptions:
+    """Option group: a FIFO queue of past keys (objectives/memory.py) and the batch's other keys."""
 
-    name: str = "inbatch"
-    symmetric: bool = False  # also document -> query, losses averaged
-    cross_device: bool = True  # all-gather documents with gradient under DDP
-
-
-@dataclass
-class QueueConfig(ObjectiveConfig):
-    """What the objectives that remember past documents in a FIFO queue share."""
-
-    name: str = MISSING
     queue_size: int = 65536
     queue_dtype: str = "float32"  # float32 | bfloat16 | float16 (storage; logits stay fp32)
     batch_negatives: bool = True  # the other documents of the current batch are negatives too
 
+    RANGES: ClassVar[dict[str, Range]] = {"queue_size": AT_LEAST_ONE}
+
 
 @dataclass
-class MoCoConfig(QueueConfig):
-    """``objective=moco``: queries against an EMA key encoder's keys and a queue of its past keys."""
+class MomentumOptions:
+    """Option group: an EMA key encoder whose keys fill the queues, their age bound and refresh."""
 
-    name: str = "moco"
-    enqueue_hard_negatives: bool = False
     momentum: float = 0.999  # EMA of the key encoder, per optimizer step
     momentum_schedule: str = "constant"  # constant | cosine (from `momentum` to 1 over training)
     # only keys written in the newest this-many optimizer steps are negatives (null: every queued
@@ -184,9 +184,29 @@ class MoCoConfig(QueueConfig):
     # stale versions: the negative cache's refresh (objectives/refresh.py); 0: off
     queue_refresh: int = 0
 
+    RANGES: ClassVar[dict[str, Range]] = {"momentum": FRACTION, "queue_max_age": AT_LEAST_ONE,
+                                          "queue_refresh": NON_NEGATIVE}
+
 
 @dataclass
-class TwoQueueConfig(MoCoConfig):
+class InBatchConfig(ObjectiveConfig):
+    """``objective=inbatch``: every other document of the (global) batch is a negative."""
+
+    name: str = "inbatch"
+    symmetric: bool = False  # also document -> query, losses averaged
+    cross_device: bool = True  # all-gather documents with gradient under DDP
+
+
+@dataclass
+class MoCoConfig(MomentumOptions, QueueOptions, ObjectiveConfig):
+    """``objective=moco``: queries against an EMA key encoder's keys and a queue of its past keys."""
+
+    name: str = "moco"
+    enqueue_hard_negatives: bool = False
+
+
+@dataclass
+class TwoQueueConfig(MomentumOptions, QueueOptions, ObjectiveConfig):
     """``objective=two_queue``: query->document against EMA document keys + a document queue, and
     document->query against EMA query keys + a query queue (objectives/two_queue.py)."""
 
@@ -204,9 +224,12 @@ class TwoQueueConfig(MoCoConfig):
     # (0: off); 1 by default, B6's choice for the main job
     inbatch_weight: float = 1.0
 
+    RANGES: ClassVar[dict[str, Range]] = {"doc_to_query_weight": NON_NEGATIVE, "queue_warmup_steps": NON_NEGATIVE,
+                                          "inbatch_weight": NON_NEGATIVE}
+
 
 @dataclass
-class FeatureMemoryConfig(QueueConfig):
+class FeatureMemoryConfig(QueueOptions, ObjectiveConfig):
     """``objective=feature_memory`` (frozen backbones): a queue of backbone features, projected by
     the trained head every step, with gradient (objectives/feature_memory.py)."""
 
@@ -215,7 +238,7 @@ class FeatureMemoryConfig(QueueConfig):
 
 
 @dataclass
-class ICoLConfig(QueueConfig):
+class ICoLConfig(QueueOptions, ObjectiveConfig):
     """``objective=icol`` (``model.shared_tower=false``): the query and document towers trained in
     turns, each against a queue of the other tower's embeddings of this phase (objectives/icol.py)."""
 
@@ -223,9 +246,15 @@ class ICoLConfig(QueueConfig):
     queue_size: int = 4096
     phase_steps: int = 128  # optimizer steps one tower trains before the other takes over
 
+    RANGES: ClassVar[dict[str, Range]] = {"phase_steps": AT_LEAST_ONE}
 
-OBJECTIVE_CONFIGS: dict[str, type] = {c.name: c for c in (InBatchConfig, MoCoConfig, TwoQueueConfig, FeatureMemoryConfig,
-                                                          ICoLConfig)}
+
+def objective_configs() -> dict[str, type]:
+    """Objective name -> its schema, as the objectives' registry (objectives/registry.py) lists them."""
+    from moco_retrieval.objectives.registry import OBJECTIVES  # (the objectives import this module)
+
+    return {name: entry.config for name, entry in OBJECTIVES.items()}
+
 
 
 @dataclass
@@ -404,7 +433,7 @@ class EvalConfig(RangeChecked):
 @dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
-    objective: Any = MISSING  # one of OBJECTIVE_CONFIGS, chosen by the `objective` group
+    objective: Any = MISSING  # one of objective_configs(), chosen by the `objective` group
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -542,9 +571,10 @@ def objective_config(node: Any) -> ObjectiveConfig:
     if isinstance(node, DictConfig):
         node = OmegaConf.to_container(node, resolve=True)
     name = node.get("name") if isinstance(node, dict) else None
-    if name not in OBJECTIVE_CONFIGS:
-        raise ConfigError(f"objective.name={name!r}: expected one of {', '.join(OBJECTIVE_CONFIGS)}")
-    return to_config(OBJECTIVE_CONFIGS[name], node)
+    schemas = objective_configs()
+    if name not in schemas:
+        raise ConfigError(f"objective.name={name!r}: expected one of {', '.join(schemas)}")
+    return to_config(schemas[name], node)
 
 
 def cache_root() -> Path:
@@ -569,7 +599,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     for name, schema in COMMAND_SCHEMAS.items():
         cs.store(name=f"{name}_schema", node=schema)
-    for name, schema in OBJECTIVE_CONFIGS.items():
+    for name, schema in objective_configs().items():
         cs.store(group="objective", name=f"{name}_schema", node=schema)
     if not OmegaConf.has_resolver("mr_cache"):
         OmegaConf.register_new_resolver("mr_cache", lambda name: str(cache_root() / name))
@@ -581,12 +611,13 @@ __all__ = [
     "ModelConfig",
     "ObjectiveConfig",
     "InBatchConfig",
-    "QueueConfig",
+    "QueueOptions",
+    "MomentumOptions",
     "MoCoConfig",
     "TwoQueueConfig",
     "FeatureMemoryConfig",
     "ICoLConfig",
-    "OBJECTIVE_CONFIGS",
+    "objective_configs",
     "objective_config",
     "OptimConfig",
     "ColumnsConfig",

@@ -108,7 +108,8 @@ def run_evaluate(cfg: Any, out_dir: str | Path) -> dict[str, Path]:
         enc.to(device)
         announce_encoding(enc, [(list(evalset.corpus.values()), "doc"), (list(evalset.queries.values()), "query")],
                           f"the pool, model {name}", batch_size)
-        res = evaluate_encoder(enc, evalset, eval_cfg, batch_size, show_progress=bool(cfg.progress))
+        res = evaluate_encoder(enc, evalset, eval_cfg, batch_size, show_progress=bool(cfg.progress),
+                               dims=desc.get("matryoshka_dims") or ())
         desc["parameters"] = int(sum(p.numel() for p in enc.parameters()))
         results[name], models[name] = res, desc
         m = res.metrics
@@ -117,6 +118,8 @@ def run_evaluate(cfg: Any, out_dir: str | Path) -> dict[str, Path]:
             f"ndcg@10 {m['ndcg@10']:.4f}  anisotropy {res.geometry['anisotropy']:+.3f}  "
             f"(encode {res.timings['encode']:.1f}s, search {res.timings['search']:.2f}s)"
         )
+        for dim, dm in res.metrics_by_dim.items():  # a Matryoshka model, truncated to each trained prefix
+            print(f"{name} at {dim} dimensions: recall@1 {dm['recall@1']:.4f}  ndcg@10 {dm['ndcg@10']:.4f}")
         del enc
         if device.type == "cuda":
             torch.cuda.empty_cache()

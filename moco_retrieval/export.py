@@ -16,8 +16,10 @@ plain ``encode`` stays the document side) and are recorded in ``moco_retrieval.j
 
 ``encoder=query`` (default) exports the query-side encoder that training optimised;
 ``encoder=key`` the momentum (EMA) key encoder of a MoCo checkpoint. With separate towers
-(``model.shared_tower=false``) the query tower (or, for ``encoder=key``, the key encoder's
-document tower) is exported: a single tower serves both sides in sentence-transformers.
+(``model.shared_tower=false``: ICoL, two-tower in-batch) both towers are exported, as a
+sentence-transformers ``Router`` with a "query" route (the query tower) and a "document" route
+(the document tower; also plain ``encode``'s): ``encode_query`` / ``encode_document`` use the right
+tower, and ``evaluate`` / ``search model_dir=`` rebuild both.
 
 Supported: ``backbone_kind=transformer`` (fine-tuned or frozen backbone). A
 ``bag_of_wordpieces`` backbone is refused with an explanation.
@@ -58,10 +60,10 @@ def export_encoder(
     source: Optional[dict] = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write ``encoder``'s ``side`` tower as a sentence-transformers directory (see the module
-    docstring); returns the directory."""
+    """Write ``encoder``'s ``side`` tower (both towers, as a query / document ``Router``, when it
+    has two) as a sentence-transformers directory (see the module docstring); returns the directory."""
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Transformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Router
 
     if getattr(encoder, "backbone_kind", "transformer") != "transformer":
         raise ValueError(
@@ -73,27 +75,12 @@ def export_encoder(
         if not overwrite:
             raise FileExistsError(f"out_dir={out_dir} exists and is not empty (set overwrite=true to replace it)")
         shutil.rmtree(out)
-    tower = encoder.tower_for(side)
+    towers = {"query": encoder.tower_for("query"), "document": encoder.tower_for("doc")}
+    if encoder.shared_tower:
+        towers = {"": encoder.tower_for(side)}
     with tempfile.TemporaryDirectory(prefix="moco-export-") as tmp:
-        tmp_dir = Path(tmp)
-        _save_backbone(tower.backbone, tmp_dir)
-        encoder.tokenizer.save_pretrained(tmp_dir)
-        modules: list[torch.nn.Module] = [
-            Transformer(
-                str(tmp_dir),
-                max_seq_length=int(encoder.doc_max_len),
-                query_length=int(encoder.query_max_len),
-                document_length=int(encoder.doc_max_len),
-            ),
-            Pooling(int(encoder.hidden_size), pooling_mode="cls" if tower.pooling == "cls" else "mean"),
-        ]
-        for lin, act in _head_layers(tower.head):
-            dense = Dense(lin.in_features, lin.out_features, bias=lin.bias is not None, activation_function=act)
-            with torch.no_grad():
-                dense.linear.weight.copy_(lin.weight)
-                if lin.bias is not None:
-                    dense.linear.bias.copy_(lin.bias)
-            modules.append(dense)
+        routes = {route: _tower_modules(encoder, tower, Path(tmp) / (route or "tower")) for route, tower in towers.items()}
+        modules = routes[""] if encoder.shared_tower else [Router.for_query_document(routes["query"], routes["document"])]
         if encoder.normalize:
             modules.append(Normalize())
         prompts, default_prompt = encoder.prompts.sentence_transformers()
@@ -101,6 +88,7 @@ def export_encoder(
                                  similarity_fn_name="cosine" if encoder.normalize else "dot",
                                  prompts=prompts, default_prompt_name=default_prompt)
         st.save(str(out))
+    tower = towers["" if encoder.shared_tower else "query"]
     cfg = {
         "backbone_kind": "transformer",
         "pooling": tower.pooling,
@@ -109,12 +97,38 @@ def export_encoder(
         "normalize": bool(encoder.normalize),
         "query_max_len": int(encoder.query_max_len),
         "doc_max_len": int(encoder.doc_max_len),
+        "shared_tower": bool(encoder.shared_tower),
     }
     meta = {"format_version": FORMAT_VERSION, "model": cfg, "side": side, "source": source or {},
             "prompts": encoder.prompts.to_dict()}
+    if (source or {}).get("matryoshka_dims"):  # trained for these prefixes (SentenceTransformer(truncate_dim=d))
+        meta["matryoshka_dims"] = list(source["matryoshka_dims"])
     (out / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     _apply_umask(out)
     return out
+
+
+def _tower_modules(encoder: Any, tower: Any, folder: Path) -> list[torch.nn.Module]:
+    """One tower as sentence-transformers modules: Transformer (its backbone, saved to ``folder``
+    with the tokenizer), Pooling, and a Dense module per linear layer of its head."""
+    from sentence_transformers.sentence_transformer.modules import Dense, Pooling, Transformer
+
+    folder.mkdir(parents=True)
+    _save_backbone(tower.backbone, folder)
+    encoder.tokenizer.save_pretrained(folder)
+    modules: list[torch.nn.Module] = [
+        Transformer(str(folder), max_seq_length=int(encoder.doc_max_len), query_length=int(encoder.query_max_len),
+                    document_length=int(encoder.doc_max_len)),
+        Pooling(int(encoder.hidden_size), pooling_mode="cls" if tower.pooling == "cls" else "mean"),
+    ]
+    for lin, act in _head_layers(tower.head):
+        dense = Dense(lin.in_features, lin.out_features, bias=lin.bias is not None, activation_function=act)
+        with torch.no_grad():
+            dense.linear.weight.copy_(lin.weight)
+            if lin.bias is not None:
+                dense.linear.bias.copy_(lin.bias)
+        modules.append(dense)
+    return modules
 
 
 def _apply_umask(folder: Path) -> None:
@@ -196,7 +210,8 @@ def run_export(cfg: Any) -> Path:
     side = "doc" if cfg.encoder == "key" else "query"
     out = export_encoder(enc, cfg.out_dir, side=side, source=desc, overwrite=bool(cfg.overwrite))
     write_model_card(out, desc, cfg.checkpoint, side, str(cfg.out_dir))
-    print(f"exported the {cfg.encoder} encoder ({desc['source']}, dim {enc.dim}) to {out}")
+    towers = "its query and document towers, as a Router" if not enc.shared_tower else "one tower"
+    print(f"exported the {cfg.encoder} encoder ({desc['source']}, dim {enc.dim}; {towers}) to {out}")
     print(f"load it with: SentenceTransformer({str(out)!r})")
     return out
 

@@ -14,12 +14,13 @@ from omegaconf import OmegaConf
 from moco_retrieval.config import EvalConfig, ModelConfig, ObjectiveConfig, OptimConfig, TrainConfig, objective_config, to_config
 from moco_retrieval.distributed import all_gather_rows, row_counts, shard_range
 from moco_retrieval.evaluation.encode import evaluate_embeddings
+from moco_retrieval.evaluation.matryoshka import metrics_by_dim
 from moco_retrieval.gradcache import GradCache
 from moco_retrieval.model.encoder import build_encoder
 from moco_retrieval.data.prompts import to_prompts
 from moco_retrieval.model.momentum import MomentumEncoder, state_dict_prefix
 from moco_retrieval.model.guide import build_guide_encoder
-from moco_retrieval.objectives import GUIDE, TRAINED, View, build_objective
+from moco_retrieval.objectives import GUIDE, TRAINED, StepInput, View, build_objective
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -156,11 +157,10 @@ class RetrievalModule(L.LightningModule):
         has_neg = "neg" in batch
         emb = {name: self._embed(view, batch) for name, view in self.objective.views_for(self.global_step).items()
                if view.side != "neg" or has_neg}
-        meta = {"doc_id": batch["doc_id"], "group": batch["group"], **emb,
-                "tokens": {name: batch[name] for name in ("query", "doc", "neg") if name in batch}}
-        if has_neg:
-            meta.update(neg_id=batch["neg_id"], neg_group=batch["neg_group"])
-        return self.objective(meta.pop("q"), meta.pop("k"), meta, step=self.global_step)
+        step = StepInput(**emb, doc_id=batch["doc_id"], group=batch["group"], step=self.global_step,
+                         neg_id=batch.get("neg_id"), neg_group=batch.get("neg_group"),
+                         tokens={name: batch[name] for name in ("query", "doc", "neg") if name in batch})
+        return self.objective(step)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss, stats = self.shared_step(batch)
@@ -260,8 +260,12 @@ class RetrievalModule(L.LightningModule):
         result = evaluate_embeddings(
             doc_ids, docs, query_ids, queries, dm.eval_set.qrels, self.eval_cfg, normalize=self.encoder.normalize,
         )
+        if self.objective_cfg.matryoshka_dims:  # the metrics at each Matryoshka prefix too
+            result.metrics_by_dim = metrics_by_dim(doc_ids, docs, query_ids, queries, dm.eval_set.qrels, self.eval_cfg,
+                                                   self.objective_cfg.matryoshka_dims, bool(self.encoder.normalize))
         self.last_val_result, self.last_val_step = result, self.global_step
         logged = {f"val/{k}": float(v) for k, v in result.metrics.items()}
+        logged.update({f"val/dim{d}/{k}": float(v) for d, m in result.metrics_by_dim.items() for k, v in m.items()})
         logged.update({f"val/{k}": float(v) for k, v in result.geometry.items() if isinstance(v, (int, float))})
         logged.update({f"val/{k}": v for k, v in self.objective.stats(self.global_step).items()})
         # identical on every rank (each holds the whole pool's embeddings), so no reduction is needed

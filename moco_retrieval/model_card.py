@@ -15,14 +15,10 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
+from moco_retrieval.objectives.registry import OBJECTIVES
+
 # the packaged backbones by their published names
 KNOWN_BACKBONES = {"minilm": "sentence-transformers/all-MiniLM-L6-v2"}
-OBJECTIVE_TEXT = {
-    "moco": "MoCo: queries against a momentum (EMA) key encoder's documents and a FIFO queue of its past keys",
-    "two_queue": "two-queue MoCo: query->document and document->query, each against an EMA encoder and a queue",
-    "inbatch": "in-batch InfoNCE: every other document of the (global) batch is a negative",
-    "feature_memory": "in-batch InfoNCE plus a queue of frozen-backbone features re-projected by the trained head",
-}
 SHOWN_METRICS = ("recall@1", "recall@10", "mrr@10", "ndcg@10", "map@100")
 
 
@@ -102,8 +98,11 @@ def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Op
              f"A dense-retrieval bi-encoder trained with moco-retrieval from `{base or 'a random init'}`: "
              f"{desc.get('dim')}-dimensional embeddings, {model_cfg.get('pooling')} pooling, head `{model_cfg.get('head')}`, "
              f"{'cosine similarity (normalized)' if model_cfg.get('normalize') else 'dot product (not normalized)'}; "
-             f"queries truncated at {model_cfg.get('query_max_len')} tokens, documents at {model_cfg.get('doc_max_len')}.", "",
-             "## Training", ""]
+             f"queries truncated at {model_cfg.get('query_max_len')} tokens, documents at {model_cfg.get('doc_max_len')}.", ""]
+    if not model_cfg.get("shared_tower", True):
+        lines += ["Two towers, exported whole as a sentence-transformers `Router`: `encode_query` runs the query "
+                  "tower (route `query`), `encode_document` and plain `encode` the document tower (route `document`).", ""]
+    lines += ["## Training", ""]
     if desc.get("source") == "checkpoint":
         lines.append(f"- Exported: the {'query' if side == 'query' else 'momentum key'} encoder at step "
                      f"{desc.get('global_step')} (epoch {desc.get('epoch')}) of `{Path(str(desc.get('path'))).name}`")
@@ -111,7 +110,8 @@ def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Op
         lines.append("- Exported: the untrained base encoder (no checkpoint)")
     if objective:
         name = objective.get("name")
-        lines.append(f"- Objective: {OBJECTIVE_TEXT.get(name, name)} (`objective={name}`); {_settings(objective)}")
+        text = OBJECTIVES[name].description if name in OBJECTIVES else name
+        lines.append(f"- Objective: {text} (`objective={name}`); {_settings(objective)}")
     if record.get("optim"):
         lines.append(f"- Optimizer: AdamW, {_settings(record['optim'])}")
     if record.get("data"):
@@ -128,6 +128,7 @@ def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Op
                   "|" + "---|" * (len(shown) + 1),
                   "| " + " | ".join(f"{metrics[k]:.4f}" for k in shown)
                   + f" | {metrics.get('unrelated_cos_mean', float('nan')):+.3f} |", ""]
+    lines += _matryoshka_lines(objective.get("matryoshka_dims") or desc.get("matryoshka_dims"), metrics, out_name)
     lines += ["## Usage", "", "```python", "from sentence_transformers import SentenceTransformer", "",
               f'model = SentenceTransformer("{out_name}")',
               'queries = model.encode_query(["resize images from the command line"])',
@@ -136,6 +137,26 @@ def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Op
               "`encode_query` / `encode_document` truncate as in training; the moco-retrieval commands "
               f"also read this folder: `python -m moco_retrieval.evaluate model_dir={out_name}`.", ""]
     return "\n".join(lines)
+
+
+def _matryoshka_lines(dims: Optional[list], metrics: Optional[dict], out_name: str) -> list[str]:
+    """A Matryoshka model's section: the prefixes it was trained for, their held-out metrics when
+    validated (``dim<d>/<metric>``), and how to load it truncated."""
+    if not dims:
+        return []
+    lines = ["## Matryoshka dimensions", "",
+             f"Trained with the loss summed over the first {', '.join(str(d) for d in dims)} dimensions "
+             f"(`objective.matryoshka_dims`), so the embeddings can be truncated to any of them: "
+             f'`SentenceTransformer("{out_name}", truncate_dim={min(dims)})`.', ""]
+    rows = [(d, {m: metrics[f"dim{d}/{m}"] for m in SHOWN_METRICS if f"dim{d}/{m}" in metrics})
+            for d in dims] if metrics else []
+    rows = [(d, m) for d, m in rows if m]
+    if rows:
+        shown = [m for m in SHOWN_METRICS if m in rows[0][1]]
+        lines += ["| dimensions | " + " | ".join(shown) + " |", "|" + "---|" * (len(shown) + 1)]
+        lines += [f"| {d} | " + " | ".join(f"{m[k]:.4f}" for k in shown) + " |" for d, m in rows]
+        lines.append("")
+    return lines
 
 
 __all__ = ["model_card", "training_record", "validation_at", "run_dir_of", "KNOWN_BACKBONES"]

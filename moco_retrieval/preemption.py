@@ -46,7 +46,8 @@ Resume: the same command line with ``ckpt_path=last`` and the same ``run_dir`` (
 that was due at the preempted step is skipped, as Lightning does for any checkpoint saved at
 ``on_train_batch_end``.
 
-Every checkpoint also records a fingerprint of each rank's queue and key encoder
+Every checkpoint also records a fingerprint of each rank's objective state (queues and all else the
+objective declares in ``unsynced_state()``) and key encoder
 (``checkpoint["rank_fingerprints"]``, one entry per rank), so that a run whose ranks drifted apart
 shows it: the ranks must hold identical copies, which DDP does not check.
 """
@@ -138,11 +139,13 @@ def _fingerprint(tensors: Sequence[torch.Tensor]) -> str:
 
 
 def rank_fingerprints(pl_module: L.LightningModule) -> dict[str, str]:
-    """sha256 of this rank's queue buffers and key-encoder weights (the state DDP does not sync)."""
+    """sha256 of this rank's objective state (``objective.unsynced_state()``: queues, guide queues,
+    refresh buffers, logQ estimates, ...) and key-encoder weights: the state DDP does not sync."""
     out = {}
-    queue = getattr(getattr(pl_module, "objective", None), "queue", None)
-    if queue is not None:
-        out["queue"] = _fingerprint([b for _, b in sorted(queue.named_buffers())])
+    objective = getattr(pl_module, "objective", None)
+    state = objective.unsynced_state() if objective is not None else {}
+    if state:
+        out["objective"] = _fingerprint([t for _, t in sorted(state.items())])
     key_encoder = getattr(pl_module, "key_encoder", None)
     if key_encoder is not None:
         out["key_encoder"] = _fingerprint([t for _, t in sorted(key_encoder.state_dict().items())])

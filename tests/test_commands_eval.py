@@ -16,7 +16,7 @@ import torch
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 
-from moco_retrieval.config import MoCoConfig, ModelConfig, OptimConfig
+from moco_retrieval.config import ICoLConfig, MoCoConfig, ModelConfig, OptimConfig
 from moco_retrieval.data.formats import EvalSet, read_beir, write_beir
 from moco_retrieval.evaluate import run_evaluate
 from moco_retrieval.evaluation.encode import encode_texts
@@ -59,11 +59,20 @@ def beir_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def checkpoint(tiny_dir, tmp_path_factory):
     """A real Lightning checkpoint of 2 MoCo steps (query and key encoders differ)."""
+    return train_checkpoint(ModelConfig(backbone="tiny", path=tiny_dir),
+                            MoCoConfig(queue_size=16, temperature=0.1, momentum=0.5), tmp_path_factory.mktemp("run"))
+
+
+@pytest.fixture(scope="module")
+def two_tower_checkpoint(tiny_dir, tmp_path_factory):
+    """2 ICoL steps on two towers, one phase each: both towers trained, apart."""
+    return train_checkpoint(ModelConfig(backbone="tiny", path=tiny_dir, shared_tower=False, head="linear", head_dim=8),
+                            ICoLConfig(queue_size=16, temperature=0.1, phase_steps=1), tmp_path_factory.mktemp("run2"))
+
+
+def train_checkpoint(model: ModelConfig, objective, folder: Path) -> str:
     L.seed_everything(0)
-    model = ModelConfig(backbone="tiny", path=tiny_dir)
-    m = RetrievalModule(model, MoCoConfig(queue_size=16, temperature=0.1, momentum=0.5),
-                        OptimConfig(lr=1e-2, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
-    folder = tmp_path_factory.mktemp("run")
+    m = RetrievalModule(model, objective, OptimConfig(lr=1e-2, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
     t = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
                   enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(folder),
                   num_sanity_val_steps=0, limit_val_batches=0)
@@ -167,6 +176,48 @@ def test_export_reloads_with_identical_embeddings(tiny_dir, checkpoint, tmp_path
     assert not np.allclose(q_key, q_query, atol=1e-4)  # two steps apart: the export chose the right weights
     with pytest.raises(FileExistsError):
         run_export(_compose("export", _tiny(tiny_dir) + [f"checkpoint={checkpoint}", f"out_dir={tmp_path / 'key'}"]))
+
+
+def test_two_towers_export_as_a_router_with_the_trainers_embeddings(tiny_dir, beir_dir, two_tower_checkpoint, tmp_path):
+    """model.shared_tower=false: the query tower serves encode_query, the document tower encode_document
+    (and plain encode), each equal to the trainer's; evaluate and search model_dir= rebuild both."""
+    st_mod = pytest.importorskip("sentence_transformers")
+    from sentence_transformers.sentence_transformer.modules import Router
+
+    texts = ["resize images from the command line", "a shell for the terminal", "backup archive tool " * 12]
+    out = tmp_path / "m"
+    run_export(_compose("export", _tiny(tiny_dir) + [f"checkpoint={two_tower_checkpoint}", f"out_dir={out}"]))
+    enc, _ = load_checkpoint_encoder(two_tower_checkpoint, "query")
+    q_ref, d_ref = (encode_texts(enc, texts, kind, show_progress=False) for kind in ("query", "doc"))
+    # the query tower embeds the queries and the document tower the documents: the two towers differ
+    assert not np.allclose(encode_texts(enc, texts, "query", show_progress=False),
+                           encode_texts(_swap_towers(enc), texts, "query", show_progress=False), atol=1e-4)
+    st = st_mod.SentenceTransformer(str(out), device="cpu")
+    assert isinstance(st[0], Router)
+    np.testing.assert_allclose(st.encode_query(texts), q_ref, atol=1e-5)
+    np.testing.assert_allclose(st.encode_document(texts), d_ref, atol=1e-5)
+    np.testing.assert_allclose(st.encode(texts), d_ref, atol=1e-5)  # plain encode: the document route
+    back, desc = load_model_dir(out)
+    assert not back.shared_tower and desc["exported"]
+    for kind, ref in (("query", q_ref), ("doc", d_ref)):
+        np.testing.assert_allclose(encode_texts(back, texts, kind, show_progress=False), ref, atol=1e-6)
+    assert "Router" in (out / "README.md").read_text()
+    # evaluate model_dir= scores exactly as the checkpoint it was exported from
+    metrics = {}
+    for name, spec in (("ckpt", f"checkpoint={two_tower_checkpoint}"), ("dir", f"model_dir={out}")):
+        run_evaluate(_compose("evaluate", _tiny(tiny_dir) + ["data=beir", f"data.dir={beir_dir}", spec, "progress=false",
+                                                            "device=cpu", "plots=false"]), tmp_path / name)
+        metrics[name] = json.loads((tmp_path / name / "eval.json").read_text())["metrics"]
+    assert metrics["dir"] == pytest.approx(metrics["ckpt"], abs=1e-6)
+
+
+def _swap_towers(enc):
+    """A copy of a two-tower encoder whose query tower is its document tower."""
+    import copy
+
+    other = copy.deepcopy(enc)
+    other.query_tower = other.doc_tower
+    return other
 
 
 @pytest.mark.parametrize("kw", [dict(head="linear", head_dim=8), dict(head="mlp", head_dim=8, pooling="cls", normalize=False)])

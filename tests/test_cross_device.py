@@ -61,6 +61,7 @@ def run(data, rank, symmetric, world, ddp=False):
     rows (all rows when world == 1)."""
     from moco_retrieval.config import InBatchConfig
     from moco_retrieval.objectives.inbatch import InBatchObjective
+    from moco_retrieval.objectives.step import StepInput
 
     per = B if world > 1 else W * B
     meta = {key: rows(data[key], rank, per) for key in ("doc_id", "group")}
@@ -71,14 +72,14 @@ def run(data, rank, symmetric, world, ddp=False):
     tower = Tower(data["weight"])
     with torch.no_grad():
         q, k, h = (t.detach().requires_grad_() for t in tower(*xs))
-    loss, _ = obj(q, k, {**meta, "neg": h})
+    loss, _ = obj(StepInput(q, k, **meta, neg=h))
     loss.backward()
     out = {"loss": loss.detach(), "q": q.grad, "k": k.grad, "h": h.grad}
     # (2) parameters, through DDP when distributed
     tower = Tower(data["weight"])
     model = torch.nn.parallel.DistributedDataParallel(tower) if ddp else tower
     q, k, h = model(*xs)
-    loss2, _ = obj(q, k, {**meta, "neg": h})
+    loss2, _ = obj(StepInput(q, k, **meta, neg=h))
     loss2.backward()
     out["weight"] = tower.lin.weight.grad.clone()
     return out

@@ -53,7 +53,7 @@ def reference_loss(m: RetrievalModule, batch: dict) -> torch.Tensor:
 
     q = enc(batch["query"], "query")
     k = keys_of(enc.features(batch["doc"], "doc"))
-    queue = m.objective.queue
+    queue = m.objective.memory.queue
     qk = keys_of(queue.keys())
     ids = batch["doc_id"]
     pos = (q * k).sum(1, keepdim=True)
@@ -68,7 +68,7 @@ def test_queue_holds_features_and_loss_and_gradient_equal_reference(tiny_dir, tm
     torch.manual_seed(0)
     m = make_module(tiny_dir)
     fit(m, tmp_path, steps=6)
-    queue = m.objective.queue
+    queue = m.objective.memory.queue
     assert queue.fill == 24 and m.key_encoder is None
     assert queue.queue_keys.shape == (64, m.encoder.hidden_size) != (64, m.encoder.dim)  # features, not keys
     batch = batch_of(seed=9)
@@ -98,12 +98,12 @@ def test_enqueues_the_batch_features_after_backward(tiny_dir):
     m.train()
     batch = batch_of(seed=5)
     loss, _ = m.shared_step(batch)
-    assert m.objective.queue.fill == 0  # held back until after backward
+    assert m.objective.memory.queue.fill == 0  # held back until after backward
     loss.backward()
     m.on_after_backward()
-    assert m.objective.queue.fill == 4
-    torch.testing.assert_close(m.objective.queue.keys(), m.encoder.features(batch["doc"], "doc"))
-    assert torch.equal(m.objective.queue.ids(), batch["doc_id"])
+    assert m.objective.memory.queue.fill == 4
+    torch.testing.assert_close(m.objective.memory.queue.keys(), m.encoder.features(batch["doc"], "doc"))
+    assert torch.equal(m.objective.memory.queue.ids(), batch["doc_id"])
 
 
 def test_state_dict_round_trip(tiny_dir, tmp_path):
@@ -112,8 +112,8 @@ def test_state_dict_round_trip(tiny_dir, tmp_path):
     fit(m, tmp_path, steps=3)
     fresh = make_module(tiny_dir)
     fresh.load_state_dict(m.state_dict())
-    assert fresh.objective.queue.fill == 12 and fresh.objective.stats(3)["queue_fill"] == 12
-    assert torch.equal(fresh.objective.queue.queue_keys, m.objective.queue.queue_keys)
+    assert fresh.objective.memory.queue.fill == 12 and fresh.objective.stats(3)["queue_fill"] == 12
+    assert torch.equal(fresh.objective.memory.queue.queue_keys, m.objective.memory.queue.queue_keys)
 
 
 def test_needs_a_frozen_backbone(tiny_dir):

@@ -78,7 +78,7 @@ def assert_same(a, b, atol=1e-5):
 
 
 def fill_queue(module):
-    q = module.objective.queue
+    q = module.objective.docs.queue
     q.enqueue(torch.nn.functional.normalize(torch.randn(12, module.encoder.dim), dim=1), torch.arange(12) + 5000,
               torch.full((12,), -1), step=0)
 

@@ -14,6 +14,7 @@ from moco_retrieval.objectives.guided import GuidedMask
 from moco_retrieval.objectives.logq import StreamingFrequency
 from moco_retrieval.objectives.moco import MoCoObjective
 from moco_retrieval.objectives.two_queue import TwoQueueObjective
+from moco_retrieval.objectives.step import StepInput
 
 TAU, D = 0.07, 8
 
@@ -67,19 +68,19 @@ def moco(mask=True, guide="none", margin=0.0, threshold=None, logq=False, cls=Mo
                   guide_threshold=threshold, logq_correction=logq, logq_alpha=0.5, logq_buckets=64)
     obj = cls(cfg, D, guide_dim=D if guide not in ("none", "momentum") else None)
     obj.train()
-    obj.queue.enqueue(unit(10, D, seed=5), Q_IDS, Q_GROUPS, step=0)
-    if obj.guide_queue is not None:
-        obj.guide_queue.enqueue(unit(10, D, seed=6), Q_IDS, Q_GROUPS, step=0)
+    obj.docs.queue.enqueue(unit(10, D, seed=5), Q_IDS, Q_GROUPS, step=0)
+    if obj.docs.guide is not None:
+        obj.docs.guide.enqueue(unit(10, D, seed=6), Q_IDS, Q_GROUPS, step=0)
     if logq:  # a planted history: some documents seen often, others once
         for s in range(8):
-            obj.logq.observe(torch.tensor([10, 12, 99] + ([11, 95] if s % 3 == 0 else [])), step=s)
+            obj.scoring.logq.observe(torch.tensor([10, 12, 99] + ([11, 95] if s % 3 == 0 else [])), step=s)
     return obj
 
 
 def ref_moco(obj, q, k, gq, gk, g_queue, mask, margin, threshold, logq):
     """-log softmax over [positive | other batch keys | queue], loops over every candidate."""
-    keys, q_ids, q_groups = obj.queue.keys(), obj.queue.ids(), obj.queue.groups()
-    lq = (lambda i: float(obj.logq.log_q(torch.tensor([i]))[0])) if logq else (lambda i: 0.0)
+    keys, q_ids, q_groups = obj.docs.queue.keys(), obj.docs.queue.ids(), obj.docs.queue.groups()
+    lq = (lambda i: float(obj.scoring.logq.log_q(torch.tensor([i]))[0])) if logq else (lambda i: 0.0)
     losses, masked = [], {"id": 0, "group": 0, "guide": 0}
 
     def rule(i, j_id, j_group, g_j):
@@ -122,9 +123,9 @@ def test_moco_loss_gradient_and_counts_equal_loops(mask, margin, threshold, logq
     meta = {"doc_id": IDS, "group": GROUPS}
     if guided:
         meta.update(g_q=gq, g_k=gk)
-    g_queue = obj.guide_queue.keys().clone() if guided else None
+    g_queue = obj.docs.guide.keys().clone() if guided else None
     q = q0.clone().requires_grad_()
-    loss, stats = obj(q, k, meta, step=8)
+    loss, stats = obj(StepInput(q, k, **meta, step=8))
     (grad,) = torch.autograd.grad(loss, q)
     q2 = q0.clone().requires_grad_()
     ref, counts = ref_moco(obj, q2, k, gq, gk, g_queue, mask, margin or 0.0, threshold, logq)
@@ -140,43 +141,43 @@ def test_moco_loss_gradient_and_counts_equal_loops(mask, margin, threshold, logq
         assert counts["masked_by_guide"] > 0  # the guide found candidates ids missed
     obj.after_backward()
     if guided:  # the guide's embeddings of this batch are queued slot for slot with the keys
-        assert obj.guide_queue.fill == obj.queue.fill == 16
-        torch.testing.assert_close(obj.guide_queue.keys()[10:], gk)
-        assert torch.equal(obj.guide_queue.ids(), obj.queue.ids())
+        assert obj.docs.guide.fill == obj.docs.queue.fill == 16
+        torch.testing.assert_close(obj.docs.guide.keys()[10:], gk)
+        assert torch.equal(obj.docs.guide.ids(), obj.docs.queue.ids())
 
 
 def test_logq_changes_the_loss_when_on():
     q, k = unit(6, D, seed=7), unit(6, D, seed=8)
     meta = {"doc_id": IDS, "group": GROUPS}
-    off = moco(logq=False)(q, k, meta, step=8)[0]
-    on = moco(logq=True)(q, k, meta, step=8)[0]
+    off = moco(logq=False)(StepInput(q, k, **meta, step=8))[0]
+    on = moco(logq=True)(StepInput(q, k, **meta, step=8))[0]
     assert abs(float(on - off)) > 1e-3
 
 
 def test_momentum_guide_uses_the_ema_query_keys_and_queue():
     obj = moco(mask=False, guide="momentum", margin=0.05)
-    assert "q_key" in obj.views and obj.guide_queue is None
+    assert "q_key" in obj.views and obj.docs.guide is None
     q0, k, q_key = unit(6, D, seed=7), unit(6, D, seed=8), unit(6, D, seed=11)
-    loss, stats = obj(q0, k, {"doc_id": IDS, "group": GROUPS, "q_key": q_key}, step=1)
-    ref, counts = ref_moco(obj, q0, k, q_key, k, obj.queue.keys(), False, 0.05, None, False)
+    loss, stats = obj(StepInput(q0, k, doc_id=IDS, group=GROUPS, q_key=q_key, step=1))
+    ref, counts = ref_moco(obj, q0, k, q_key, k, obj.docs.queue.keys(), False, 0.05, None, False)
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
     assert float(stats["masked_by_guide"]) == pytest.approx(counts["masked_by_guide"]) and counts["masked_by_guide"] > 0
 
 
 def test_two_queue_guides_both_directions_and_queues_guide_embeddings():
     obj = moco(mask=True, guide="fixed", margin=0.05, cls=TwoQueueObjective, cfg_cls=TwoQueueConfig)
-    obj.query_queue.enqueue(unit(10, D, seed=12), Q_IDS, Q_GROUPS, step=0)
-    obj.query_guide_queue.enqueue(unit(10, D, seed=13), Q_IDS, Q_GROUPS, step=0)
+    obj.queries.queue.enqueue(unit(10, D, seed=12), Q_IDS, Q_GROUPS, step=0)
+    obj.queries.guide.enqueue(unit(10, D, seed=13), Q_IDS, Q_GROUPS, step=0)
     q, k, d, q_key, gq, gk = (unit(6, D, seed=s) for s in range(20, 26))
     meta = {"doc_id": IDS, "group": GROUPS, "d": d, "q_key": q_key, "g_q": gq, "g_k": gk}
-    loss, _ = obj(q, k, meta, step=1)
+    loss, _ = obj(StepInput(q, k, **meta, step=1))
     # the document -> query direction: anchors are the guide's documents, candidates its queries
     unguided = moco(mask=True, cls=TwoQueueObjective, cfg_cls=TwoQueueConfig)
-    unguided.query_queue.enqueue(unit(10, D, seed=12), Q_IDS, Q_GROUPS, step=0)
-    assert float(loss) != pytest.approx(float(unguided(q, k, dict(meta), step=1)[0]))
+    unguided.queries.queue.enqueue(unit(10, D, seed=12), Q_IDS, Q_GROUPS, step=0)
+    assert float(loss) != pytest.approx(float(unguided(StepInput(q, k, **meta, step=1))[0]))
     obj.after_backward()
-    assert obj.query_guide_queue.fill == 16
-    torch.testing.assert_close(obj.query_guide_queue.keys()[10:], gq)
+    assert obj.queries.guide.fill == 16
+    torch.testing.assert_close(obj.queries.guide.keys()[10:], gq)
 
 
 def ref_guided_in_batch(q, docs, gq, gk, margin):
@@ -206,7 +207,7 @@ def test_two_queue_in_batch_term_masks_what_the_guide_masks(batch_negatives):
     obj.train()
     q, k, d, q_key, gq, gk = (unit(6, D, seed=s) for s in range(40, 46))
     meta = {"doc_id": IDS, "group": GROUPS, "d": d, "q_key": q_key, "g_q": gq, "g_k": gk}
-    _, stats = obj(q, k, meta, step=1)
+    _, stats = obj(StepInput(q, k, **meta, step=1))
     ref, n = ref_guided_in_batch(q, d, gq, gk, 0.02)
     assert n > 0  # the planted guide scores mask something
     torch.testing.assert_close(stats["loss_in_batch"], ref, atol=1e-5, rtol=1e-5)
@@ -224,7 +225,7 @@ def test_inbatch_guided_mask_equals_loops():
 
     obj = InBatchObjective(InBatchConfig(temperature=TAU, guide="fixed", guide_margin=0.02, mask_false_negatives=False))
     q, k, gq, gk = (unit(6, D, seed=s) for s in range(30, 34))
-    loss, stats = obj(q, k, {"doc_id": IDS, "group": GROUPS, "g_q": gq, "g_k": gk}, step=0)
+    loss, stats = obj(StepInput(q, k, doc_id=IDS, group=GROUPS, g_q=gq, g_k=gk, step=0))
     ref, n = ref_guided_in_batch(q, k, gq, gk, 0.02)
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
     assert float(stats["masked_by_guide"]) == pytest.approx(n / 6) and n > 0
@@ -286,7 +287,7 @@ def run(steps, rank, world):
     for s, st in enumerate(steps):
         q = st["q"][sl].clone().requires_grad_()
         meta = {"doc_id": st["ids"][sl], "group": st["groups"][sl], "g_q": st["gq"][sl], "g_k": st["gk"][sl]}
-        loss, _ = obj(q, st["k"][sl], meta, step=s)
+        loss, _ = obj(StepInput(q, st["k"][sl], **meta, step=s))
         loss.backward()
         obj.after_backward()
         out["loss"].append(loss.item())
@@ -301,7 +302,7 @@ def test_two_gloo_ranks_equal_one_process_with_guide_and_logq(tmp_path):
     steps = make_steps()
     ranks = on_ranks(run, (steps,), W, tmp_path)
     single = run(steps, 0, 1)
-    assert {"guide_queue.queue_keys", "logq.logq_interval", "logq.logq_last"} <= set(single["state"])
+    assert {"docs.guide.queue_keys", "scoring.logq.logq_interval", "scoring.logq.logq_last"} <= set(single["state"])
     for key, v in single["state"].items():  # queue, guide queue and frequency estimates
         for r in ranks:
             assert torch.equal(r["state"][key], v), key
@@ -333,9 +334,9 @@ def test_module_builds_a_frozen_guide_outside_the_checkpoint(tmp_path_factory):
     loss.backward()
     m.on_after_backward()
     assert {"masked_by_guide", "masked_by_id", "masked_by_group"} <= set(stats)
-    assert m.objective.guide_queue.fill == 4
+    assert m.objective.docs.guide.fill == 4
     with torch.no_grad():  # the guide is the untrained backbone, mean-pooled and normalised, no head
-        torch.testing.assert_close(m.objective.guide_queue.keys(), guide(batch["doc"], "doc"))
+        torch.testing.assert_close(m.objective.docs.guide.keys(), guide(batch["doc"], "doc"))
     assert all(torch.equal(v, guide.state_dict()[k]) for k, v in before.items())
     assert not any(k.startswith("_guide") for k in m.state_dict())
-    assert "objective.guide_queue.queue_keys" in m.state_dict()
+    assert "objective.docs.guide.queue_keys" in m.state_dict()

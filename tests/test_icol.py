@@ -9,6 +9,7 @@ import torch
 
 from moco_retrieval.config import ICoLConfig
 from moco_retrieval.objectives.icol import ICoLObjective
+from moco_retrieval.objectives.step import StepInput
 from test_two_queue import TAU, D, ref_direction, unit
 
 B = 6
@@ -31,7 +32,7 @@ def one_step(obj, q, k, step, neg=None):
     meta = {"doc_id": IDS, "group": GROUPS}
     if neg is not None:
         meta.update(neg=neg[0], neg_id=neg[1], neg_group=neg[2])
-    loss, stats = obj(q, k, meta, step=step)
+    loss, stats = obj(StepInput(q, k, **meta, step=step))
     loss.backward()
     obj.after_backward()
     return loss, (q.grad if trains_queries else k.grad), stats
@@ -72,11 +73,11 @@ def test_the_queue_holds_this_phases_untrained_side_and_empties_when_the_phase_t
         seen[s] = batch(200 + 10 * s)
         one_step(obj, *seen[s], s)
         if s == 1:  # two query steps: the document tower's embeddings of both batches
-            torch.testing.assert_close(obj.queue.keys(), torch.cat([seen[0][1], seen[1][1]]))
+            torch.testing.assert_close(obj.memory.queue.keys(), torch.cat([seen[0][1], seen[1][1]]))
         if s == 2:  # the documents' turn: emptied, then this step's queries
-            torch.testing.assert_close(obj.queue.keys(), seen[2][0])
-    torch.testing.assert_close(obj.queue.keys(), seen[4][1])  # the queries' turn again, from step 4
-    assert torch.equal(obj.queue.ids(), IDS)
+            torch.testing.assert_close(obj.memory.queue.keys(), seen[2][0])
+    torch.testing.assert_close(obj.memory.queue.keys(), seen[4][1])  # the queries' turn again, from step 4
+    assert torch.equal(obj.memory.queue.ids(), IDS)
     # a resumed run knows which phase filled the queue: a step of that phase uses it, the next phase does not
     fresh = make(phase_steps=2)
     fresh.load_state_dict(obj.state_dict())
@@ -84,8 +85,8 @@ def test_the_queue_holds_this_phases_untrained_side_and_empties_when_the_phase_t
     for o in (obj, fresh):
         o.eval()
     with torch.no_grad():
-        same = [o(q, k, {"doc_id": IDS, "group": GROUPS}, step=5)[1]["negatives_per_query"] for o in (obj, fresh)]
-        other = fresh(q, k, {"doc_id": IDS, "group": GROUPS}, step=6)[1]["negatives_per_query"]
+        same = [o(StepInput(q, k, doc_id=IDS, group=GROUPS, step=5))[1]["negatives_per_query"] for o in (obj, fresh)]
+        other = fresh(StepInput(q, k, doc_id=IDS, group=GROUPS, step=6))[1]["negatives_per_query"]
     assert same[0] == same[1] > other  # step 5 counts the 6 queued keys (minus masked), step 6 only the batch
 
 
@@ -151,5 +152,5 @@ def test_two_ddp_ranks_train_the_towers_in_turns(tmp_path_factory, tmp_path):
     assert r0["grads"] == [{"query": True, "doc": False}] * 2 + [{"query": False, "doc": True}] * 2
     for k, v in r0["state"].items():  # both towers and the queue: identical on both ranks
         assert torch.equal(v, r1["state"][k]), k
-    assert int(r0["state"]["objective.queue.queue_fill"]) == 16  # the documents' phase: 2 steps x 2 ranks x 4
+    assert int(r0["state"]["objective.memory.queue.queue_fill"]) == 16  # the documents' phase: 2 steps x 2 ranks x 4
     assert int(r0["state"]["objective.queue_phase"]) == 1

@@ -45,7 +45,7 @@ def test_training_step_grads_query_side_only(tiny_dir):
     m = make_module(tiny_dir)
     m.train()
     dm = SyntheticData(m.encoder.tokenize, batch_size=4)
-    m.objective.queue.enqueue(torch.nn.functional.normalize(torch.randn(8, m.encoder.dim), dim=1),
+    m.objective.docs.queue.enqueue(torch.nn.functional.normalize(torch.randn(8, m.encoder.dim), dim=1),
                               torch.arange(8) + 50_000, torch.full((8,), -1), step=0)
     batch = next(iter(dm.train_dataloader()))
     before = {n: p.clone() for n, p in m.key_encoder.named_parameters()}
@@ -67,7 +67,7 @@ def test_ema_once_per_optimizer_step_with_accumulation(tiny_dir, tmp_path, monke
     t.fit(m, SyntheticData(m.encoder.tokenize, batch_size=4, batches=6))
     assert len(calls) == 3 and t.global_step == 3
     # every micro-batch's keys were enqueued: 6 batches of 4
-    assert m.objective.queue.fill == 24
+    assert m.objective.docs.queue.fill == 24
 
 
 def test_key_encoder_follows_ema_of_query_encoder(tiny_dir, tmp_path):
@@ -102,8 +102,8 @@ def test_checkpoint_round_trip_and_resume(tiny_dir, tmp_path):
     assert any("queue" in k for k in sd) and any("key_encoder" in k for k in sd)
     loaded = RetrievalModule.load_from_checkpoint(ckpt)
     for name in ["queue_keys", "queue_ids", "queue_groups", "queue_steps", "queue_ptr", "queue_fill"]:
-        assert torch.equal(getattr(loaded.objective.queue, name), getattr(half.objective.queue, name)), name
-    assert loaded.objective.queue.fill == 12 and int(loaded.objective.queue.queue_ptr) == 20 % 12
+        assert torch.equal(getattr(loaded.objective.docs.queue, name), getattr(half.objective.docs.queue, name)), name
+    assert loaded.objective.docs.queue.fill == 12 and int(loaded.objective.docs.queue.queue_ptr) == 20 % 12
     for a, b in zip(loaded.key_encoder.parameters(), half.key_encoder.parameters()):
         assert torch.equal(a, b)
     resumed, resumed_losses = run(2, ckpt=ckpt)
@@ -118,7 +118,7 @@ class DumpQueue(Callback):
         self.folder = folder
 
     def on_train_end(self, trainer, pl_module):
-        q = pl_module.objective.queue
+        q = pl_module.objective.docs.queue
         torch.save({"ids": q.queue_ids.clone(), "keys": q.queue_keys.clone(), "fill": q.fill},
                    f"{self.folder}/rank{trainer.global_rank}.pt")
 
@@ -146,8 +146,8 @@ def test_bf16_mixed_precision_trains_with_fp32_logits(tiny_dir, tmp_path):
     seen = []
     orig = m.objective.forward
 
-    def spy(q, k, meta, step=0):
-        loss, stats = orig(q, k, meta, step=step)
+    def spy(step):
+        loss, stats = orig(step)
         seen.append(loss.dtype)
         return loss, stats
 
@@ -157,7 +157,7 @@ def test_bf16_mixed_precision_trains_with_fp32_logits(tiny_dir, tmp_path):
     t.fit(m, SyntheticData(m.encoder.tokenize, batch_size=4, batches=3))
     assert seen == [torch.float32] * 3
     assert all(torch.isfinite(torch.tensor(rec.losses)))
-    assert m.objective.queue.fill == 12
+    assert m.objective.docs.queue.fill == 12
 
 
 def test_views_decide_which_encoder_embeds_what(tiny_dir, monkeypatch):
@@ -169,7 +169,7 @@ def test_views_decide_which_encoder_embeds_what(tiny_dir, monkeypatch):
     seen = {}
     for name, m in (("inbatch", inbatch), ("moco", moco)):
         m.eval()
-        monkeypatch.setattr(m.objective, "forward", lambda q, k, meta, step=0, name=name: (seen.__setitem__(name, (q, k)), (q.sum(), {}))[1])
+        monkeypatch.setattr(m.objective, "forward", lambda step, name=name: (seen.__setitem__(name, (step.q, step.k)), (step.q.sum(), {}))[1])
         m.shared_step(batch)
     q, k = seen["inbatch"]
     assert q.requires_grad and k.requires_grad

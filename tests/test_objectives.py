@@ -9,6 +9,7 @@ from moco_retrieval.config import InBatchConfig, MoCoConfig
 from moco_retrieval.objectives.contrastive import Block
 from moco_retrieval.objectives.inbatch import InBatchObjective
 from moco_retrieval.objectives.moco import MoCoObjective
+from moco_retrieval.objectives.step import StepInput
 
 TAU = 0.07
 
@@ -49,7 +50,7 @@ def batch():
 def test_inbatch_matches_loops(batch, mask):
     q, k, ids, groups = batch
     obj = InBatchObjective(InBatchConfig(temperature=TAU, mask_false_negatives=mask))
-    loss, stats = obj(q, k, {"doc_id": ids, "group": groups})
+    loss, stats = obj(StepInput(q, k, doc_id=ids, group=groups))
     cands = []
     for i in range(len(q)):
         cands.append([k[j] for j in range(len(q)) if j != i and not (mask and excluded(i, ids, groups, ids[j], groups[j]))])
@@ -60,7 +61,7 @@ def test_inbatch_matches_loops(batch, mask):
 def test_inbatch_symmetric_matches_loops(batch):
     q, k, ids, groups = batch
     obj = InBatchObjective(InBatchConfig(temperature=TAU, symmetric=True))
-    loss, _ = obj(q, k, {"doc_id": ids, "group": groups})
+    loss, _ = obj(StepInput(q, k, doc_id=ids, group=groups))
     n = len(q)
     fwd = ref_loss(q, k, [[k[j] for j in range(n) if j != i and not excluded(i, ids, groups, ids[j], groups[j])] for i in range(n)])
     bwd = ref_loss(k, q, [[q[j] for j in range(n) if j != i and not excluded(i, ids, groups, ids[j], groups[j])] for i in range(n)])
@@ -70,7 +71,7 @@ def test_inbatch_symmetric_matches_loops(batch):
 def test_label_smoothing_matches_loops(batch):
     q, k, ids, groups = batch
     obj = InBatchObjective(InBatchConfig(temperature=TAU, label_smoothing=0.1, mask_false_negatives=False))
-    loss, _ = obj(q, k, {"doc_id": ids, "group": groups})
+    loss, _ = obj(StepInput(q, k, doc_id=ids, group=groups))
     cands = [[k[j] for j in range(len(q)) if j != i] for i in range(len(q))]
     assert loss.item() == pytest.approx(ref_loss(q, k, cands, smoothing=0.1), abs=1e-5)
     # and it equals torch's own cross-entropy with label smoothing on the unmasked logit matrix
@@ -85,7 +86,7 @@ def _moco(batch_negatives, mask, K=20, d=8):
 
 
 def _fill_queue(obj, n, seed, ids, groups):
-    obj.queue.enqueue(unit(n, obj.queue.dim, seed=seed), ids, groups, step=0)
+    obj.docs.queue.enqueue(unit(n, obj.docs.queue.dim, seed=seed), ids, groups, step=0)
 
 
 @pytest.mark.parametrize("batch_negatives", [True, False])
@@ -97,7 +98,7 @@ def test_moco_matches_loops(batch, batch_negatives, mask, with_hard):
     q_ids = torch.tensor([10, 99, 12, 98, 97, 96, 13, 95, 94, 93, 92, 91])  # holds positives 10, 12, 13
     q_groups = torch.tensor([-1, 2, -1, -1, 1, -1, -1, 5, -1, -1, -1, -1])  # and duplicates of groups 1, 2
     _fill_queue(obj, 12, 5, q_ids, q_groups)
-    queue = obj.queue.keys().clone()
+    queue = obj.docs.queue.keys().clone()
     meta = {"doc_id": ids, "group": groups}
     hard = hard_ids = hard_groups = None
     if with_hard:
@@ -107,7 +108,7 @@ def test_moco_matches_loops(batch, batch_negatives, mask, with_hard):
         hard_groups = torch.full((12,), -1)
         hard_groups[5] = 1
         meta.update(neg=hard, neg_id=hard_ids, neg_group=hard_groups)
-    loss, stats = obj(q, k, meta)
+    loss, stats = obj(StepInput(q, k, **meta))
     cands = []
     for i in range(len(q)):
         c = []
@@ -120,10 +121,10 @@ def test_moco_matches_loops(batch, batch_negatives, mask, with_hard):
     assert loss.item() == pytest.approx(ref_loss(q, k, cands), abs=1e-5)
     assert stats["negatives_per_query"].item() == pytest.approx(sum(map(len, cands)) / len(q))
     # the loss is computed before the batch's keys are enqueued; they are there afterwards
-    assert obj.queue.fill == 12
+    assert obj.docs.queue.fill == 12
     obj.after_backward()
-    assert obj.queue.fill == 18
-    assert torch.equal(obj.queue.ids()[12:], ids)
+    assert obj.docs.queue.fill == 18
+    assert torch.equal(obj.docs.queue.ids()[12:], ids)
 
 
 def test_positive_copy_in_queue_is_masked(batch):
@@ -137,9 +138,9 @@ def test_positive_copy_in_queue_is_masked(batch):
                 obj = _moco(False, mask)
                 _fill_queue(obj, 10, 5, torch.arange(100, 110), torch.full((10,), -1))
                 if with_copy:
-                    obj.queue.enqueue(k[i : i + 1], ids[i : i + 1], groups[i : i + 1], step=0)
+                    obj.docs.queue.enqueue(k[i : i + 1], ids[i : i + 1], groups[i : i + 1], step=0)
                 meta = {"doc_id": ids[i : i + 1], "group": groups[i : i + 1]}
-                results[mask, with_copy] = obj(q[i : i + 1], k[i : i + 1], meta)[0].item()
+                results[mask, with_copy] = obj(StepInput(q[i : i + 1], k[i : i + 1], **meta))[0].item()
         assert results[True, True] == pytest.approx(results[True, False], abs=1e-6)
         # unmasked, the copy adds exp(s+/tau) to the denominator: loss grows by log(1 + p(positive))
         base = results[False, False]
@@ -152,23 +153,23 @@ def test_gradients_reach_query_only(batch):
     k = k.clone().requires_grad_(True)
     obj = _moco(True, True)
     _fill_queue(obj, 10, 5, torch.arange(100, 110), torch.full((10,), -1))
-    loss, _ = obj(q, k, {"doc_id": ids, "group": groups})
+    loss, _ = obj(StepInput(q, k, doc_id=ids, group=groups))
     loss.backward()
     obj.after_backward()  # after backward, as the Lightning module does
     assert q.grad is not None and q.grad.abs().sum() > 0
     assert k.grad is None
-    assert obj.queue.fill == 16
+    assert obj.docs.queue.fill == 16
 
 
 def test_learnable_temperature_is_clamped_and_trained(batch):
     q, k, ids, groups = batch
     obj = InBatchObjective(InBatchConfig(temperature=0.5, learn_temperature=True, temperature_min=0.1, temperature_max=1.0))
-    loss, stats = obj(q, k, {"doc_id": ids, "group": groups})
+    loss, stats = obj(StepInput(q, k, doc_id=ids, group=groups))
     loss.backward()
-    assert obj.temperature.log_tau.grad is not None and obj.temperature.log_tau.grad.abs() > 0
+    assert obj.scoring.temperature.log_tau.grad is not None and obj.scoring.temperature.log_tau.grad.abs() > 0
     with torch.no_grad():
-        obj.temperature.log_tau.fill_(math.log(0.001))
-    assert obj.temperature().item() == pytest.approx(0.1)
+        obj.scoring.temperature.log_tau.fill_(math.log(0.001))
+    assert obj.scoring.temperature().item() == pytest.approx(0.1)
 
 
 def test_moco_rejects_empty_queue():
@@ -179,9 +180,9 @@ def test_moco_rejects_empty_queue():
 def test_logits_fp32_under_bf16_autocast(batch):
     q, k, ids, groups = batch
     obj = InBatchObjective(InBatchConfig(temperature=TAU))
-    ref, _ = obj(q, k, {"doc_id": ids, "group": groups})
+    ref, _ = obj(StepInput(q, k, doc_id=ids, group=groups))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, _ = obj(q, k, {"doc_id": ids, "group": groups})
+        loss, _ = obj(StepInput(q, k, doc_id=ids, group=groups))
     assert loss.dtype == torch.float32
     assert loss.item() == pytest.approx(ref.item(), abs=1e-6)
 
@@ -192,13 +193,13 @@ def test_masked_counts_are_the_loss_own_blocks(batch):
     q, k, ids, groups = batch
     obj = InBatchObjective(InBatchConfig(temperature=TAU, mask_false_negatives=True))
     cand_ids, cand_groups = torch.tensor([10, 10, 99, 12, 98]), torch.tensor([1, 5, -1, 2, 2])
-    other = obj.mask(ids, groups, ids, groups)  # built for a softmax that is not computed here
-    mine = obj.mask(ids, groups, cand_ids, cand_groups)
+    other = obj.scoring.mask(ids, groups, ids, groups)  # built for a softmax that is not computed here
+    mine = obj.scoring.mask(ids, groups, cand_ids, cand_groups)
     want_id = sum(int(cand_ids[j] == ids[i]) for i in range(len(ids)) for j in range(len(cand_ids)))
     want_all = sum(int(excluded(i, ids, groups, cand_ids[j], cand_groups[j])) for i in range(len(ids)) for j in range(len(cand_ids)))
     pos = (q * k).sum(1) / TAU
     for _ in range(2):  # the same mask in two losses: counted in each, nothing drained
-        _, stats = obj.info_nce(pos, [Block(q @ unit(5, 8, seed=3).T / TAU, mine)], torch.tensor(TAU))
+        _, stats = obj.scoring.info_nce(pos, [Block(q @ unit(5, 8, seed=3).T / TAU, mine)], torch.tensor(TAU))
         assert float(stats["masked_by_id"]) == pytest.approx(want_id / len(ids))
         assert float(stats["masked_by_group"]) == pytest.approx((want_all - want_id) / len(ids))
     assert want_id > 0 and want_all > want_id and int(other.counts["id"]) > 0

@@ -11,6 +11,7 @@ from moco_retrieval.config import TwoQueueConfig
 from moco_retrieval.objectives.queue import NegativeQueue
 from moco_retrieval.objectives.refresh import QueueRefresh, side_of, token_rows
 from moco_retrieval.objectives.two_queue import TwoQueueObjective
+from moco_retrieval.objectives.step import StepInput
 
 D, VOCAB, WIDTH = 8, 50, 6
 TABLE = F.normalize(torch.randn(VOCAB, D, generator=torch.Generator().manual_seed(0)), dim=-1)
@@ -112,16 +113,16 @@ def test_module_refreshes_with_the_key_encoder_before_the_logits(tmp_path_factor
             p.add_(0.05 * torch.randn_like(p))
         m.key_encoder.update(m.encoder, 0.5)
         fresh = {"doc": m.key_encoder(first["doc"], "doc"), "query": m.key_encoder(first["query"], "query")}
-    stale = {"doc": m.objective.queue.keys().clone(), "query": m.objective.query_queue.keys().clone()}
+    stale = {"doc": m.objective.docs.queue.keys().clone(), "query": m.objective.queries.queue.keys().clone()}
     m.shared_step(next(batches))
-    for kind, queue in (("doc", m.objective.queue), ("query", m.objective.query_queue)):
+    for kind, queue in (("doc", m.objective.docs.queue), ("query", m.objective.queries.queue)):
         now = queue.keys()
         refreshed = [i for i in range(4) if not torch.allclose(now[i], stale[kind][i])]
         assert len(refreshed) == 3, kind
         torch.testing.assert_close(now[refreshed], fresh[kind][refreshed], atol=1e-5, rtol=1e-4)
     state = m.state_dict()
-    assert "objective.doc_refresh.queue_tokens" in state and "objective.query_refresh.queue_tokens" in state
-    assert not any(k.startswith("objective.doc_refresh.queue.") for k in state)  # the queue is saved once
+    assert "objective.docs.refresh.queue_tokens" in state and "objective.queries.refresh.queue_tokens" in state
+    assert not any(k.startswith("objective.docs.refresh.queue.") for k in state)  # the queue is saved once
     assert {"queue_key_age", "query_queue_key_age"} <= set(m.objective.stats(0))
 
 
@@ -170,7 +171,7 @@ def run(steps, rank, world):
             stored = obj.stored_inputs(side, s)  # this rank's block of the draw (3 rows: blocks of 2 and 1)
             meta[view] = fake_encode(stored) if stored is not None else None
         q = st["q"][sl].clone().requires_grad_()
-        loss, _ = obj(q, fake_encode(doc), meta, step=s)
+        loss, _ = obj(StepInput(q, fake_encode(doc), **meta, step=s))
         loss.backward()
         obj.after_backward()
         out["loss"].append(loss.item())
@@ -185,9 +186,9 @@ def test_two_gloo_ranks_refresh_identically_to_one_process(tmp_path):
     steps = make_steps()
     ranks = on_ranks(run, (steps,), W, tmp_path)
     single = run(steps, 0, 1)
-    assert "doc_refresh.queue_tokens" in single["state"] and "query_refresh.queue_encoded_steps" in single["state"]
+    assert "docs.refresh.queue_tokens" in single["state"] and "queries.refresh.queue_encoded_steps" in single["state"]
     # keys were refreshed: some slots were encoded after the step that enqueued them
-    assert (single["state"]["doc_refresh.queue_encoded_steps"] > single["state"]["queue.queue_steps"]).any()
+    assert (single["state"]["docs.refresh.queue_encoded_steps"] > single["state"]["docs.queue.queue_steps"]).any()
     for key, v in single["state"].items():  # both queues and both token stores
         for r in ranks:
             assert torch.equal(r["state"][key], v), key

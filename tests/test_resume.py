@@ -154,10 +154,10 @@ def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_e
     assert any("queue_keys" in k for k in a["state_dict"])
     assert any(k.startswith("key_encoder.") for k in a["state_dict"]) == (objective != "icol")  # icol has no EMA copy
     if objective == "two_queue":  # both queues are carried
-        assert "objective.query_queue.queue_keys" in a["state_dict"]
+        assert "objective.queries.queue.queue_keys" in a["state_dict"]
     if refresh:  # and the texts of both, and when each key was last encoded
-        assert {"objective.doc_refresh.queue_tokens", "objective.query_refresh.queue_encoded_steps"} <= a["state_dict"].keys()
-        enc, enq = a["state_dict"]["objective.doc_refresh.queue_encoded_steps"], a["state_dict"]["objective.queue.queue_steps"]
+        assert {"objective.docs.refresh.queue_tokens", "objective.queries.refresh.queue_encoded_steps"} <= a["state_dict"].keys()
+        enc, enq = a["state_dict"]["objective.docs.refresh.queue_encoded_steps"], a["state_dict"]["objective.docs.queue.queue_steps"]
         assert (enc > enq).any()  # some keys were re-encoded after their enqueue
     for k, v in b["state_dict"].items():  # encoder, key encoder, queue (keys, ids, groups, steps, pointer)
         assert torch.allclose(a["state_dict"][k].double(), v.double(), rtol=1e-5, atol=1e-6), k
@@ -229,9 +229,9 @@ def test_signal_stops_after_the_step_with_a_checkpoint(tiny_dir, tmp_path, signu
     assert sig.ends == [0, 1, 2]  # the step the signal arrived in was finished, no further one began
     ckpt = torch.load(path, weights_only=False)
     assert ckpt["global_step"] == 3
-    queue = module.objective.queue
-    assert ckpt["state_dict"]["objective.queue.queue_fill"] == queue.fill == 12  # the stopped step's keys are in
-    assert torch.equal(ckpt["state_dict"]["objective.queue.queue_keys"], queue.queue_keys)
+    queue = module.objective.docs.queue
+    assert ckpt["state_dict"]["objective.docs.queue.queue_fill"] == queue.fill == 12  # the stopped step's keys are in
+    assert torch.equal(ckpt["state_dict"]["objective.docs.queue.queue_keys"], queue.queue_keys)
     assert ckpt["rank_fingerprints"] == [preemption.rank_fingerprints(module)]
     assert {s: signal.getsignal(s) for s in preemption.STOP_SIGNALS} == before  # handlers put back
 

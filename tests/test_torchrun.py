@@ -147,10 +147,11 @@ def test_complete_run_ends_cleanly(completed):
 def test_final_queues_match_across_ranks(completed):
     ckpt = torch.load(completed["base"] / "rank0" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     fp = ckpt["rank_fingerprints"]
-    assert len(fp) == RANKS and fp[0] == fp[1] and set(fp[0]) == {"queue", "key_encoder"}
-    # rank 0's entry is the queue in this file
-    sd = {k.split("objective.queue.", 1)[1]: v for k, v in ckpt["state_dict"].items() if k.startswith("objective.queue.")}
-    assert fp[0]["queue"] == preemption._fingerprint([v for _, v in sorted(sd.items())])
+    assert len(fp) == RANKS and fp[0] == fp[1] and set(fp[0]) == {"objective", "key_encoder"}
+    # rank 0's entry is the objective's state in this file: MoCo's document memory (no guide, no logQ)
+    state = {k[len("objective."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("objective.docs.")}
+    assert fp[0]["objective"] == preemption._fingerprint([v for _, v in sorted(state.items())])
+    sd = {k.split("objective.docs.queue.", 1)[1]: v for k, v in ckpt["state_dict"].items() if k.startswith("objective.docs.queue.")}
     # every step enqueued the global batch (both ranks' keys), not one rank's share
     assert int(sd["queue_fill"]) == STEPS * RANKS * BATCH
     steps = sd["queue_steps"][: STEPS * RANKS * BATCH].view(STEPS, RANKS * BATCH)
@@ -225,7 +226,7 @@ def test_preempted_ddp_job_resumes_and_completes(interrupted):
     assert final["global_step"] == STEPS
     fp = final["rank_fingerprints"]
     assert fp[0] == fp[1]
-    queue_steps = final["state_dict"]["objective.queue.queue_steps"].view(STEPS, RANKS * BATCH)
+    queue_steps = final["state_dict"]["objective.docs.queue.queue_steps"].view(STEPS, RANKS * BATCH)
     assert (queue_steps == torch.arange(STEPS)[:, None]).all()  # no step twice, none missing
     with open(interrupted["base"] / "rank0" / "csv" / "metrics.csv", newline="") as f:
         train_steps = sorted(int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss"))

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from moco_retrieval.config import TwoQueueConfig
 from moco_retrieval.objectives.two_queue import TwoQueueObjective
+from moco_retrieval.objectives.step import StepInput
 
 TAU, D = 0.07, 8
 
@@ -54,8 +55,8 @@ def filled(weight=1.0, warmup=0, mask=True, inbatch=0.0):
     # queued keys carry the positives' ids (10, 12, 13) and groups (1, 2): they must be masked
     qd_ids = torch.tensor([10, 99, 12, 98, 97, 96, 13, 95, 94, 93])
     qd_groups = torch.tensor([-1, 2, -1, -1, 1, -1, -1, 5, -1, -1])
-    obj.queue.enqueue(unit(10, D, seed=5), qd_ids, qd_groups, step=0)
-    obj.query_queue.enqueue(unit(10, D, seed=6), qd_ids.flip(0), qd_groups.flip(0), step=0)
+    obj.docs.queue.enqueue(unit(10, D, seed=5), qd_ids, qd_groups, step=0)
+    obj.queries.queue.enqueue(unit(10, D, seed=6), qd_ids.flip(0), qd_groups.flip(0), step=0)
     return obj
 
 
@@ -69,10 +70,10 @@ def test_loss_and_gradient_equal_loop_reference(data, weight, inbatch, mask):
     hard, hard_ids, hard_groups = unit(4, D, seed=9), torch.tensor([200, 11, 202, 203]), torch.tensor([-1, -1, 1, -1])
     meta = {"doc_id": data["ids"], "group": data["groups"], "d": d, "q_key": data["q_key"],
             "neg": hard, "neg_id": hard_ids, "neg_group": hard_groups}
-    dq, qq = obj.queue, obj.query_queue
+    dq, qq = obj.docs.queue, obj.queries.queue
     doc_queue = (dq.keys().clone(), dq.ids().clone(), dq.groups().clone())
     query_queue = (qq.keys().clone(), qq.ids().clone(), qq.groups().clone())
-    loss, stats = obj(q, data["k"], meta, step=3)
+    loss, stats = obj(StepInput(q, data["k"], **meta, step=3))
     got = torch.autograd.grad(loss, [q, d])
 
     q2, d2 = data["q"].clone().requires_grad_(), data["d"].clone().requires_grad_()
@@ -101,10 +102,10 @@ def test_same_side_negatives_equal_loop_reference(data):
     obj.same_side_negatives = True
     q, d = data["q"].clone().requires_grad_(), data["d"].clone().requires_grad_()
     meta = {"doc_id": data["ids"], "group": data["groups"], "d": d, "q_key": data["q_key"]}
-    dq, qq = obj.queue, obj.query_queue
+    dq, qq = obj.docs.queue, obj.queries.queue
     doc_queue = (dq.keys().clone(), dq.ids().clone(), dq.groups().clone())
     query_queue = (qq.keys().clone(), qq.ids().clone(), qq.groups().clone())
-    loss, _ = obj(q, data["k"], meta, step=3)
+    loss, _ = obj(StepInput(q, data["k"], **meta, step=3))
     got = torch.autograd.grad(loss, [q, d])
     ids, groups = data["ids"], data["groups"]
 
@@ -121,7 +122,7 @@ def test_same_side_negatives_equal_loop_reference(data):
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
     obj.same_side_negatives = False
-    assert obj(data["q"], data["k"], meta, step=3)[0].item() < loss.item() - 1e-3  # more negatives, higher loss
+    assert obj(StepInput(data["q"], data["k"], **meta, step=3))[0].item() < loss.item() - 1e-3  # more negatives, higher loss
 
 
 def test_own_id_and_group_masked_in_both_queues_and_the_batch(data):
@@ -138,10 +139,10 @@ def test_own_id_and_group_masked_in_both_queues_and_the_batch(data):
                 if copies:
                     dup_group = one["groups"] if one["groups"][0] >= 0 else torch.tensor([-1])
                     dup_id = torch.tensor([77]) if one["groups"][0] >= 0 else one["ids"]
-                    for queue, key in ((obj.queue, one["k"]), (obj.query_queue, one["q_key"])):
+                    for queue, key in ((obj.docs.queue, one["k"]), (obj.queries.queue, one["q_key"])):
                         queue.enqueue(key, one["ids"], one["groups"], step=0)
                         queue.enqueue(key, dup_id, dup_group, step=0)
-                results[mask, copies] = obj(one["q"], one["k"], meta, step=1)[0].item()
+                results[mask, copies] = obj(StepInput(one["q"], one["k"], **meta, step=1))[0].item()
         assert results[True, True] == pytest.approx(results[True, False], abs=1e-6)
         assert results[False, True] > results[False, False] + 0.05
 
@@ -166,13 +167,13 @@ def test_masked_counts_are_per_direction(data, batch_negatives):
     meta = {"doc_id": data["ids"], "group": data["groups"], "d": data["d"], "q_key": data["q_key"],
             "neg": unit(4, D, seed=9), "neg_id": hard_ids, "neg_group": hard_groups}
     ids, groups = data["ids"], data["groups"]
-    dq, qq = obj.queue, obj.query_queue
+    dq, qq = obj.docs.queue, obj.queries.queue
     batch = count_masked(ids, groups, ids, groups, skip_own=True)
     zero = (torch.zeros(len(ids)),) * 2
     qd = [count_masked(ids, groups, dq.ids(), dq.groups()), count_masked(ids, groups, hard_ids, hard_groups),
           batch if batch_negatives else zero]
     dq_masked = count_masked(ids, groups, qq.ids(), qq.groups())
-    _, stats = obj(data["q"], data["k"], meta, step=3)
+    _, stats = obj(StepInput(data["q"], data["k"], **meta, step=3))
     assert stats["masked_by_id"].item() == pytest.approx(sum(c[0] for c in qd).mean().item())
     assert stats["masked_by_group"].item() == pytest.approx(sum(c[1] for c in qd).mean().item())
     own = 1.0 if batch_negatives else 0.0
@@ -186,15 +187,15 @@ def test_masked_counts_are_per_direction(data, batch_negatives):
 def test_keys_enqueued_after_backward_with_ids_and_warmup(data):
     obj = filled(warmup=5)
     meta = {"doc_id": data["ids"], "group": data["groups"], "d": data["d"], "q_key": data["q_key"]}
-    _, early = obj(data["q"], data["k"], meta, step=4)
+    _, early = obj(StepInput(data["q"], data["k"], **meta, step=4))
     obj.after_backward()
-    _, late = obj(data["q"], data["k"], meta, step=5)
+    _, late = obj(StepInput(data["q"], data["k"], **meta, step=5))
     # before warm-up ends only the batch counts (6 rows, own + false negatives masked); after, 16 queued more
     assert early["negatives_per_query"].item() < 6 < late["negatives_per_query"].item()
-    assert obj.queue.fill == obj.query_queue.fill == 16
-    assert torch.equal(obj.queue.ids()[10:], data["ids"]) and torch.equal(obj.query_queue.ids()[10:], data["ids"])
-    torch.testing.assert_close(obj.queue.keys()[10:], data["k"])
-    torch.testing.assert_close(obj.query_queue.keys()[10:], data["q_key"])
+    assert obj.docs.queue.fill == obj.queries.queue.fill == 16
+    assert torch.equal(obj.docs.queue.ids()[10:], data["ids"]) and torch.equal(obj.queries.queue.ids()[10:], data["ids"])
+    torch.testing.assert_close(obj.docs.queue.keys()[10:], data["k"])
+    torch.testing.assert_close(obj.queries.queue.keys()[10:], data["q_key"])
     assert set(obj.stats(5)) == {"queue_fill", "queue_age", "query_queue_fill", "query_queue_age"}
 
 
@@ -214,13 +215,13 @@ def test_max_age_equals_a_queue_of_that_many_steps_keys():
         for obj in (bounded, small):
             qg, dg = q.clone().requires_grad_(), d.clone().requires_grad_()
             meta = {"doc_id": ids, "group": ids % 3, "d": dg, "q_key": q_key}
-            loss, stats = obj(qg, k, meta, step=step)
+            loss, stats = obj(StepInput(qg, k, **meta, step=step))
             out.append((loss, *torch.autograd.grad(loss, [qg, dg]), stats["negatives_per_query"]))
             obj.after_backward()
         for got, want in zip(*out):
             torch.testing.assert_close(got, want)
-    assert bounded.queue.fill == bounded.query_queue.fill == age * B
-    assert int(bounded.queue.queue_fill) == 8 * B  # the ring still holds every key written
+    assert bounded.docs.queue.fill == bounded.queries.queue.fill == age * B
+    assert int(bounded.docs.queue.queue_fill) == 8 * B  # the ring still holds every key written
 
 
 def test_module_serves_both_sides_from_both_encoders(tmp_path_factory):
@@ -239,11 +240,11 @@ def test_module_serves_both_sides_from_both_encoders(tmp_path_factory):
     m.on_after_backward()
     assert m.key_encoder is not None and all(p.grad is None for p in m.key_encoder.parameters())
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.encoder.parameters())
-    assert m.objective.queue.fill == m.objective.query_queue.fill == 4
+    assert m.objective.docs.queue.fill == m.objective.queries.queue.fill == 4
     with torch.no_grad():  # the query queue holds the EMA encoder's query keys
-        torch.testing.assert_close(m.objective.query_queue.keys(), m.key_encoder(batch["query"], "query"))
-        torch.testing.assert_close(m.objective.queue.keys(), m.key_encoder(batch["doc"], "doc"))
-    assert any(k.startswith("objective.query_queue.") for k in m.state_dict())
+        torch.testing.assert_close(m.objective.queries.queue.keys(), m.key_encoder(batch["query"], "query"))
+        torch.testing.assert_close(m.objective.docs.queue.keys(), m.key_encoder(batch["doc"], "doc"))
+    assert any(k.startswith("objective.queries.queue.") for k in m.state_dict())
 
 
 # ------------------------------------------------------------------ two gloo ranks
@@ -269,7 +270,7 @@ def run(steps, inbatch, rank, world):
     for s, st in enumerate(steps):
         q, d = st["q"][sl].clone().requires_grad_(), st["d"][sl].clone().requires_grad_()
         meta = {"doc_id": st["ids"][sl], "group": st["groups"][sl], "d": d, "q_key": st["q_key"][sl]}
-        loss, _ = obj(q, st["k"][sl], meta, step=s)
+        loss, _ = obj(StepInput(q, st["k"][sl], **meta, step=s))
         loss.backward()
         obj.after_backward()
         out["loss"].append(loss.item())
@@ -290,7 +291,7 @@ def test_two_gloo_ranks_hold_identical_queues_equal_to_one_process(tmp_path, inb
     for key, v in single["state"].items():  # both queues: keys, ids, groups, steps, pointer, fill
         for r in ranks:
             assert torch.equal(r["state"][key], v), key
-    assert int(single["state"]["query_queue.queue_fill"]) == 16 and int(single["state"]["query_queue.queue_ptr"]) == STEPS * W * B % 16  # wrapped
+    assert int(single["state"]["queries.queue.queue_fill"]) == 16 and int(single["state"]["queries.queue.queue_ptr"]) == STEPS * W * B % 16  # wrapped
     for s in range(STEPS):
         assert sum(r["loss"][s] for r in ranks) / W == pytest.approx(single["loss"][s], abs=1e-5)
         for r, res in enumerate(ranks):  # local gradients = W x the global loss's, on this rank's rows

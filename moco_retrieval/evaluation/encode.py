@@ -35,6 +35,8 @@ class EvalResult:
     recall_curve: list[float]  # mean recall@k for k = 1..top_k
     timings: dict[str, float]  # seconds: encode_docs, encode_queries, encode, index, search, geometry
     info: dict[str, Any] = field(default_factory=dict)  # pool sizes, dim, index, similarity
+    # Matryoshka models: the metrics at each shorter prefix dimension, by str(dim) (matryoshka.py)
+    metrics_by_dim: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready dict of everything but the run, per-query values and raw cosines."""
@@ -44,6 +46,7 @@ class EvalResult:
             "timings": dict(self.timings),
             "info": dict(self.info),
             "recall_curve": list(self.recall_curve),
+            **({"metrics_by_dim": {d: dict(m) for d, m in self.metrics_by_dim.items()}} if self.metrics_by_dim else {}),
         }
 
 
@@ -253,6 +256,7 @@ def evaluate_encoder(
     *,
     show_progress: bool = True,
     doc_out: np.ndarray | None = None,
+    dims: Sequence[int] = (),
 ) -> EvalResult:
     """Encode ``evalset.corpus`` and ``evalset.queries`` with ``encoder`` and evaluate.
 
@@ -276,6 +280,11 @@ def evaluate_encoder(
         doc_ids, doc_emb, query_ids, query_emb, evalset.qrels, cfg,
         normalize=None if normalize is None else bool(normalize),
     )
+    if dims:
+        from moco_retrieval.evaluation.matryoshka import metrics_by_dim
+
+        result.metrics_by_dim = metrics_by_dim(doc_ids, doc_emb, query_ids, query_emb, evalset.qrels, cfg, dims,
+                                               normalize=bool(normalize) if normalize is not None else True)
     result.timings = {
         "encode_docs": t_docs,
         "encode_queries": t_queries,

@@ -88,6 +88,9 @@ def load_checkpoint_encoder(path: str | Path, encoder: str = "query") -> tuple[T
         **describe_encoder(cfg, enc),
     }
     enc.prompts = checkpoint_prompts(ckpt)
+    dims = (ckpt["hyper_parameters"].get("objective") or {}).get("matryoshka_dims")
+    if dims:  # trained for these prefixes: evaluate scores each, export records them
+        desc["matryoshka_dims"] = [int(d) for d in dims]
     return enc, desc
 
 
@@ -129,11 +132,40 @@ def load_model_dir(path: str | Path, fallback: Optional[ModelConfig] = None) -> 
         enc.prompts = stored_prompts(d) or enc.prompts
         return enc, {"source": "model_dir", "path": str(d.resolve()), "exported": False, **describe_encoder(cfg, enc)}
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    cfg = to_config(ModelConfig, {**meta["model"], "backbone": str(d), "path": None, "frozen_backbone": False,
-                                  "feature_cache_dir": None, "shared_tower": True})
-    enc = build_encoder(cfg)
-    head = enc.tower_for("query").head
-    dense_dirs = [d / m["path"] for m in json.loads((d / "modules.json").read_text()) if m["type"].endswith("Dense")]
+    shared = bool(meta["model"].get("shared_tower", True))
+    if shared:  # one tower: backbone and tokenizer at the top level, then the head's Dense modules
+        enc = build_encoder(exported_config(meta, d, shared=True))
+        modules = json.loads((d / "modules.json").read_text(encoding="utf-8"))
+        _load_head(enc.tower_for("query").head, [d / m["path"] for m in modules if m["type"].endswith("Dense")], path)
+    else:  # two towers: a Router's "query" and "document" routes, each its own backbone and head
+        routes = _router_routes(d)
+        enc = build_encoder(exported_config(meta, d / routes["query"][0], shared=False))
+        enc.doc_tower = build_encoder(exported_config(meta, d / routes["doc"][0], shared=True)).tower
+        for kind, folders in routes.items():
+            _load_head(enc.tower_for(kind).head, [d / f for f in folders if f.endswith("Dense")], path)
+    enc.eval()
+    enc.prompts = stored_prompts(d) or enc.prompts
+    desc = {"source": "model_dir", "path": str(d.resolve()), "exported": True, "exported_from": meta.get("source", {}),
+            **describe_encoder(exported_config(meta, d, shared), enc)}
+    if meta.get("matryoshka_dims"):
+        desc["matryoshka_dims"] = [int(x) for x in meta["matryoshka_dims"]]
+    return enc, desc
+
+
+def exported_config(meta: dict, backbone: Path, shared: bool) -> ModelConfig:
+    """The ModelConfig an exported directory records (``meta``: its META_FILE), built on ``backbone``."""
+    return to_config(ModelConfig, {**meta["model"], "backbone": str(backbone), "path": None, "frozen_backbone": False,
+                                   "feature_cache_dir": None, "shared_tower": shared})
+
+
+def _router_routes(d: Path) -> dict[str, list[str]]:
+    """A Router directory's module folders by side ("query", "doc"), in order."""
+    structure = json.loads((d / "router_config.json").read_text(encoding="utf-8"))["structure"]
+    return {"query": structure["query"], "doc": structure["document"]}
+
+
+def _load_head(head: torch.nn.Module, dense_dirs: list[Path], path: str | Path) -> None:
+    """The exported Dense modules' weights into a tower's head, layer by layer."""
     linears = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
     if len(linears) != len(dense_dirs):
         raise ModelLoadError(f"model_dir={path}: {len(dense_dirs)} Dense modules for a head with {len(linears)} layers")
@@ -143,10 +175,6 @@ def load_model_dir(path: str | Path, fallback: Optional[ModelConfig] = None) -> 
             lin.weight.copy_(sd["linear.weight"])
             if lin.bias is not None:
                 lin.bias.copy_(sd["linear.bias"])
-    enc.eval()
-    enc.prompts = stored_prompts(d) or enc.prompts
-    return enc, {"source": "model_dir", "path": str(d.resolve()), "exported": True,
-                 "exported_from": meta.get("source", {}), **describe_encoder(cfg, enc)}
 
 
 def _read_dense(folder: Path) -> dict[str, torch.Tensor]:

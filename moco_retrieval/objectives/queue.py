@@ -99,13 +99,16 @@ class NegativeQueue(nn.Module):
     def groups(self) -> Tensor:
         return self.window(self.queue_groups)
 
-    def logits(self, q: Tensor) -> Tensor:
-        """fp32 scores ``q @ keys^T`` over the negatives, shape [B, fill] (differentiable in q)."""
+    def logits(self, q: Tensor, transform=None) -> Tensor:
+        """fp32 scores ``q @ keys^T`` over the negatives, shape [B, fill] (differentiable in q);
+        ``transform``: a function of a chunk of fp32 keys applied first (e.g. a Matryoshka prefix)."""
         keys, q = self.keys(), q.float()
-        if keys.dtype == torch.float32:
+        if keys.dtype == torch.float32 and transform is None:
             return q @ keys.T
-        # low-precision storage: cast a chunk at a time (no K x d fp32 copy)
-        chunks = [q @ keys[i : i + self.logits_chunk].float().T for i in range(0, keys.shape[0], self.logits_chunk)]
+        transform = transform or (lambda k: k)
+        # low-precision storage or a transform: a chunk at a time (no K x d fp32 copy)
+        chunks = [q @ transform(keys[i : i + self.logits_chunk].float()).T
+                  for i in range(0, keys.shape[0], self.logits_chunk)]
         return torch.cat(chunks, dim=1) if chunks else q.new_zeros(q.shape[0], 0)
 
     def mean_age(self, step: int) -> float:
