@@ -227,9 +227,10 @@ def test_preempted_ddp_job_resumes_and_completes(interrupted):
     assert fp[0] == fp[1]
     queue_steps = final["state_dict"]["objective.queue.queue_steps"].view(STEPS, RANKS * BATCH)
     assert (queue_steps == torch.arange(STEPS)[:, None]).all()  # no step twice, none missing
-    with open(interrupted["base"] / "rank0" / "csv" / "metrics.csv", newline="") as f:
+    # the resumed attempt logs to csv/resume-1/ (loggers.csv_version), at the step each batch completes
+    with open(interrupted["base"] / "rank0" / "csv" / "resume-1" / "metrics.csv", newline="") as f:
         train_steps = sorted(int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss"))
-    assert train_steps == list(range(stop, STEPS))
+    assert train_steps == list(range(stop + 1, STEPS + 1))
 
 
 @pytest.mark.slow  # ~55 s on a busy 2-core machine (two interpreters starting, 5 s of waiting)
