@@ -276,7 +276,8 @@ def resume_command(run_dir: Path) -> str:
     """The command that resumes this run: its own overrides with ``ckpt_path=last`` and, when it
     had none, ``run_dir=`` the directory it used (Hydra's default is a new folder per start)."""
     try:
-        given = list(HydraConfig.get().overrides.task)
+        overrides = HydraConfig.get().overrides
+        given = list(overrides.task) + [o for o in overrides.hydra if not o.startswith("hydra.mode=")]
     except ValueError:  # not started by Hydra (train() called from Python)
         return f"the same command with run_dir={shlex.quote(str(run_dir.resolve()))} ckpt_path=last"
     keep = [o for o in given if o.split("=", 1)[0].lstrip("+~") != "ckpt_path"]
