@@ -181,7 +181,7 @@ def read_checkpoint(path: str | os.PathLike, what: str = "checkpoint", verify: b
         ) from None
     if verify and isinstance(ckpt, dict) and CHECKSUM in ckpt and tensor_checksum(ckpt) != ckpt[CHECKSUM]:
         raise CheckpointError(f"{what}={path}: damaged: its tensors do not match the checksum written with them "
-                              f"({p.stat().st_size:,} bytes changed on disk or in a copy?)")
+                              f"({p.stat().st_size:,} bytes; changed on disk or in a copy)")
     return ckpt
 
 

@@ -191,6 +191,8 @@ class PreemptionCheckpoint(Callback):
         if threading.current_thread() is not threading.main_thread():
             return
         for s in self.signals:
+            if s == signal.SIGINT and signal.getsignal(s) == signal.SIG_IGN:
+                continue  # started with Ctrl-C ignored (nohup, a background job of a script): keep it so
             previous = signal.signal(s, self._handler)
             self._saved_handlers.setdefault(s, previous)
 

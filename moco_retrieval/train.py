@@ -215,7 +215,7 @@ def _writable_run_dir(run_dir: Path) -> None:
         if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise
         raise RunDirNotWritable(
-            f"run_dir={run_dir}: cannot write there ({os.strerror(e.errno).lower()}: {e.filename}); a training writes "
+            f"run_dir={run_dir}: cannot write there ({os.strerror(e.errno).lower()}); a training writes "
             "its checkpoints, logs and config.yaml into its run directory: give a writable run_dir (to resume a run "
             "from a read-only copy, copy it somewhere writable first)") from None
 
