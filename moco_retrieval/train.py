@@ -8,8 +8,8 @@ Lightning module -> trainer, fits, runs a final validation and writes into the r
 
 Preemption (see preemption.py): on SIGTERM, SIGUSR1 or Ctrl-C (SIGINT) the run finishes the current
 step, writes ``checkpoints/last.ckpt`` atomically, prints the command that resumes it and exits with
-status 128 + signal (143 / 138 / 130) without a final validation or ``metrics.json``. A requeued job runs the same command with the same ``run_dir`` and
-``ckpt_path=last``, which resumes from that checkpoint (or from ``last.prev.ckpt`` when it cannot
+status 128 + signal (143 / 138 / 130) without a final validation or ``metrics.json``. A requeued job
+runs the same command with the same ``run_dir`` and ``ckpt_path=last``, which resumes from that checkpoint (or from ``last.prev.ckpt`` when it cannot
 be read; it starts fresh, and says so, when there is none yet), refusing a config that changes what
 the checkpoint trained (resume_check.py). A loss or weights that stop being finite end the run
 before any checkpoint records them (finite_guard.py). Known errors (errors.py) end the command with
@@ -17,7 +17,6 @@ one message and status 2.
 """
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -46,7 +45,7 @@ from moco_retrieval.checkpointing import (LAST, AtomicCheckpointIO, RebaseCheckp
 from moco_retrieval.cluster import is_rank_zero, on_slurm, torchrun_devices
 from moco_retrieval.config import TrainConfig, TrainerConfig, register_configs
 from moco_retrieval.data.datamodule import RetrievalDataModule
-from moco_retrieval.errors import UserError, reports_user_errors
+from moco_retrieval.errors import reports_user_errors
 from moco_retrieval.finite_guard import FiniteGuard
 from moco_retrieval.evaluation.callback import ValidationReport
 from moco_retrieval.lightning_module import RetrievalModule
@@ -55,7 +54,7 @@ from moco_retrieval.preemption import Preempted, PreemptionCheckpoint, sigterm_e
 from moco_retrieval.progress import progress_callback
 from moco_retrieval.resume_check import RecordTraining, check_resumable
 from moco_retrieval.run_clock import RunClock
-from moco_retrieval.run_lock import RunLock
+from moco_retrieval.run_lock import RunLock, writable_run_dir
 
 register_configs()
 # The key encoder is in eval mode on purpose (no dropout in keys); faiss announces each CPU
@@ -200,31 +199,11 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> Optional[str]:
     return ckpt_path
 
 
-class RunDirNotWritable(UserError):
-    """The run directory cannot be created or written (read-only, no permission)."""
-
-
-def _writable_run_dir(run_dir: Path) -> None:
-    """Create ``run_dir`` and check that files can be made in it, before anything else happens."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write-test.{os.getpid()}"
-        probe.touch()
-        probe.unlink()
-    except OSError as e:
-        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
-            raise
-        raise RunDirNotWritable(
-            f"run_dir={run_dir}: cannot write there ({os.strerror(e.errno).lower()}); a training writes "
-            "its checkpoints, logs and config.yaml into its run directory: give a writable run_dir (to resume a run "
-            "from a read-only copy, copy it somewhere writable first)") from None
-
-
 def train(cfg: TrainConfig, run_dir: Path) -> dict:
     """Fit, validate once more at the end, write metrics.json and config.yaml; return the metrics.
     Rank 0 holds the run directory's lock (run_lock.py) throughout."""
     run_dir = Path(run_dir)
-    _writable_run_dir(run_dir)
+    writable_run_dir(run_dir)
     with RunLock(run_dir) if is_rank_zero() else nullcontext():
         return _train(cfg, run_dir)
 
