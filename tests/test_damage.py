@@ -102,6 +102,34 @@ def test_non_finite_weights_are_never_written_into_a_checkpoint(tiny_dir, tmp_pa
     assert not (folder / "last.ckpt").exists()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a device sync can only be caught on a GPU")
+def test_the_guard_does_not_sync_the_device_between_its_looks(tmp_path):
+    """The loss flag stays on the GPU; only the looks (every ``every`` steps) copy it to the host."""
+    from types import SimpleNamespace
+
+    from moco_retrieval.finite_guard import FiniteGuard, NonFiniteError
+
+    guard = FiniteGuard(every=10, checkpoints=tmp_path)
+    weight = torch.nn.Parameter(torch.ones(3, device="cuda"))
+    module = SimpleNamespace(device=weight.device, parameters=lambda: [weight])
+    trainer = SimpleNamespace(accumulate_grad_batches=1, is_last_batch=False, global_step=0)
+    losses = [torch.tensor(float("nan") if step == 4 else 1.0, device="cuda") for step in range(11)]  # (made before)
+    guard.on_train_batch_end(trainer, module, {"loss": losses[0]}, None, 0)  # step 0 is a look: its flag is made
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(1, 10):
+            trainer.global_step = step
+            guard.on_train_batch_end(trainer, module, {"loss": losses[step]}, None, step - 1)  # no sync: no error
+        trainer.global_step = 10
+        with pytest.raises(RuntimeError, match="synchroniz"):  # the look at step 10 syncs, once
+            guard.on_train_batch_end(trainer, module, {"loss": losses[10]}, None, 9)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(NonFiniteError, match="at step 4"):
+        guard.on_train_batch_end(trainer, module, {"loss": losses[10]}, None, 9)
+
+
 @pytest.mark.skipif(not SHARED_DEBIAN.exists(), reason="needs the shared Debian snapshot")
 def test_a_learning_rate_that_blows_up_ends_the_run_with_one_message_and_status_2(tmp_path, capsys, monkeypatch, one_thread):
     from moco_retrieval.train import main
