@@ -166,6 +166,7 @@ def test_a_copied_run_resumes_with_its_best_tracking_and_no_orphan_best_file(tra
     folder = copy / "checkpoints"
     shutil.copy(folder / "last.ckpt", folder / "best-8.ckpt")  # (unless the run wrote one: the same step)
     (folder / "last.prev.ckpt").replace(folder / "last.ckpt")
+    original = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     start = _best_state(read_checkpoint(folder / "last.ckpt"))
     assert Path(start["dirpath"]) == (run_dir / "checkpoints").resolve()
     err = _train(copy)
@@ -178,3 +179,5 @@ def test_a_copied_run_resumes_with_its_best_tracking_and_no_orphan_best_file(tra
     assert Path(after["dirpath"]) == folder.resolve() and Path(after["best_model_path"]) == folder.resolve() / bests[0]
     assert float(after["best_model_score"]) >= float(start["best_model_score"])
     assert after["best_model_score"] == _best_state(read_checkpoint(run_dir / "checkpoints" / "last.ckpt"))["best_model_score"]
+    # the original run is untouched (the copy's paths now point into the copy)
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == original
