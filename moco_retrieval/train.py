@@ -153,7 +153,7 @@ def build(cfg: TrainConfig, run_dir: Path, dm: Optional[RetrievalDataModule] = N
     callbacks += [RecordTraining(cfg), RebaseCheckpointPaths(run_dir / "checkpoints")]
     loggers = build_loggers(cfg.logger, run_dir, resume=resuming)
     log_config(loggers, cfg)
-    # SIGTERM / SIGUSR1: finish the step, write checkpoints/last.ckpt, exit 128 + signal (preemption.py).
+    # SIGTERM / SIGUSR1 / Ctrl-C: finish the step, write checkpoints/last.ckpt, exit 128 + signal (preemption.py).
     # Under SLURM, Lightning's auto-requeue on SIGUSR1 (`scontrol requeue` after that checkpoint).
     slurm = on_slurm()
     # (first in line, so that the run stops before the other callbacks' hooks of the next step)
