@@ -298,7 +298,15 @@ def write_table(rows: list[dict], out: Path) -> None:
     for r in rows:
         note = f" ({r['notes']})" if r["notes"] else ""
         lines.append(f"| {r['case']}{note} | {r['status']} | {r['sees']} | {r['kept']} |")
-    out.write_text("\n".join(lines) + "\n")
+    out.write_text("\n".join(lines) + "\n" + hand_written_blocks(out))
+
+
+def hand_written_blocks(out: Path) -> str:
+    """The blocks written by hand below the table (from ``<!-- begin: ...`` to ``<!-- end: ... -->``),
+    kept when the table is written again."""
+    if not out.exists():
+        return ""
+    return "".join(re.findall(r"\n<!-- begin:.*?<!-- end:[^\n]*-->\n", out.read_text(), flags=re.S))
 
 
 def main() -> None:

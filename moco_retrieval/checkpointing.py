@@ -6,28 +6,65 @@ file, made just before the rename), so that ``ckpt_path=last`` can fall back to 
 cannot be read. Temporaries a killed write left behind (``.last.ckpt.<uuid>.tmp``) are removed at
 the next start (:func:`remove_stale_temporaries`). Every checkpoint error names the file
 (:class:`~moco_retrieval.errors.CheckpointError`).
+
+Every checkpoint written here carries a sha256 of its tensors (``tensor_sha256``), checked when it
+is read: bytes changed on disk or in a copy make it unreadable (``ckpt_path=last`` then falls back
+to ``last.prev.ckpt``) instead of training on damaged weights. ``best-STEP.ckpt`` files written
+after the checkpoint a run resumes from are removed (:func:`remove_best_after`: the resumed run
+redoes those steps and writes them again), and a run directory that was moved or copied keeps its
+best-checkpoint tracking (:class:`RebaseCheckpointPaths`).
 """
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
+import re
 import shutil
 import sys
 import uuid
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from moco_retrieval.cluster import is_rank_zero
 from moco_retrieval.errors import CheckpointError
 
 LAST = "last.ckpt"
+CHECKSUM = "tensor_sha256"  # the checkpoint key holding tensor_checksum() of the rest
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_BEST = re.compile(r"best-(\d+)(?:-v\d+)?\.ckpt")
 
 
 def _note(msg: str) -> None:
-    print(f"[moco_retrieval] {msg}", file=sys.stderr, flush=True)
+    """A notice from rank 0 only: every rank resolves the same checkpoint, one says so."""
+    if is_rank_zero():
+        print(f"[moco_retrieval] {msg}", file=sys.stderr, flush=True)
+
+
+def _tensors(obj: Any, where: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        yield where, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{where}/{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{where}/{i}")
+
+
+def tensor_checksum(checkpoint: dict) -> str:
+    """sha256 over every tensor of ``checkpoint`` (its place, dtype, shape and bytes), in order;
+    the key :data:`CHECKSUM` itself left out."""
+    h = hashlib.sha256()
+    for where, t in _tensors({k: v for k, v in checkpoint.items() if k != CHECKSUM}):
+        h.update(f"{where}:{t.dtype}:{tuple(t.shape)};".encode())
+        if t.numel():
+            h.update(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 def previous_of(path: Path) -> Path:
@@ -68,9 +105,22 @@ def _keep_previous(path: Path) -> None:
         os.replace(path, prev)
 
 
+def _kept_checkpoints(folder: Path, writing: Path) -> str:
+    """What a failed write of ``writing`` leaves: the checkpoints already in ``folder``."""
+    names = sorted(p.name for p in folder.glob("*.ckpt") if p.is_file()) if folder.is_dir() else []
+    if not names:
+        return f"no checkpoint was in {folder} before"
+    kept = ", ".join(names)
+    return (f"the previous {writing.name} is kept" if writing.name in names else f"{writing.name} was not written") + \
+        f" (checkpoints in {folder}: {kept})"
+
+
 def atomic_torch_save(obj: Any, path: str | os.PathLike, keep_previous: bool = False) -> None:
-    """``torch.save`` to a temporary file in the same folder, fsync, rename over ``path``.
+    """``torch.save`` to a temporary file in the same folder, fsync, rename over ``path``; a dict
+    gets its :func:`tensor_checksum` under :data:`CHECKSUM`.
     ``keep_previous``: the file ``path`` held is kept as :func:`previous_of` ``path``."""
+    if isinstance(obj, dict):
+        obj = {**obj, CHECKSUM: tensor_checksum(obj)}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
@@ -89,7 +139,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike, keep_previous: bool = F
         tmp.unlink(missing_ok=True)
         if isinstance(e, Exception) and _out_of_space(e):
             free = shutil.disk_usage(path.parent).free
-            kept = f"the previous {path.name} is kept" if path.exists() else "no earlier checkpoint was there"
+            kept = _kept_checkpoints(path.parent, path)
             raise CheckpointError(
                 f"{path}: cannot write the checkpoint: no space left on the device holding {path.parent} "
                 f"({_size(free)} free); {kept}. Free some space (or point run_dir elsewhere) and resume with "
@@ -106,9 +156,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         atomic_torch_save(checkpoint, path, keep_previous=Path(path).name == LAST)
 
 
-def read_checkpoint(path: str | os.PathLike, what: str = "checkpoint") -> dict:
+def read_checkpoint(path: str | os.PathLike, what: str = "checkpoint", verify: bool = True) -> dict:
     """A checkpoint's contents (tensors and plain containers only, memory-mapped where it can be);
-    :class:`CheckpointError` naming the file when it is missing, a folder, empty or not one."""
+    :class:`CheckpointError` naming the file when it is missing, a folder, empty or not one, or
+    (``verify``) when its tensors do not match the checksum written with them."""
     p = Path(path).expanduser()
     if p.is_dir():
         raise CheckpointError(f"{what}={path}: is a directory (expected a .ckpt file)")
@@ -118,16 +169,20 @@ def read_checkpoint(path: str | os.PathLike, what: str = "checkpoint") -> dict:
         raise CheckpointError(f"{what}={path}: empty file (0 bytes), not a checkpoint; a write was cut short?")
     try:
         try:
-            return torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+            ckpt = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as e:
             if "mmap" not in str(e):
                 raise
-            return torch.load(p, map_location="cpu", weights_only=True)  # an old (non-zip) file
+            ckpt = torch.load(p, map_location="cpu", weights_only=True)  # an old (non-zip) file
     except Exception as e:  # noqa: BLE001 - torch's own advice (weights_only=False) is unsafe on a file of unknown origin
         raise CheckpointError(
             f"{what}={path}: cannot read it as a checkpoint ({p.stat().st_size:,} bytes; damaged, truncated "
             f"or not a torch file: {type(e).__name__})"
         ) from None
+    if verify and isinstance(ckpt, dict) and CHECKSUM in ckpt and tensor_checksum(ckpt) != ckpt[CHECKSUM]:
+        raise CheckpointError(f"{what}={path}: damaged: its tensors do not match the checksum written with them "
+                              f"({p.stat().st_size:,} bytes; changed on disk or in a copy)")
+    return ckpt
 
 
 def remove_stale_temporaries(folder: Path) -> list[Path]:
@@ -191,62 +246,77 @@ def resolve_ckpt_path(ckpt_path: Optional[str], run_dir: Path) -> Optional[str]:
         raise CheckpointError(f"ckpt_path=last: neither {last} nor {prev} can be read (see above); move them "
                               "away to start from scratch, or give ckpt_path=FILE")
     if found is None:
-        _note(f"ckpt_path=last: no checkpoint in {last.parent}: training starts from step 0 "
-              f"(if this run should resume, check run_dir={run_dir})")
+        _note(f"ckpt_path=last: no checkpoint in {last.parent}: {_what_is_there(Path(run_dir))}; "
+              "training starts from step 0")
     return found
 
 
-# objective options added since checkpoints were first written: the value a checkpoint without
-# the option was trained with (the behaviour before the option existed)
-OPTIONS_BEFORE_THEY_EXISTED = {"inbatch_weight": 0.0, "queue_max_age": None, "queue_refresh": 0, "matryoshka_dims": [],
-                               "matryoshka_weights": []}
+def _what_is_there(run_dir: Path) -> str:
+    """For a resume that found no checkpoint: what the run directory does hold."""
+    if not run_dir.is_dir():
+        return f"{run_dir} does not exist (if this run should resume, check run_dir)"
+    earlier = sorted(p.name + ("/" if p.is_dir() else "") for p in run_dir.iterdir()
+                     if p.name in ("config.yaml", "csv", "wandb", "checkpoints", "plots"))
+    if earlier:
+        return (f"{run_dir} holds an earlier attempt ({', '.join(earlier)}) that stopped before writing its "
+                "first checkpoint")
+    return f"{run_dir} holds no earlier attempt (if this run should resume, check run_dir)"
 
 
-def check_same_objective(ckpt_path: str, objective: dict, prompts: Optional[dict] = None) -> None:
-    """:class:`CheckpointError` when the checkpoint was trained with another objective, or with
-    other options of it: each objective holds its own state (queues, EMA keys), so resuming across
-    objectives cannot load, and a resumed run under changed options (a default that moved since,
-    e.g. ``inbatch_weight``) would silently train another loss from the middle of the run. The
-    message names the overrides that resume it as trained (e.g. ``objective=moco`` for a MoCo run
-    of ``+experiment=queue65k`` from before the main job became the two-queue objective).
-    ``objective``: this run's objective config as a plain dict. ``prompts``: this run's
-    ``data.prompts`` (``{"query", "doc"}``), refused when they differ from the trained ones (none
-    for a checkpoint from before prompts existed): the texts the model sees would change mid-run."""
-    hparams = read_checkpoint(ckpt_path, "ckpt_path").get("hyper_parameters") or {}
-    if prompts is not None:
-        _check_same_prompts(ckpt_path, hparams.get("prompts") or {"query": "", "doc": ""}, prompts)
-    trained = hparams.get("objective") or {}
-    name = trained.get("name") if isinstance(trained, dict) else None
-    if not name:
-        return
-    if name != objective["name"]:
-        raise CheckpointError(f"ckpt_path={ckpt_path}: trained with objective={name}, but this run's config has "
-                              f"objective={objective['name']}; add objective={name} to resume it (or start a new run_dir)")
-    before = {k: trained.get(k, OPTIONS_BEFORE_THEY_EXISTED.get(k)) for k in objective
-              if k in trained or k in OPTIONS_BEFORE_THEY_EXISTED}
-    changed = [k for k, v in before.items() if v != objective[k]]
-    if changed:
-        raise CheckpointError(
-            f"ckpt_path={ckpt_path}: trained with " + ", ".join(f"objective.{k}={_override(before[k])}" for k in changed)
-            + ", but this run's config has " + ", ".join(f"objective.{k}={_override(objective[k])}" for k in changed)
-            + "; add the trained values as overrides to resume it as trained (or start a new run_dir)")
+def checkpoint_step(ckpt: dict) -> int:
+    return int(ckpt.get("global_step", 0))
 
 
-def _check_same_prompts(ckpt_path: str, trained: dict, prompts: dict) -> None:
-    changed = [k for k in ("query", "doc") if (trained.get(k) or "") != (prompts.get(k) or "")]
-    if changed:
-        raise CheckpointError(
-            f"ckpt_path={ckpt_path}: trained with " + ", ".join(f"data.prompts.{k}={trained.get(k) or ''!r}" for k in changed)
-            + ", but this run's config has " + ", ".join(f"data.prompts.{k}={prompts.get(k) or ''!r}" for k in changed)
-            + "; set the trained prompts to resume it (or start a new run_dir)")
+def remove_best_after(folder: Path, step: int) -> list[Path]:
+    """Delete ``best-STEP.ckpt`` files of steps after ``step``, the step a run resumes from: a
+    kill between such a write and the next ``last.ckpt`` leaves them untracked by the checkpoint,
+    so they would outlive ``trainer.keep_best_checkpoints`` (and the resumed run, which redoes
+    those steps, would write ``best-STEP-v1.ckpt`` beside them). Call it while no write can be
+    under way (rank 0, the run directory locked, before training)."""
+    removed = []
+    for p in sorted(folder.glob("best-*.ckpt")) if folder.is_dir() else []:
+        m = _BEST.fullmatch(p.name)
+        if m and int(m.group(1)) > step:
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    if removed:
+        _note(f"removed {', '.join(p.name for p in removed)} from {folder}: written after the checkpoint of "
+              f"step {step} this run resumes from, which redoes those steps")
+    return removed
 
 
-def _override(value: Any) -> str:
-    """A value as a Hydra command-line override spells it."""
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(_override(v) for v in value) + "]"
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+class RebaseCheckpointPaths(Callback):
+    """A run directory moved or copied elsewhere keeps its best-checkpoint tracking on resume.
+
+    ``ModelCheckpoint`` stores absolute paths and its folder, and drops its best score and top-k
+    files when the folder differs (Lightning: "The dirpath has changed ..."), so a resumed copy
+    would forget its best score and leave the old best file beyond ``keep_best_checkpoints``.
+    Before the callbacks' states are loaded, this rewrites every saved checkpoint folder and the
+    paths in it to ``dirpath``, the run's checkpoint folder now (paths kept relative to it)."""
+
+    def __init__(self, dirpath: str | os.PathLike):
+        self.dirpath = os.path.realpath(dirpath)
+
+    def _rebase(self, state: dict, old: str) -> None:
+        def moved(p: Any) -> Any:
+            if not isinstance(p, str) or not p or os.path.dirname(p) != old:
+                return p
+            return os.path.join(self.dirpath, os.path.basename(p))
+
+        for key in ("best_model_path", "kth_best_model_path", "last_model_path"):
+            if key in state:
+                state[key] = moved(state[key])
+        if isinstance(state.get("best_k_models"), dict):  # (every rank keeps the same entries: same decisions)
+            state["best_k_models"] = {moved(p): v for p, v in state["best_k_models"].items()}
+        state["dirpath"] = self.dirpath
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
+        for state in (checkpoint.get("callbacks") or {}).values():
+            old = state.get("dirpath") if isinstance(state, dict) else None
+            if isinstance(old, str) and old != self.dirpath and os.path.realpath(old) != self.dirpath:
+                self._rebase(state, old)
 
 
-__all__ = ["AtomicCheckpointIO", "LAST", "atomic_torch_save", "check_same_objective", "previous_of", "read_checkpoint",
-           "remove_stale_temporaries", "resolve_ckpt_path", "set_aside_unreadable"]
+__all__ = ["AtomicCheckpointIO", "CHECKSUM", "LAST", "RebaseCheckpointPaths", "atomic_torch_save", "checkpoint_step",
+           "previous_of", "read_checkpoint", "remove_best_after", "remove_stale_temporaries", "resolve_ckpt_path",
+           "set_aside_unreadable", "tensor_checksum"]

@@ -133,19 +133,32 @@ def is_collective_timeout(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and bool(_TIMEOUT.search(str(e)))
 
 
+# gloo's words (and the OS's) for a peer whose process died: its sockets closed under a collective
+_LOST = re.compile(r"connection (reset|closed) by peer|broken pipe|ECONNRESET|EPIPE|connection refused", re.IGNORECASE)
+
+
+def is_lost_peer(e: BaseException) -> bool:
+    """A collective failed because a peer's connection closed (the rank was killed or crashed)."""
+    return isinstance(e, RuntimeError) and bool(_LOST.search(str(e)))
+
+
 @contextmanager
 def exit_when_peers_stall(timeout_s: int, step: Callable[[], int]) -> Iterator[None]:
     """A collective that timed out (a rank stopped, stuck or gone; ``trainer.process_group_timeout``)
-    ends this rank with one message saying what it waited for, status 1, instead of a traceback."""
+    or whose peer's connection closed (a rank killed, e.g. SIGKILL or out of memory) ends this rank
+    with one message saying what happened, status 1, instead of a traceback."""
     try:
         yield
     except RuntimeError as e:
-        if not (world_size() > 1 and is_collective_timeout(e)):
+        lost = is_lost_peer(e)
+        if not (world_size() > 1 and (lost or is_collective_timeout(e))):
             raise
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        what = ("lost another rank in a collective at step {step}: its connection closed (the process was killed, "
+                "crashed or ran out of memory, or its node went down)" if lost else
+                "waited {timeout} s (trainer.process_group_timeout) for the other ranks in a collective at step {step} "
+                "and they did not come: a rank is stopped, stuck or gone")
         raise SystemExit(
-            f"[moco_retrieval] rank {rank()} of {world_size()}: waited {timeout_s} s "
-            f"(trainer.process_group_timeout) for the other ranks in a collective at step {step()} "
-            f"and they did not come: a rank is stopped, stuck or gone. Resume with ckpt_path=last once "
-            f"every rank runs. (torch.distributed: {first})"
+            f"[moco_retrieval] rank {rank()} of {world_size()}: " + what.format(step=step(), timeout=timeout_s)
+            + f". Resume with ckpt_path=last once every rank runs. (torch.distributed: {first})"
         ) from None

@@ -5,7 +5,9 @@ model folder, the run directory, the disk), not a bug: its message says what is 
 :func:`reports_user_errors` wraps each command's task function (under ``@hydra.main``) so that
 such an error prints its message alone, wrapped to be read, and exits with status 2; anything
 else is a bug and keeps Hydra's traceback. ``HYDRA_FULL_ERROR=1`` shows the full traceback of a
-known error too.
+known error too. Ctrl-C (a ``KeyboardInterrupt`` that reaches it) is one line and status 130, the
+status a shell gives a command SIGINT ended (training itself stops at a step with a checkpoint
+first: preemption.py).
 
 The subclasses also derive from the built-in exception callers used to catch (``ValueError``,
 ``OSError``), so ``except ValueError`` keeps working where it did.
@@ -19,6 +21,7 @@ import textwrap
 from typing import Any, Callable
 
 USER_ERROR_STATUS = 2  # as argparse and most Unix tools exit on a usage error
+INTERRUPTED_STATUS = 130  # 128 + SIGINT
 WIDTH = 100
 
 
@@ -74,6 +77,9 @@ def reports_user_errors(command: str) -> Callable[[Callable[..., Any]], Callable
                     raise
                 print(report(e, command), file=sys.stderr, flush=True)
                 raise SystemExit(USER_ERROR_STATUS) from None
+            except KeyboardInterrupt:
+                print(f"{command}: interrupted (Ctrl-C) before it finished", file=sys.stderr, flush=True)
+                raise SystemExit(INTERRUPTED_STATUS) from None
 
         return run
 
@@ -81,5 +87,5 @@ def reports_user_errors(command: str) -> Callable[[Callable[..., Any]], Callable
 
 
 __all__ = ["UserError", "ConfigError", "CheckpointError", "ModelLoadError", "ModelNotFoundError",
-           "MissingPackageError", "USER_ERROR_STATUS",
+           "MissingPackageError", "INTERRUPTED_STATUS", "USER_ERROR_STATUS",
            "reports_user_errors", "wrap_message"]

@@ -1,5 +1,8 @@
-"""Preemption-safe training: stop at a step boundary on SIGTERM or SIGUSR1, write
-``checkpoints/last.ckpt``, exit with a status a requeue understands.
+"""Preemption-safe training: stop at a step boundary on SIGTERM, SIGUSR1 or SIGINT (Ctrl-C),
+write ``checkpoints/last.ckpt``, exit with a status a requeue understands.
+
+Ctrl-C is a stop like SIGTERM (exit 130, ``train.py`` prints the command that resumes); a second
+Ctrl-C while the step finishes aborts at once, without that checkpoint.
 
 How clusters warn a job before killing it:
 
@@ -29,7 +32,7 @@ What :class:`PreemptionCheckpoint` does (one per trainer, added by ``train.build
    SIGTERM is not requeued from here: SLURM requeues preempted jobs itself, and ``scancel`` means
    stop.
 5. :class:`Preempted` (a ``SystemExit``) ends the run with status ``128 + signal``: 143 for
-   SIGTERM, 138 for SIGUSR1, the status of a process the signal killed. Requeue machinery treats
+   SIGTERM, 138 for SIGUSR1, 130 for SIGINT, the status of a process the signal killed. Requeue machinery treats
    that as retryable: Kubeflow's ``restartPolicy: ExitCode`` retries 128-255 and fails 1-127;
    ``restartPolicy: OnFailure`` and Job ``backoffLimit`` retry any non-zero status;
    ``docker/slurm.sbatch`` requeues a run that stopped unfinished with a status above 128.
@@ -72,7 +75,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 log = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 def exit_code(signum: int) -> int:
@@ -176,15 +179,23 @@ class PreemptionCheckpoint(Callback):
 
     # ---- signals --------------------------------------------------------------------------
     def _handler(self, signum: int, frame: Any) -> None:
+        # os.write: no buffered IO inside a signal handler
         if self.received is None:
             self.received = signum
-            # os.write: no buffered IO inside a signal handler
-            os.write(2, f"[moco_retrieval] got {signal.Signals(signum).name}: stopping after this step\n".encode())
+            again = "; Ctrl-C again aborts at once, without it" if signum == signal.SIGINT else ""
+            os.write(2, f"[moco_retrieval] got {signal.Signals(signum).name}: stopping after this step, then "
+                        f"writing {self.ckpt_path.name}{again}\n".encode())
+        elif signum == signal.SIGINT:  # a second Ctrl-C: the user will not wait for the step
+            os.write(2, b"[moco_retrieval] got SIGINT again: aborting now, without a checkpoint of this step\n")
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            raise KeyboardInterrupt
 
     def _install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
         for s in self.signals:
+            if s == signal.SIGINT and signal.getsignal(s) == signal.SIG_IGN:
+                continue  # started with Ctrl-C ignored (nohup, a background job of a script): keep it so
             previous = signal.signal(s, self._handler)
             self._saved_handlers.setdefault(s, previous)
 

@@ -11,6 +11,9 @@ data or builds a model. What is recognised:
 * an attempt of the same cluster job (``cluster.job_id``: a SLURM requeue keeps the job id)
   takes the lock over from a holder on another node, which it cannot see die: the scheduler has
   ended the previous attempt (a holder of the same job alive on this host still refuses it).
+
+:func:`writable_run_dir` comes first: a read-only run directory (a new run or a resume) is one
+message (:class:`RunDirNotWritable`), not a traceback from the lock file's creation.
 """
 from __future__ import annotations
 
@@ -32,6 +35,26 @@ LOCK_NAME = ".lock"
 
 class RunDirLocked(UserError):
     """Another live job holds the run directory."""
+
+
+class RunDirNotWritable(UserError):
+    """The run directory cannot be created or written (read-only, no permission)."""
+
+
+def writable_run_dir(run_dir: Path) -> None:
+    """Create ``run_dir`` and check that files can be made in it, before anything else happens."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test.{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        raise RunDirNotWritable(
+            f"run_dir={run_dir}: cannot write there ({os.strerror(e.errno).lower()}); a training writes "
+            "its checkpoints, logs and config.yaml into its run directory: give a writable run_dir (to resume a run "
+            "from a read-only copy, copy it somewhere writable first)") from None
 
 
 def _start_time(pid: int) -> Optional[str]:
@@ -158,4 +181,4 @@ class RunLock:
         self.release()
 
 
-__all__ = ["RunLock", "RunDirLocked", "LOCK_NAME"]
+__all__ = ["RunLock", "RunDirLocked", "RunDirNotWritable", "LOCK_NAME", "writable_run_dir"]

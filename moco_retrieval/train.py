@@ -6,17 +6,21 @@ Lightning module -> trainer, fits, runs a final validation and writes into the r
 ``checkpoints/last.ckpt`` and ``checkpoints/best-*.ckpt`` (by val/recall@1), ``metrics.json``
 (final validation metrics, flat keys; the run's training and validation seconds over all its attempts: run_clock.py), ``config.yaml`` (resolved) and the loggers' files.
 
-Preemption (see preemption.py): on SIGTERM or SIGUSR1 the run finishes the current step, writes
-``checkpoints/last.ckpt`` atomically and exits with status 128 + signal (143 / 138) without a final
-validation or ``metrics.json``. A requeued job runs the same command with the same ``run_dir`` and
-``ckpt_path=last``, which resumes from that checkpoint (or from ``last.prev.ckpt`` when it cannot
-be read; it starts fresh, and says so, when there is none yet). Known errors (errors.py) end the
-command with one message and status 2.
+Preemption (see preemption.py): on SIGTERM, SIGUSR1 or Ctrl-C (SIGINT) the run finishes the current
+step, writes ``checkpoints/last.ckpt`` atomically, prints the command that resumes it and exits with
+status 128 + signal (143 / 138 / 130) without a final validation or ``metrics.json``. A requeued job
+runs the same command with the same ``run_dir`` and ``ckpt_path=last``, which resumes from that checkpoint (or from ``last.prev.ckpt`` when it cannot
+be read; it starts fresh, and says so, when there is none yet), refusing a config that changes what
+the checkpoint trained (resume_check.py). A loss or weights that stop being finite end the run
+before any checkpoint records them (finite_guard.py). Known errors (errors.py) end the command with
+one message and status 2.
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
+import shlex
 import signal
 import sys
 import warnings
@@ -35,8 +39,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from moco_retrieval import distributed
-from moco_retrieval.checkpointing import (LAST, AtomicCheckpointIO, check_same_objective, previous_of, remove_stale_temporaries,
-                                          resolve_ckpt_path, set_aside_unreadable)
+from moco_retrieval.checkpointing import (LAST, AtomicCheckpointIO, RebaseCheckpointPaths, checkpoint_step, previous_of,
+                                          read_checkpoint, remove_best_after, remove_stale_temporaries, resolve_ckpt_path,
+                                          set_aside_unreadable)
 from moco_retrieval.cluster import is_rank_zero, on_slurm, torchrun_devices
 from moco_retrieval.config import TrainConfig, TrainerConfig, register_configs
 from moco_retrieval.data.datamodule import RetrievalDataModule
@@ -44,13 +49,15 @@ from moco_retrieval.data.multisource import source_prompts
 from moco_retrieval.data.prompts import apply_by_row, by_row, to_prompts
 from moco_retrieval.data.sampler import source_of
 from moco_retrieval.errors import reports_user_errors
+from moco_retrieval.finite_guard import FiniteGuard
 from moco_retrieval.evaluation.callback import ValidationReport
 from moco_retrieval.lightning_module import RetrievalModule
 from moco_retrieval.loggers import build_loggers, finish_loggers, log_config
 from moco_retrieval.preemption import Preempted, PreemptionCheckpoint, sigterm_exit_status
 from moco_retrieval.progress import progress_callback
+from moco_retrieval.resume_check import RecordTraining, check_resumable
 from moco_retrieval.run_clock import RunClock
-from moco_retrieval.run_lock import RunLock
+from moco_retrieval.run_lock import RunLock, writable_run_dir
 
 register_configs()
 # The key encoder is in eval mode on purpose (no dropout in keys); faiss announces each CPU
@@ -119,9 +126,10 @@ def ddp_strategy(timeout_s: int = 1800, find_unused_parameters: bool = False, **
     return DDPStrategy(broadcast_buffers=False, **kw)
 
 
-def build(cfg: TrainConfig, run_dir: Path,
-          dm: Optional[RetrievalDataModule] = None) -> tuple[RetrievalModule, RetrievalDataModule, L.Trainer]:
-    """The module, the data module (``dm``: one that has read its data already) and the trainer."""
+def build(cfg: TrainConfig, run_dir: Path, dm: Optional[RetrievalDataModule] = None,
+          resuming: bool = False) -> tuple[RetrievalModule, RetrievalDataModule, L.Trainer]:
+    """The module, the data module (``dm``: one that has read its data already) and the trainer;
+    ``resuming``: this attempt continues a checkpoint (prepare_run_dir found one)."""
     module = RetrievalModule.from_config(cfg)
     enc = module.encoder
     if dm is None:
@@ -144,14 +152,18 @@ def build(cfg: TrainConfig, run_dir: Path,
     callbacks = [checkpoints, latest] + ([progress_callback(cfg.trainer.log_every_n_steps)] if cfg.trainer.enable_progress_bar else [])
     callbacks.append(ValidationReport(run_dir / "plots", cfg.eval.sample_queries, cfg.logger.log_tables))
     callbacks.append(RunClock())
-    loggers = build_loggers(cfg.logger, run_dir, resume=resolve_ckpt_path(cfg.ckpt_path, run_dir) is not None)
+    # what the checkpoint trains with (a resume that changes it is refused), its paths after a move
+    callbacks += [RecordTraining(cfg), RebaseCheckpointPaths(run_dir / "checkpoints")]
+    loggers = build_loggers(cfg.logger, run_dir, resume=resuming)
     log_config(loggers, cfg)
-    # SIGTERM / SIGUSR1: finish the step, write checkpoints/last.ckpt, exit 128 + signal (preemption.py).
+    # SIGTERM / SIGUSR1 / Ctrl-C: finish the step, write checkpoints/last.ckpt, exit 128 + signal (preemption.py).
     # Under SLURM, Lightning's auto-requeue on SIGUSR1 (`scontrol requeue` after that checkpoint).
     slurm = on_slurm()
     # (first in line, so that the run stops before the other callbacks' hooks of the next step)
     callbacks.insert(0, PreemptionCheckpoint(run_dir / "checkpoints" / "last.ckpt",
                                              requeue_signal=signal.SIGUSR1 if slurm else None))
+    # before it: a loss or weights gone inf / NaN stop the run before any checkpoint records them
+    callbacks.insert(0, FiniteGuard(cfg.trainer.log_every_n_steps, run_dir / "checkpoints"))
     plugins: list = [AtomicCheckpointIO()]
     if slurm:
         plugins.append(SLURMEnvironment(auto_requeue=True, requeue_signal=signal.SIGUSR1))
@@ -170,16 +182,20 @@ def build(cfg: TrainConfig, run_dir: Path,
 
 def prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> Optional[str]:
     """Before data and model: remove what killed checkpoint writes left, check the checkpoint to
-    resume from (CheckpointError naming it when it cannot be read); return its path."""
+    resume from (CheckpointError naming it when it cannot be read, or when this config changes
+    what it trained); return its path."""
+    folder = run_dir / "checkpoints"
     if is_rank_zero():  # (rank 0 holds the run directory's lock: no write of this run is under way)
-        remove_stale_temporaries(run_dir / "checkpoints")
+        remove_stale_temporaries(folder)
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
-    last = run_dir / "checkpoints" / LAST
+    last = folder / LAST
     if ckpt_path == str(previous_of(last)) and is_rank_zero():  # the fallback: keep the good one as predecessor
         set_aside_unreadable(last)
     if ckpt_path is not None:
-        check_same_objective(ckpt_path, OmegaConf.to_container(OmegaConf.structured(cfg.objective)),
-                             to_prompts(cfg.data.prompts).to_dict())
+        ckpt = read_checkpoint(ckpt_path, "ckpt_path", verify=False)  # (resolve_ckpt_path verified it)
+        check_resumable(ckpt, ckpt_path, cfg)
+        if is_rank_zero() and Path(ckpt_path).resolve().parent == folder.resolve():
+            remove_best_after(folder, checkpoint_step(ckpt))
     if cfg.ckpt_path is None and (run_dir / "checkpoints" / "last.ckpt").exists() and is_rank_zero():
         print(f"[moco_retrieval] warning: {run_dir / 'checkpoints' / 'last.ckpt'} exists but ckpt_path is not set: "
               "training starts from scratch and overwrites it (ckpt_path=last resumes)", file=sys.stderr)
@@ -190,7 +206,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
     """Fit, validate once more at the end, write metrics.json and config.yaml; return the metrics.
     Rank 0 holds the run directory's lock (run_lock.py) throughout."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    writable_run_dir(run_dir)
     with RunLock(run_dir) if is_rank_zero() else nullcontext():
         return _train(cfg, run_dir)
 
@@ -201,7 +217,7 @@ def _train(cfg: TrainConfig, run_dir: Path) -> dict:
     dm = RetrievalDataModule(cfg.data, n_negatives=cfg.data.n_negatives)
     dm.setup("fit")
     L.seed_everything(cfg.seed, workers=True)
-    module, dm, trainer = build(cfg, run_dir, dm)
+    module, dm, trainer = build(cfg, run_dir, dm, resuming=ckpt_path is not None)
     if module.encoder.frozen:  # every frozen feature computed (or loaded) once, up front
         warm_frozen_features(module.encoder, dm)
     if trainer.is_global_zero:
@@ -228,6 +244,8 @@ def _fit(module: RetrievalModule, dm: RetrievalDataModule, trainer: L.Trainer, c
     try:
         trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
     except Preempted:  # checkpoint written on every rank's behalf; the status says "requeue me"
+        if trainer.is_global_zero:
+            print(f"[moco_retrieval] to resume: {resume_command(run_dir)}", file=sys.stderr, flush=True)
         finish_loggers(trainer.loggers)
         distributed.teardown()
         raise
@@ -244,6 +262,23 @@ def _fit(module: RetrievalModule, dm: RetrievalDataModule, trainer: L.Trainer, c
     finish_loggers(trainer.loggers)
     distributed.teardown()
     return metrics
+
+
+def resume_command(run_dir: Path) -> str:
+    """The command that resumes this run: its own overrides with ``ckpt_path=last`` and, when it
+    had none, ``run_dir=`` the directory it used (Hydra's default is a new folder per start)."""
+    try:
+        overrides = HydraConfig.get().overrides
+        given = list(overrides.task) + [o for o in overrides.hydra if not o.startswith("hydra.mode=")]
+    except ValueError:  # not started by Hydra (train() called from Python)
+        return f"the same command with run_dir={shlex.quote(str(run_dir.resolve()))} ckpt_path=last"
+    keep = [o for o in given if o.split("=", 1)[0].lstrip("+~") != "ckpt_path"]
+    if not any(o.split("=", 1)[0].lstrip("+~") == "run_dir" for o in keep):
+        keep.append(f"run_dir={run_dir.resolve()}")
+    command = shlex.join([*keep, "ckpt_path=last"])
+    if torchrun_devices() is not None:
+        return f"the same torchrun launch with the arguments {command}"
+    return f"python -m moco_retrieval.train {command}"
 
 
 @hydra.main(config_path="pkg://moco_retrieval.conf", config_name="train", version_base="1.3")

@@ -216,7 +216,22 @@ def test_resuming_under_changed_objective_options_names_the_trained_values(tmp_p
 
 def test_ckpt_path_last_without_a_checkpoint_says_it_starts_from_step_0(tmp_path, capsys):
     assert resolve_ckpt_path("last", tmp_path / "typo") is None
-    assert f"no checkpoint in {tmp_path / 'typo' / 'checkpoints'}: training starts from step 0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"no checkpoint in {tmp_path / 'typo' / 'checkpoints'}: {tmp_path / 'typo'} does not exist" in err
+    assert "training starts from step 0" in err and err.count("\n") == 1
+
+
+def test_ckpt_path_last_after_a_run_lost_before_its_first_checkpoint_says_so(tmp_path, capsys):
+    """A run killed before its first checkpoint left config.yaml and csv/: the notice says what was
+    found, not that run_dir was mistyped."""
+    (tmp_path / "config.yaml").write_text("seed: 0\n")
+    (tmp_path / "csv").mkdir()
+    (tmp_path / "checkpoints").mkdir()
+    assert resolve_ckpt_path("last", tmp_path) is None
+    err = " ".join(capsys.readouterr().err.split())
+    assert (f"no checkpoint in {tmp_path / 'checkpoints'}: {tmp_path} holds an earlier attempt (checkpoints/, "
+            "config.yaml, csv/) that stopped before writing its first checkpoint; training starts from step 0") in err
+    assert "check run_dir" not in err
 
 
 def test_temporaries_of_killed_writes_are_removed_at_the_next_start(tmp_path, capsys):

@@ -199,12 +199,19 @@ def test_model_card_lists_each_prefix_with_its_held_out_metrics():
 def test_resuming_a_run_from_before_matryoshka_with_it_on_is_refused(tmp_path):
     """A checkpoint written before the option existed trained without prefixes: turning them on
     mid-run would train another loss, so the resume names the override that keeps it as trained."""
-    from moco_retrieval.checkpointing import check_same_objective
     from moco_retrieval.errors import CheckpointError
+    from moco_retrieval.resume_check import check_resumable
+    from omegaconf import OmegaConf
+    from test_faults import compose_cfg
 
-    path = tmp_path / "old.ckpt"
-    torch.save({"hyper_parameters": {"objective": {"name": "inbatch", "temperature": 0.05}}}, path)
-    check_same_objective(str(path), {"name": "inbatch", "temperature": 0.05, "matryoshka_dims": []})
+    old = {"hyper_parameters": {"objective": {"name": "inbatch", "temperature": 0.05}}}
+
+    def resume(*overrides):
+        cfg = OmegaConf.to_object(compose_cfg("train", ["+experiment=smoke", "objective=inbatch",
+                                                        "objective.temperature=0.05", *overrides]))
+        check_resumable(old, "old.ckpt", cfg)
+
+    resume()
     with pytest.raises(CheckpointError, match=r"objective.matryoshka_dims=\[\], but this run's config has "
                                               r"objective.matryoshka_dims=\[64,32\]"):
-        check_same_objective(str(path), {"name": "inbatch", "temperature": 0.05, "matryoshka_dims": [64, 32]})
+        resume("objective.matryoshka_dims=[64,32]")

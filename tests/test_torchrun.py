@@ -228,9 +228,10 @@ def test_preempted_ddp_job_resumes_and_completes(interrupted):
     assert fp[0] == fp[1]
     queue_steps = final["state_dict"]["objective.docs.queue.queue_steps"].view(STEPS, RANKS * BATCH)
     assert (queue_steps == torch.arange(STEPS)[:, None]).all()  # no step twice, none missing
-    with open(interrupted["base"] / "rank0" / "csv" / "metrics.csv", newline="") as f:
+    # the resumed attempt logs to csv/resume-1/ (loggers.csv_version), at the step each batch completes
+    with open(interrupted["base"] / "rank0" / "csv" / "resume-1" / "metrics.csv", newline="") as f:
         train_steps = sorted(int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss"))
-    assert train_steps == list(range(stop, STEPS))
+    assert train_steps == list(range(stop + 1, STEPS + 1))
 
 
 @pytest.mark.slow  # ~55 s on a busy 2-core machine (two interpreters starting, 5 s of waiting)
@@ -259,3 +260,25 @@ def test_stalled_rank_ends_the_others_after_the_process_group_timeout(tmp_path_f
                   r"at step (\d+)", out)
     assert m and int(m.group(1)) >= 2, out[-3000:]
     assert 4 <= stopped[2] - stopped[1] < 60  # it gave up after the timeout, not Lightning's 1800 s
+
+
+@pytest.mark.slow  # ~30 s on a busy 2-core machine (two interpreters starting)
+def test_a_rank_killed_by_sigkill_leaves_the_other_with_the_projects_message(tmp_path_factory):
+    """SIGKILL rank 1 after step 2 (the out-of-memory killer, a node lost): rank 0's next
+    collective finds the connection closed; it says so in one line (not gloo's "Connection reset
+    by peer" traceback) and exits non-zero."""
+    env, tmp = _setup(tmp_path_factory)
+    killed: list[int] = []
+
+    def kill_rank_1(proc, line):
+        m = PROGRESS.search(line)
+        if m and int(m.group(1)) >= 2 and not killed:
+            killed.append(worker_pid(proc.pid, 1))
+            os.kill(killed[0], signal.SIGKILL)
+
+    rc, out = launch(command(tmp), env, tmp, kill_rank_1, timeout=240)
+    assert killed and rc != 0, out[-3000:]
+    m = re.search(r"\[moco_retrieval\] rank 0 of 2: lost another rank in a collective at step (\d+): its connection "
+                  r"closed", out)
+    assert m and int(m.group(1)) >= 2, out[-3000:]
+    assert "DistBackendError" not in out and "lightning/pytorch/trainer" not in out, out[-3000:]

@@ -1,0 +1,91 @@
+"""Stop a run whose loss or weights stop being finite, before a checkpoint records them.
+
+A learning rate too high (or a bad batch) turns the loss into inf or NaN, and from then on every
+weight; left alone, the run trains NaN to its end and exits 0. :class:`FiniteGuard` keeps, on the
+device, the first step whose loss was not finite (no host sync per step: a ``torch.where`` on a
+device scalar) and looks at it every ``trainer.log_every_n_steps`` steps (the progress line syncs
+there anyway), before each validation and before every checkpoint write (where the weights are
+checked too). Then the run stops with :class:`NonFiniteError` naming the step; no checkpoint is
+written after it, so ``last.ckpt`` stays the last good state. Under DDP the ranks agree with one
+all-reduce at those points, so they all stop at the same one.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from moco_retrieval.checkpointing import LAST, checkpoint_step, read_checkpoint
+from moco_retrieval.errors import CheckpointError, UserError
+
+NONE = 2**62  # "no bad step yet"; the ranks agree with a MIN
+
+
+class NonFiniteError(UserError):
+    """The loss or the weights became inf or NaN."""
+
+
+def _last_good(folder: Path) -> str:
+    last = folder / LAST
+    try:
+        return f"{last} (step {checkpoint_step(read_checkpoint(last, verify=False))}) is the last good checkpoint, kept"
+    except CheckpointError:
+        return f"no checkpoint was written before it in {folder}"
+
+
+class FiniteGuard(Callback):
+    """See the module docstring. ``every``: the steps between looks at the loss flag;
+    ``checkpoints``: the run's checkpoint folder (named in the message)."""
+
+    def __init__(self, every: int, checkpoints: str | Path):
+        self.every = max(1, int(every))
+        self.checkpoints = Path(checkpoints)
+        self._first_bad: Optional[torch.Tensor] = None  # device scalar: the first step with a non-finite loss
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if not isinstance(loss, torch.Tensor):
+            return
+        acc = max(1, int(trainer.accumulate_grad_batches))
+        at_step = (batch_idx + 1) % acc == 0 or trainer.is_last_batch
+        step = trainer.global_step if at_step else trainer.global_step + 1  # the step this batch belongs to
+        if self._first_bad is None or self._first_bad.device != loss.device:
+            self._first_bad = torch.full((), NONE, dtype=torch.long, device=loss.device)
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._first_bad = torch.where(bad & (self._first_bad == NONE), torch.full_like(self._first_bad, step),
+                                      self._first_bad)
+        if at_step and trainer.global_step % self.every == 0:
+            self._check(trainer, pl_module, weights=False)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:  # (not the validation after fit)
+            self._check(trainer, pl_module, weights=True)
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
+        self._check(trainer, pl_module, weights=True)  # every rank builds the checkpoint: the all-reduce matches
+
+    def _check(self, trainer: Any, pl_module: Any, weights: bool) -> None:
+        device = pl_module.device
+        loss_step = self._first_bad.to(device) if self._first_bad is not None else torch.tensor(NONE, device=device)
+        weight_step = torch.tensor(NONE, device=device)
+        if weights:
+            finite = torch.stack([torch.isfinite(p).all() for p in pl_module.parameters()]).all()
+            weight_step = torch.where(finite, weight_step, torch.full_like(weight_step, trainer.global_step))
+        found = torch.stack([loss_step, weight_step])
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(found, op=dist.ReduceOp.MIN)
+        loss_at, weights_at = (int(v) for v in found.tolist())  # the one host sync
+        if loss_at == NONE and weights_at == NONE:
+            return
+        what = (f"the training loss was not finite (inf or NaN) at step {loss_at}" if loss_at != NONE
+                else f"the weights were not finite (inf or NaN) after step {weights_at}")
+        raise NonFiniteError(
+            f"{what}; training stopped at step {trainer.global_step} without writing a checkpoint after it: "
+            f"{_last_good(self.checkpoints)}. The usual cause is a learning rate too high for this model and "
+            "batch (optim.lr), or a temperature too low (objective.temperature); start again with other values.")
+
+
+__all__ = ["FiniteGuard", "NonFiniteError"]
