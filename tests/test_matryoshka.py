@@ -207,7 +207,7 @@ def test_resuming_a_run_from_before_matryoshka_with_it_on_is_refused(tmp_path):
     old = {"hyper_parameters": {"objective": {"name": "inbatch", "temperature": 0.05}}}
 
     def resume(*overrides):
-        cfg = OmegaConf.to_object(compose_cfg("train", ["+experiment=smoke", "objective=inbatch",
+        cfg = OmegaConf.to_object(compose_cfg("train", ["objective=inbatch",
                                                         "objective.temperature=0.05", *overrides]))
         check_resumable(old, "old.ckpt", cfg)
 
