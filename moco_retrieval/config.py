@@ -35,7 +35,7 @@ class Range:
     hi_open: bool = False
 
     def holds(self, v: float) -> bool:
-        if isinstance(v, float) and math.isnan(v):
+        if isinstance(v, float) and not math.isfinite(v):  # nan, inf and -inf are never a setting
             return False
         lo_ok = self.lo is None or (v > self.lo if self.lo_open else v >= self.lo)
         hi_ok = self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
@@ -55,19 +55,56 @@ AT_LEAST_ONE = Range(1)
 FRACTION = Range(0, 1)  # [0, 1]
 PROPER_FRACTION = Range(0, 1, hi_open=True)  # [0, 1)
 
+# text options, checked with the config (the modules that use them: objectives/queue.py, model/momentum.py,
+# lightning_module.py, Lightning's Trainer; tests/test_faults.py holds each list against its user)
+QUEUE_DTYPES = ("float32", "bfloat16", "float16")
+MOMENTUM_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULES = ("linear", "cosine", "constant")
+PRECISIONS = ("auto", "32-true", "32", "bf16-mixed", "bf16", "16-mixed", "16", "bf16-true", "16-true", "64-true", "64",
+              "transformer-engine", "transformer-engine-float16")
+
+
+def _key(section: str, key: str) -> str:
+    return f"{section}.{key}" if section else key
+
+
+def _value(node: Any, key: str) -> Any:
+    """``node.key``; None when the node has no such key or its value is missing (``???``)."""
+    if isinstance(node, DictConfig):
+        return None if key not in node or OmegaConf.is_missing(node, key) else node[key]
+    return getattr(node, key, None)
+
 
 class RangeChecked:
-    """Mixin: ``__post_init__`` checks every field named in ``RANGES`` (None passes: unset).
-    ``SECTION`` is the key the dataclass sits under (``objective``, ``optim``, ...), for messages."""
+    """Mixin: ``__post_init__`` checks every field named in ``RANGES`` (None passes: unset), every
+    text field named in ``CHOICES`` (one of its values), and that no float field is nan or infinite.
+    ``SECTION`` is the key the dataclass sits under (``objective``, ``optim``, ...; "" at the top
+    level), for messages. :meth:`check` runs the same checks on a node read as is (a DictConfig)."""
 
     SECTION: ClassVar[str] = ""
     RANGES: ClassVar[dict[str, Range]] = {}
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     def __post_init__(self) -> None:
-        for key, valid in self.RANGES.items():
-            value = getattr(self, key, None)
+        type(self).check(self)
+
+    @classmethod
+    def check(cls, node: Any) -> None:
+        """ConfigError naming the first key of ``node`` (this dataclass, or a node of its fields)
+        whose value is out of its range, not one of its choices, or a non-finite float."""
+        for key in getattr(cls, "__dataclass_fields__", {}):
+            value = _value(node, key)
+            if isinstance(value, float) and not math.isfinite(value):
+                within = f" {cls.RANGES[key]}" if key in cls.RANGES else ""
+                raise ConfigError(f"{_key(cls.SECTION, key)}={value}: must be a finite number{within}")
+        for key, valid in cls.RANGES.items():
+            value = _value(node, key)
             if value is not None and not valid.holds(value):
-                raise ConfigError(f"{self.SECTION}.{key}={value}: must be {valid}")
+                raise ConfigError(f"{_key(cls.SECTION, key)}={value}: must be {valid}")
+        for key, allowed in cls.CHOICES.items():
+            value = _value(node, key)
+            if value is not None and value not in allowed:
+                raise ConfigError(f"{_key(cls.SECTION, key)}={value!r}: expected one of {', '.join(allowed)}")
 
 
 @dataclass
@@ -138,6 +175,7 @@ class ObjectiveConfig(RangeChecked):
         "guide_margin": Range(-2, 2), "guide_threshold": Range(-1, 1), "logq_alpha": Range(0, 1, lo_open=True),
         "logq_buckets": AT_LEAST_ONE,
     }  # (each subclass has the fields it uses; the rest are skipped)
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"queue_dtype": QUEUE_DTYPES, "momentum_schedule": MOMENTUM_SCHEDULES}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -241,10 +279,11 @@ class OptimConfig(RangeChecked):
     RANGES: ClassVar[dict[str, Range]] = {
         "lr": POSITIVE, "weight_decay": NON_NEGATIVE, "warmup_steps": NON_NEGATIVE, "warmup_ratio": PROPER_FRACTION,
     }
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"schedule": LR_SCHEDULES}
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not all(PROPER_FRACTION.holds(b) for b in self.betas):
+        if not all(PROPER_FRACTION.holds(b) for b in self.betas):  # (holds: nan and inf never do)
             raise ConfigError(f"optim.betas={list(self.betas)}: must be two numbers in [0, 1)")
 
 
@@ -322,6 +361,36 @@ class TrainerConfig(RangeChecked):
         "gradient_clip_val": NON_NEGATIVE, "val_check_interval": AT_LEAST_ONE, "log_every_n_steps": AT_LEAST_ONE,
         "process_group_timeout": AT_LEAST_ONE, "keep_best_checkpoints": NON_NEGATIVE,
     }
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"precision": PRECISIONS}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not _valid_devices(self.devices):
+            raise ConfigError(
+                f"trainer.devices={self.devices!r}: expected a number of devices (1, 2, ...; -1: all), auto, "
+                "or the indices of the devices to use ([0, 1] or \"0,1\")"
+            )
+
+
+def _valid_devices(devices: Any) -> bool:
+    """What Lightning's Trainer takes as ``devices``: a count (-1: all), ``auto``, a list of indices
+    or a string of them ("2", "-1", "0,1")."""
+    if isinstance(devices, bool):
+        return False
+    if isinstance(devices, int):
+        return devices >= 1 or devices == -1
+    if isinstance(devices, (list, tuple)) or (hasattr(devices, "__iter__") and not isinstance(devices, str)):
+        items = list(devices)
+        return bool(items) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items)
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text == "auto":
+            return True
+        if text.lstrip("-").isdigit():
+            return _valid_devices(int(text))
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        return bool(parts) and all(p.isdigit() for p in parts)
+    return False
 
 
 @dataclass
@@ -511,6 +580,34 @@ def objective_config(node: Any) -> ObjectiveConfig:
     return to_config(OBJECTIVE_CONFIGS[name], node)
 
 
+def check_known_keys(cfg: DictConfig, path: str = "") -> None:
+    """ConfigError naming the first key of a composed config that its schema does not have, with the
+    closest key that it does have. Hydra's ``+key=value`` adds a key to a structured config without
+    asking the schema (and turning the config into its dataclass then drops the key unread), so a
+    ``+trainer.max_step=10`` or an ``evaluate +chekpoint=...`` would run as if never given."""
+    schema = OmegaConf.get_type(cfg)
+    fields = getattr(schema, "__dataclass_fields__", None)
+    for key in cfg:
+        if fields is not None and key not in fields:
+            raise unknown_key(f"{path}.{key}" if path else str(key), schema)
+    for key, value in cfg.items_ex(resolve=False):
+        if isinstance(value, DictConfig):
+            check_known_keys(value, f"{path}.{key}" if path else str(key))
+
+
+def unknown_key(full_key: str, schema: type) -> ConfigError:
+    """The error for ``full_key`` (``trainer.max_step``), which the dataclass ``schema`` lacks: it
+    names the closest key the schema has."""
+    import difflib
+
+    *parents, key = full_key.split(".")
+    fields = list(getattr(schema, "__dataclass_fields__", {}))
+    close = difflib.get_close_matches(key, fields, n=1)
+    hint = f"; did you mean {'.'.join([*parents, close[0]])}?" if close else ""
+    return ConfigError(f"{full_key}: unknown key ({schema.__name__} in moco_retrieval/config.py has no {key!r}; "
+                       f"a + before a key does not add one){hint}")
+
+
 def cache_root() -> Path:
     """Where built data sets, tiny models and frozen features go: $MOCO_RETRIEVAL_CACHE or
     ~/.cache/moco_retrieval."""
@@ -568,5 +665,7 @@ __all__ = [
     "MISSING",
     "register_configs",
     "to_config",
+    "check_known_keys",
+    "unknown_key",
     "cache_root",
 ]

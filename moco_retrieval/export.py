@@ -31,12 +31,12 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from moco_retrieval.command import command
 from moco_retrieval.config import register_configs
-from moco_retrieval.errors import ConfigError, reports_user_errors
+from moco_retrieval.errors import ConfigError
 from moco_retrieval.model.loading import META_FILE, load_encoder
 from moco_retrieval.model.momentum import ENCODERS
 
@@ -195,8 +195,7 @@ def run_export(cfg: Any) -> Path:
     return out
 
 
-@hydra.main(config_path="pkg://moco_retrieval.conf", config_name="export", version_base="1.3")
-@reports_user_errors("export")
+@command("export")
 def main(cfg: DictConfig) -> None:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:

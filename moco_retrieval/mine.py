@@ -14,11 +14,11 @@ from __future__ import annotations
 import logging
 import warnings
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from moco_retrieval.command import command
 from moco_retrieval.config import register_configs
-from moco_retrieval.errors import ConfigError, reports_user_errors
+from moco_retrieval.errors import ConfigError
 
 register_configs()
 logging.getLogger("faiss.loader").setLevel(logging.WARNING)
@@ -35,8 +35,7 @@ def to_mine_config(cfg: DictConfig):
     return OmegaConf.to_object(cfg)
 
 
-@hydra.main(config_path="pkg://moco_retrieval.conf", config_name="mine", version_base="1.3")
-@reports_user_errors("mine")
+@command("mine")
 def main(cfg: DictConfig) -> None:
     from moco_retrieval.mining import run_mine
 

@@ -29,12 +29,12 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-import hydra
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from moco_retrieval.command import command
 from moco_retrieval.config import EvalConfig, ModelConfig, cache_root, register_configs, to_config
-from moco_retrieval.errors import ConfigError, reports_user_errors
+from moco_retrieval.errors import ConfigError
 from moco_retrieval.model.loading import load_encoder
 
 register_configs()
@@ -239,8 +239,7 @@ def run_search(cfg: Any, out=None) -> list[dict]:
     return answers
 
 
-@hydra.main(config_path="pkg://moco_retrieval.conf", config_name="search", version_base="1.3")
-@reports_user_errors("search")
+@command("search")
 def main(cfg: DictConfig) -> None:
     run_search(cfg)
 

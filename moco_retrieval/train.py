@@ -25,7 +25,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
-import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -38,9 +37,9 @@ from moco_retrieval import distributed
 from moco_retrieval.checkpointing import (LAST, AtomicCheckpointIO, check_same_objective, previous_of, remove_stale_temporaries,
                                           resolve_ckpt_path, set_aside_unreadable)
 from moco_retrieval.cluster import is_rank_zero, on_slurm, torchrun_devices
+from moco_retrieval.command import command
 from moco_retrieval.config import TrainConfig, TrainerConfig, register_configs
 from moco_retrieval.data.datamodule import RetrievalDataModule
-from moco_retrieval.errors import reports_user_errors
 from moco_retrieval.evaluation.callback import ValidationReport
 from moco_retrieval.lightning_module import RetrievalModule
 from moco_retrieval.loggers import build_loggers, finish_loggers, log_config
@@ -232,8 +231,7 @@ def _fit(module: RetrievalModule, dm: RetrievalDataModule, trainer: L.Trainer, c
     return metrics
 
 
-@hydra.main(config_path="pkg://moco_retrieval.conf", config_name="train", version_base="1.3")
-@reports_user_errors("train")
+@command("train")
 def main(cfg: DictConfig) -> None:
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir)
     with sigterm_exit_status():  # a SIGTERM Lightning handles itself exits 143 too, not 0
