@@ -525,7 +525,7 @@ class ExportConfig:
 
 
 @dataclass
-class SearchConfig:
+class SearchConfig(RangeChecked):
     """``python -m moco_retrieval.search``: semantic search over a corpus (``conf/search.yaml``)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -547,6 +547,22 @@ class SearchConfig:
     batch_size: Optional[int] = None  # default: data.eval_batch_size
     device: str = "auto"
     progress: bool = True
+
+    RANGES: ClassVar[dict[str, Range]] = {"k": AT_LEAST_ONE, "max_chars": AT_LEAST_ONE, "batch_size": AT_LEAST_ONE}
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"format": ("text", "json")}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_queries(self)
+
+
+def check_queries(cfg: Any) -> None:
+    """ConfigError for a blank ``query`` or ``queries`` entry (it would return arbitrary hits)."""
+    given = ([("query", cfg.query)] if cfg.query is not None else []) + [
+        (f"queries[{i}]", q) for i, q in enumerate(cfg.queries)]
+    for key, text in given:
+        if not str(text).strip():
+            raise ConfigError(f"{key}={str(text)!r}: a blank query; expected the text to search for")
 
 
 def to_config(cls: type[T], node: Any) -> T:

@@ -33,8 +33,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from moco_retrieval.command import command
-from moco_retrieval.config import EvalConfig, ModelConfig, cache_root, register_configs, to_config
-from moco_retrieval.errors import ConfigError
+from moco_retrieval.config import EvalConfig, ModelConfig, SearchConfig, cache_root, check_queries, register_configs, to_config
 from moco_retrieval.model.loading import load_encoder
 
 register_configs()
@@ -207,8 +206,8 @@ def run_search(cfg: Any, out=None) -> list[dict]:
     from moco_retrieval.evaluation.encode import encode_texts
 
     out = out or sys.stdout
-    if cfg.format not in ("text", "json"):
-        raise ConfigError(f"format={cfg.format!r}: expected text or json")
+    SearchConfig.check(cfg)  # (read as is, a DictConfig: the dataclass's checks by hand) k, format, ...
+    check_queries(cfg)
     eval_cfg = to_config(EvalConfig, cfg.eval)
     corpus, corpus_desc = load_corpus(cfg.corpus, cfg.data)
     identity = _model_identity(cfg)
