@@ -463,7 +463,7 @@ class TrainConfig:
 
 
 @dataclass
-class MineConfig:
+class MineConfig(RangeChecked):
     """``python -m moco_retrieval.mine``: hard negatives for training pairs (see mining.py).
 
     The model is ``checkpoint`` (a training .ckpt), else ``model_dir`` (an exported directory, or
@@ -478,8 +478,9 @@ class MineConfig:
     checkpoint: Optional[str] = None
     model_dir: Optional[str] = None
     encoder: str = "query"  # query | key (a MoCo checkpoint's momentum key encoder)
-    output: str = MISSING  # JSONL of pairs with "negatives" and "positive_score"
+    output: str = MISSING  # JSONL of pairs with "negatives" and "positive_score"; never one of the inputs
     stats_path: Optional[str] = None  # default: <output without .jsonl>.stats.json
+    overwrite: bool = False  # replace an existing output / stats file (an input never)
     n_negatives: int = 8  # negatives written per query (fewer when fewer candidates pass)
     range_min: int = 0  # rank window, 0-based, inclusive, counted after dropping positives/groups
     range_max: int = 50
@@ -489,9 +490,15 @@ class MineConfig:
     drop_group: bool = True  # drop documents of the positive's group (False: only the positive itself)
     sampling: str = "top"  # top (best-ranked that pass) | random (uniform among those that pass, seeded)
     seed: int = 0
-    keep_empty: bool = False  # also write rows left without negatives
+    keep_empty: bool = False  # also write rows left without negatives (else left out, and counted in a warning)
     batch_size: int = 256  # encoding batch
     progress: bool = True
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "n_negatives": AT_LEAST_ONE, "range_min": NON_NEGATIVE, "range_max": NON_NEGATIVE, "margin": NON_NEGATIVE,
+        "relative_margin": PROPER_FRACTION, "batch_size": AT_LEAST_ONE,
+    }
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"sampling": ("top", "random"), "encoder": ("query", "key")}
 
 
 @dataclass
