@@ -54,7 +54,6 @@ def one_message(out: subprocess.CompletedProcess, command: str) -> str:
     ("optim.weight_decay=inf", "optim.weight_decay=inf: must be a finite number >= 0"),
     ("trainer.gradient_clip_val=inf", "trainer.gradient_clip_val=inf: must be a finite number"),
     ("objective.temperature_max=-inf", "objective.temperature_max=-inf: must be a finite number"),
-    ("optim.betas=[0.9,nan]", "optim.betas"),
 ])
 def test_infinity_and_nan_are_refused_naming_the_key(override, says):
     with pytest.raises(ConfigError) as err:
