@@ -528,7 +528,7 @@ class ExportConfig:
     checkpoint: Optional[str] = None  # a training checkpoint (.ckpt)
     encoder: str = "query"  # query | key (the momentum key encoder of a MoCo checkpoint)
     out_dir: str = MISSING  # the model directory to write
-    overwrite: bool = False
+    overwrite: bool = False  # replace an earlier export in out_dir (only its files; a folder that is not one: refused)
 
 
 @dataclass

@@ -19,6 +19,10 @@ document tower) is exported: a single tower serves both sides in sentence-transf
 Supported: ``backbone_kind=transformer`` (fine-tuned or frozen backbone). A
 ``bag_of_wordpieces`` backbone is refused with an explanation.
 
+``out_dir`` must be missing or empty; ``overwrite=true`` replaces an earlier export there, removing
+only the entries its ``moco_retrieval.json`` lists (other files stay), and refuses a folder that is
+not an export. The export is written beside ``out_dir`` first and moved in when complete.
+
 Keys: ExportConfig in config.py (``conf/export.yaml``). The loaders (checkpoint, model directory)
 are in ``moco_retrieval/model/loading.py``.
 """
