@@ -7,7 +7,8 @@
 
 Keys: MineConfig in config.py (``conf/mine.yaml``). Writes ``output`` (training JSONL with
 ``negatives`` and ``positive_score``) and ``<output stem>.stats.json`` (what each filter removed).
-Then train with ``data=jsonl data.train_path=OUTPUT data.eval_dir=DIR data.n_negatives=N``.
+Then train with ``data=jsonl data.train_path=OUTPUT data.eval_dir=DIR data.n_negatives=N``. An existing
+``output`` is refused unless ``overwrite=true``; an input (the training pairs, ...) is refused always.
 """
 from __future__ import annotations
 
