@@ -56,7 +56,7 @@ FRACTION = Range(0, 1)  # [0, 1]
 PROPER_FRACTION = Range(0, 1, hi_open=True)  # [0, 1)
 
 # text options, checked with the config (the modules that use them: objectives/queue.py, model/momentum.py,
-# lightning_module.py, Lightning's Trainer; tests/test_faults.py holds each list against its user)
+# lightning_module.py, Lightning's Trainer; tests/test_faults_inputs.py holds each list against its user)
 QUEUE_DTYPES = ("float32", "bfloat16", "float16")
 MOMENTUM_SCHEDULES = ("constant", "cosine")
 LR_SCHEDULES = ("linear", "cosine", "constant")
