@@ -555,6 +555,7 @@ def check_mine_outputs(cfg: Any) -> tuple[Path, Path]:
         raise ConfigError("output=FILE is required (the JSONL of pairs with mined negatives)")
     out = Path(cfg.output).expanduser()
     stats_file = Path(cfg.stats_path).expanduser() if cfg.stats_path else stats_path_for(out)
+    check_output(out, "output", True, {})  # (a directory: said before the inputs are listed, a Debian set built)
     inputs = mining_inputs(cfg)
     check_output(out, "output", bool(cfg.overwrite), inputs)
     check_output(stats_file, "stats_path", bool(cfg.overwrite), {**inputs, "output": [out]})

@@ -346,7 +346,8 @@ def test_export_overwrite_replaces_only_what_an_export_wrote(tmp_path):
 @pytest.mark.parametrize("overrides, says", [
     (["k=0", "query=x"], "k=0: must be >= 1"),
     (["k=-3", "query=x"], "k=-3: must be >= 1"),
-    (["query=   "], "query='   ': a blank query"),
+    (["query='   '"], "query='   ': a blank query"),
+    (["query="], "query='': a blank query"),  # (not a cue to read standard input)
     (["queries=[apt,' ']"], "queries[1]=' ': a blank query"),
     (["format=xml", "query=x"], "format='xml': expected one of text, json"),
 ])
