@@ -537,6 +537,9 @@ def mining_inputs(cfg: Any) -> dict[str, list[Path]]:
 
     data = cfg.data
     inputs = {f"data.{key}": files_under(getattr(data, key, None)) for key in ("train_path", "eval_dir", "dir", "debian_dir")}
+    for i, source in enumerate(getattr(data, "sources", None) or []):  # (several training sources, where configured)
+        for key in ("train_path", "dir"):
+            inputs[f"data.sources[{i}].{key}"] = files_under(getattr(source, key, None))
     if data.kind == "debian":
         from moco_retrieval.data.sources import debian_folder
 
