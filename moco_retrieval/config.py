@@ -6,6 +6,7 @@ ignored. Defaults below are the library defaults; ``conf/`` presets override the
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -64,6 +65,11 @@ PRECISIONS = ("auto", "32-true", "32", "bf16-mixed", "bf16", "16-mixed", "16", "
               "transformer-engine", "transformer-engine-float16")
 
 
+def field_names(schema: type) -> list[str]:
+    """The settings of a config dataclass (not its ClassVars: RANGES, CHOICES, SECTION)."""
+    return [f.name for f in dataclasses.fields(schema)]
+
+
 def _key(section: str, key: str) -> str:
     return f"{section}.{key}" if section else key
 
@@ -92,7 +98,7 @@ class RangeChecked:
     def check(cls, node: Any) -> None:
         """ConfigError naming the first key of ``node`` (this dataclass, or a node of its fields)
         whose value is out of its range, not one of its choices, or a non-finite float."""
-        for key in getattr(cls, "__dataclass_fields__", {}):
+        for key in field_names(cls):
             value = _value(node, key)
             if isinstance(value, float) and not math.isfinite(value):
                 within = f" {cls.RANGES[key]}" if key in cls.RANGES else ""
@@ -609,7 +615,7 @@ def check_known_keys(cfg: DictConfig, path: str = "") -> None:
     asking the schema (and turning the config into its dataclass then drops the key unread), so a
     ``+trainer.max_step=10`` or an ``evaluate +chekpoint=...`` would run as if never given."""
     schema = OmegaConf.get_type(cfg)
-    fields = getattr(schema, "__dataclass_fields__", None)
+    fields = field_names(schema) if dataclasses.is_dataclass(schema) else None
     for key in cfg:
         if fields is not None and key not in fields:
             raise unknown_key(f"{path}.{key}" if path else str(key), schema)
@@ -624,7 +630,7 @@ def unknown_key(full_key: str, schema: type) -> ConfigError:
     import difflib
 
     *parents, key = full_key.split(".")
-    fields = list(getattr(schema, "__dataclass_fields__", {}))
+    fields = field_names(schema)
     close = difflib.get_close_matches(key, fields, n=1)
     hint = f"; did you mean {'.'.join([*parents, close[0]])}?" if close else ""
     return ConfigError(f"{full_key}: unknown key ({schema.__name__} in moco_retrieval/config.py has no {key!r}; "
