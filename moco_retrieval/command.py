@@ -107,7 +107,7 @@ def composition_message(error: Exception) -> str:
     with its cause, less the schemas' internal names among a group's options."""
     cause = error.__cause__
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key and isinstance(cause.object_type, type):
-        return str(unknown_key(cause.full_key, cause.object_type))
+        return str(unknown_key(cause.full_key, cause.object_type, added=False))
     lines = str(error).splitlines()
     if isinstance(cause, OmegaConfBaseException):
         lines += str(cause).splitlines()

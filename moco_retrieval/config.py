@@ -624,17 +624,16 @@ def check_known_keys(cfg: DictConfig, path: str = "") -> None:
             check_known_keys(value, f"{path}.{key}" if path else str(key))
 
 
-def unknown_key(full_key: str, schema: type) -> ConfigError:
+def unknown_key(full_key: str, schema: type, added: bool = True) -> ConfigError:
     """The error for ``full_key`` (``trainer.max_step``), which the dataclass ``schema`` lacks: it
-    names the closest key the schema has."""
+    names the closest key the schema has. ``added``: given with a + (which Hydra suggests)."""
     import difflib
 
     *parents, key = full_key.split(".")
-    fields = field_names(schema)
-    close = difflib.get_close_matches(key, fields, n=1)
+    close = difflib.get_close_matches(key, field_names(schema), n=1)
     hint = f"; did you mean {'.'.join([*parents, close[0]])}?" if close else ""
-    return ConfigError(f"{full_key}: unknown key ({schema.__name__} in moco_retrieval/config.py has no {key!r}; "
-                       f"a + before a key does not add one){hint}")
+    plus = "; a + before a key does not add one" if added else ""
+    return ConfigError(f"{full_key}: unknown key ({schema.__name__} in moco_retrieval/config.py has no {key!r}{plus}){hint}")
 
 
 def cache_root() -> Path:
