@@ -216,6 +216,59 @@ CASES = [
          on_line=_stall_rank_1, notes="trainer=ddp without trainer.devices: torchrun's 2 processes are the devices"),
 ]
 
+# ---- issue 33, inputs and outputs: values, keys and composition refused when the config is read; what
+# mine, export and search refuse to write or answer (tests/test_faults_inputs.py asserts the same)
+
+TINY = ["model=tiny", "model.path={data}/tiny"]
+MINE_PAIRS = "".join(  # rows 0-8 of one group (3 other documents: ranks 0-2), the rest of their own
+    json.dumps({"query": f"query {i} about topic {i % 4}", "positive": f"document {i} on topic {i % 4}",
+                "doc_id": f"d{i}", "group": "g" if i < 9 else f"s{i}"}) + "\n" for i in range(12))
+MINE = [*TINY, "data=jsonl", "data.train_path={data}/train.jsonl", "progress=false"]
+
+
+def _user_folder(w: Work) -> None:
+    (w.data / "out").mkdir()
+    (w.data / "out" / "notes.txt").write_text("the user's")
+
+
+def _existing_output(w: Work) -> None:
+    _pairs(w, MINE_PAIRS)
+    (w.data / "mined.jsonl").write_text("an earlier output\n")
+
+
+INPUT_CASES = [
+    Case("lr_inf", "optim.lr=inf", train("optim.lr=inf")),
+    Case("temperature_inf", "objective.temperature=inf", train("objective.temperature=inf")),
+    Case("precision", "trainer.precision=17-bogus", train("trainer.precision=17-bogus")),
+    Case("devices", "trainer.devices=abc", train("trainer.devices=abc")),
+    Case("queue_dtype", "objective.queue_dtype=int8", train("objective.queue_dtype=int8")),
+    Case("schedule", "optim.schedule=bogus", train("optim.schedule=bogus")),
+    Case("momentum_schedule", "objective.momentum_schedule=bogus", train("objective.momentum_schedule=bogus")),
+    Case("queue_size", "objective.queue_size=1000000000000 (estimated before it is allocated)",
+         train("objective.queue_size=1000000000000")),
+    Case("plus_typo", "a typo added with a + (Hydra's hint): +trainer.max_step=10", train("+trainer.max_step=10")),
+    Case("evaluate_plus", "evaluate +chekpoint=... (would evaluate the untrained model)",
+         command("evaluate", *TINY, "data=beir", "data.dir={data}/beir", "+chekpoint={data}/model.ckpt"), _beir),
+    Case("group_option", "an unknown group option: objective=bogus", train("objective=bogus")),
+    Case("bad_syntax", "bad override syntax: export out_dir=[1,", command("export", "out_dir=[1,")),
+    Case("missing_key", "deleting a key that is not there: search ~model.nothing", command("search", "~model.nothing")),
+    Case("mine_over_input", "mine: output= the training pairs, with overwrite=true",
+         command("mine", *MINE, "output={data}/train.jsonl", "overwrite=true"), lambda w: _pairs(w, MINE_PAIRS)),
+    Case("mine_exists", "mine: output= an existing file", command("mine", *MINE, "output={data}/mined.jsonl"),
+         _existing_output),
+    Case("mine_dir", "mine: output= a directory", command("mine", *MINE, "output={data}"), lambda w: _pairs(w, MINE_PAIRS)),
+    Case("mine_dropped", "mine: 9 of 12 rows get no negative (ranks 5-10 of a group that leaves 3)",
+         command("mine", *MINE, "output={data}/mined.jsonl", "n_negatives=2", "range_min=5", "range_max=10",
+                 "relative_margin=null"), lambda w: _pairs(w, MINE_PAIRS)),
+    Case("export_exists", "export onto a non-empty folder", command("export", *TINY, "out_dir={data}/out"),
+         _user_folder),
+    Case("export_not_export", "export overwrite=true onto a folder that is not an export",
+         command("export", *TINY, "out_dir={data}/out", "overwrite=true"), _user_folder),
+    Case("search_k0", "search k=0", command("search", *TINY, "k=0", "query=apt", "corpus={data}/beir"), _beir),
+    Case("search_blank", "search: a blank query", command("search", *TINY, "query=' '", "corpus={data}/beir"), _beir),
+]
+ALL_CASES = CASES + INPUT_CASES
+
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1")
 OURS = re.compile(r"^(\w+: error:|  |\[moco_retrieval\]|Error |Could not|Key '|final validation|Restoring states)")
 
@@ -288,16 +341,20 @@ def write_table(rows: list[dict], out: Path) -> None:
         "which runs every case below as a subprocess (tiny models, the smoke experiment, planted files); rerun",
         "it after changing any of this. Paths: RUN is the run directory, DATA the folder of planted files.",
         "Status 2: a known error (data, config, checkpoint, model, run directory, disk), one message and no",
-        "traceback (`HYDRA_FULL_ERROR=1` shows it); 1: Hydra's own composition errors, and a stalled rank;",
+        "traceback (`HYDRA_FULL_ERROR=1` shows it), Hydra's own composition errors included; 1: a stalled rank;",
         "0: the run went on. Preemption (SIGTERM / SIGUSR1: exit 143 / 138 with checkpoints/last.ckpt, a",
         "bit-exact resume) is in tests/test_resume.py and tests/test_torchrun.py.",
         "",
         "| case | status | what the user sees | what is kept in RUN |",
         "|---|---|---|---|",
     ]
-    for r in rows:
-        note = f" ({r['notes']})" if r["notes"] else ""
-        lines.append(f"| {r['case']}{note} | {r['status']} | {r['sees']} | {r['kept']} |")
+    inputs = {c.key for c in INPUT_CASES}
+    lines += _rows(r for r in rows if r["key"] not in inputs)
+    lines += ["", "## Inputs and outputs (issue 33: values, keys, mine, export, search)", "",
+              "Checked when the config is read or before a model loads (tests/test_faults_inputs.py); mine, export and",
+              "search write into DATA (what is kept there is in the message: nothing of the user's is overwritten).", "",
+              "| case | status | what the user sees | what is kept in RUN |", "|---|---|---|---|"]
+    lines += _rows(r for r in rows if r["key"] in inputs)
     out.write_text("\n".join(lines) + "\n" + hand_written_blocks(out))
 
 
@@ -309,14 +366,19 @@ def hand_written_blocks(out: Path) -> str:
     return "".join(re.findall(r"\n<!-- begin:.*?<!-- end:[^\n]*-->\n", out.read_text(), flags=re.S))
 
 
+def _rows(rows) -> list[str]:
+    return [f"| {r['case']}{' (' + r['notes'] + ')' if r['notes'] else ''} | {r['status']} | {r['sees']} | {r['kept']} |"
+            for r in rows]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", help="comma-separated case keys: " + ",".join(c.key for c in CASES))
+    ap.add_argument("--only", help="comma-separated case keys: " + ",".join(c.key for c in ALL_CASES))
     ap.add_argument("--out", default=str(ROOT / "docs" / "faults.md"))
     args = ap.parse_args()
     set_locations()
     ENV.update({k: os.environ[k] for k in ("MOCO_RETRIEVAL_DEBIAN_DIR", "MOCO_RETRIEVAL_CACHE") if k in os.environ})
-    cases = [c for c in CASES if not args.only or c.key in args.only.split(",")]
+    cases = [c for c in ALL_CASES if not args.only or c.key in args.only.split(",")]
     rows = []
     with tempfile.TemporaryDirectory(prefix="faults-") as tmp:
         for case in cases:
@@ -327,7 +389,7 @@ def main() -> None:
     if args.only and record.exists():  # a partial rerun replaces its rows, keeps the others
         new = {r["key"]: r for r in rows}
         old = {r["key"]: r for r in json.loads(record.read_text())}
-        rows = [new.get(c.key) or old[c.key] for c in CASES if c.key in new or c.key in old]
+        rows = [new.get(c.key) or old[c.key] for c in ALL_CASES if c.key in new or c.key in old]
     write_table(rows, Path(args.out))
     record.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -6,6 +6,7 @@ ignored. Defaults below are the library defaults; ``conf/`` presets override the
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ class Range:
     hi_open: bool = False
 
     def holds(self, v: float) -> bool:
-        if isinstance(v, float) and math.isnan(v):
+        if isinstance(v, float) and not math.isfinite(v):  # nan, inf and -inf are never a setting
             return False
         lo_ok = self.lo is None or (v > self.lo if self.lo_open else v >= self.lo)
         hi_ok = self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
@@ -55,26 +56,77 @@ AT_LEAST_ONE = Range(1)
 FRACTION = Range(0, 1)  # [0, 1]
 PROPER_FRACTION = Range(0, 1, hi_open=True)  # [0, 1)
 
+# text options, checked with the config (the modules that use them: objectives/queue.py, model/momentum.py,
+# lightning_module.py, Lightning's Trainer; tests/test_faults_inputs.py holds each list against its user)
+QUEUE_DTYPES = ("float32", "bfloat16", "float16")
+MOMENTUM_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULES = ("linear", "cosine", "constant")
+PRECISIONS = ("auto", "32-true", "32", "bf16-mixed", "bf16", "16-mixed", "16", "bf16-true", "16-true", "64-true", "64",
+              "transformer-engine", "transformer-engine-float16")
+
+
+def field_names(schema: type) -> list[str]:
+    """The settings of a config dataclass (not its ClassVars: RANGES, CHOICES, SECTION)."""
+    return [f.name for f in dataclasses.fields(schema)]
+
+
+def _key(section: str, key: str) -> str:
+    return f"{section}.{key}" if section else key
+
+
+def _value(node: Any, key: str) -> Any:
+    """``node.key``; None when the node has no such key or its value is missing (``???``)."""
+    if isinstance(node, DictConfig):
+        return None if key not in node or OmegaConf.is_missing(node, key) else node[key]
+    return getattr(node, key, None)
+
 
 class RangeChecked:
-    """Mixin: ``__post_init__`` checks every field named in ``RANGES`` (None passes: unset).
-    ``SECTION`` is the key the dataclass sits under (``objective``, ``optim``, ...), for messages."""
+    """Mixin: ``__post_init__`` checks every field named in ``RANGES`` (None passes: unset), every
+    text field named in ``CHOICES`` (one of its values), and that no float field is nan or infinite.
+    ``SECTION`` is the key the dataclass sits under (``objective``, ``optim``, ...; "" at the top
+    level), for messages. :meth:`check` runs the same checks on a node read as is (a DictConfig)."""
 
     SECTION: ClassVar[str] = ""
     RANGES: ClassVar[dict[str, Range]] = {}
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     def __post_init__(self) -> None:
-        for key, valid in self.ranges().items():
-            value = getattr(self, key, None)
+        type(self).check(self)
+
+    @classmethod
+    def check(cls, node: Any) -> None:
+        """ConfigError naming the first key of ``node`` (this dataclass, or a node of its fields)
+        whose value is out of its range, not one of its choices, or a non-finite float."""
+        for key in field_names(cls):
+            value = _value(node, key)
+            if isinstance(value, float) and not math.isfinite(value):
+                within = f" {cls.ranges()[key]}" if key in cls.ranges() else ""
+                raise ConfigError(f"{_key(cls.SECTION, key)}={value}: must be a finite number{within}")
+        for key, valid in cls.ranges().items():
+            value = _value(node, key)
             if value is not None and not valid.holds(value):
-                raise ConfigError(f"{self.SECTION}.{key}={value}: must be {valid}")
+                raise ConfigError(f"{_key(cls.SECTION, key)}={value}: must be {valid}")
+        for key, allowed in cls.choices().items():
+            value = _value(node, key)
+            if value is not None and value not in allowed:
+                raise ConfigError(f"{_key(cls.SECTION, key)}={value!r}: expected one of {', '.join(allowed)}")
 
     @classmethod
     def ranges(cls) -> dict[str, Range]:
         """``RANGES`` of this class and of every class (option group) it is composed of."""
-        out: dict[str, Range] = {}
+        return cls._merged("RANGES")
+
+    @classmethod
+    def choices(cls) -> dict[str, tuple[str, ...]]:
+        """``CHOICES`` of this class and of every class (option group) it is composed of."""
+        return cls._merged("CHOICES")
+
+    @classmethod
+    def _merged(cls, table: str) -> dict:
+        out: dict = {}
         for base in reversed(cls.__mro__):
-            out.update(base.__dict__.get("RANGES", {}))
+            out.update(base.__dict__.get(table, {}))
         return out
 
 
@@ -168,6 +220,7 @@ class QueueOptions:
     batch_negatives: bool = True  # the other documents of the current batch are negatives too
 
     RANGES: ClassVar[dict[str, Range]] = {"queue_size": AT_LEAST_ONE}
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"queue_dtype": QUEUE_DTYPES}
 
 
 @dataclass
@@ -186,6 +239,7 @@ class MomentumOptions:
 
     RANGES: ClassVar[dict[str, Range]] = {"momentum": FRACTION, "queue_max_age": AT_LEAST_ONE,
                                           "queue_refresh": NON_NEGATIVE}
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"momentum_schedule": MOMENTUM_SCHEDULES}
 
 
 @dataclass
@@ -270,10 +324,11 @@ class OptimConfig(RangeChecked):
     RANGES: ClassVar[dict[str, Range]] = {
         "lr": POSITIVE, "weight_decay": NON_NEGATIVE, "warmup_steps": NON_NEGATIVE, "warmup_ratio": PROPER_FRACTION,
     }
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"schedule": LR_SCHEDULES}
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not all(PROPER_FRACTION.holds(b) for b in self.betas):
+        if not all(PROPER_FRACTION.holds(b) for b in self.betas):  # (holds: nan and inf never do)
             raise ConfigError(f"optim.betas={list(self.betas)}: must be two numbers in [0, 1)")
 
 
@@ -387,6 +442,36 @@ class TrainerConfig(RangeChecked):
         "gradient_clip_val": NON_NEGATIVE, "val_check_interval": AT_LEAST_ONE, "log_every_n_steps": AT_LEAST_ONE,
         "process_group_timeout": AT_LEAST_ONE, "keep_best_checkpoints": NON_NEGATIVE,
     }
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"precision": PRECISIONS}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not _valid_devices(self.devices):
+            raise ConfigError(
+                f"trainer.devices={self.devices!r}: expected a number of devices (1, 2, ...; -1: all), auto, "
+                "or the indices of the devices to use ([0, 1] or \"0,1\")"
+            )
+
+
+def _valid_devices(devices: Any) -> bool:
+    """What Lightning's Trainer takes as ``devices``: a count (-1: all), ``auto``, a list of indices
+    or a string of them ("2", "-1", "0,1")."""
+    if isinstance(devices, bool):
+        return False
+    if isinstance(devices, int):
+        return devices >= 1 or devices == -1
+    if isinstance(devices, (list, tuple)) or (hasattr(devices, "__iter__") and not isinstance(devices, str)):
+        items = list(devices)
+        return bool(items) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items)
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text == "auto":
+            return True
+        if text.lstrip("-").isdigit():
+            return _valid_devices(int(text))
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        return bool(parts) and all(p.isdigit() for p in parts)
+    return False
 
 
 @dataclass
@@ -459,7 +544,7 @@ class TrainConfig:
 
 
 @dataclass
-class MineConfig:
+class MineConfig(RangeChecked):
     """``python -m moco_retrieval.mine``: hard negatives for training pairs (see mining.py).
 
     The model is ``checkpoint`` (a training .ckpt), else ``model_dir`` (an exported directory, or
@@ -474,8 +559,9 @@ class MineConfig:
     checkpoint: Optional[str] = None
     model_dir: Optional[str] = None
     encoder: str = "query"  # query | key (a MoCo checkpoint's momentum key encoder)
-    output: str = MISSING  # JSONL of pairs with "negatives" and "positive_score"
+    output: str = MISSING  # JSONL of pairs with "negatives" and "positive_score"; never one of the inputs
     stats_path: Optional[str] = None  # default: <output without .jsonl>.stats.json
+    overwrite: bool = False  # replace an existing output / stats file (an input never)
     n_negatives: int = 8  # negatives written per query (fewer when fewer candidates pass)
     range_min: int = 0  # rank window, 0-based, inclusive, counted after dropping positives/groups
     range_max: int = 50
@@ -485,9 +571,15 @@ class MineConfig:
     drop_group: bool = True  # drop documents of the positive's group (False: only the positive itself)
     sampling: str = "top"  # top (best-ranked that pass) | random (uniform among those that pass, seeded)
     seed: int = 0
-    keep_empty: bool = False  # also write rows left without negatives
+    keep_empty: bool = False  # also write rows left without negatives (else left out, and counted in a warning)
     batch_size: int = 256  # encoding batch
     progress: bool = True
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "n_negatives": AT_LEAST_ONE, "range_min": NON_NEGATIVE, "range_max": NON_NEGATIVE, "margin": NON_NEGATIVE,
+        "relative_margin": PROPER_FRACTION, "batch_size": AT_LEAST_ONE,
+    }
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"sampling": ("top", "random"), "encoder": ("query", "key")}
 
 
 @dataclass
@@ -517,11 +609,11 @@ class ExportConfig:
     checkpoint: Optional[str] = None  # a training checkpoint (.ckpt)
     encoder: str = "query"  # query | key (the momentum key encoder of a MoCo checkpoint)
     out_dir: str = MISSING  # the model directory to write
-    overwrite: bool = False
+    overwrite: bool = False  # replace an earlier export in out_dir (only its files; a folder that is not one: refused)
 
 
 @dataclass
-class SearchConfig:
+class SearchConfig(RangeChecked):
     """``python -m moco_retrieval.search``: semantic search over a corpus (``conf/search.yaml``)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -543,6 +635,22 @@ class SearchConfig:
     batch_size: Optional[int] = None  # default: data.eval_batch_size
     device: str = "auto"
     progress: bool = True
+
+    RANGES: ClassVar[dict[str, Range]] = {"k": AT_LEAST_ONE, "max_chars": AT_LEAST_ONE, "batch_size": AT_LEAST_ONE}
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"format": ("text", "json")}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_queries(self)
+
+
+def check_queries(cfg: Any) -> None:
+    """ConfigError for a blank ``query`` or ``queries`` entry (it would return arbitrary hits)."""
+    given = ([("query", cfg.query)] if cfg.query is not None else []) + [
+        (f"queries[{i}]", q) for i, q in enumerate(cfg.queries)]
+    for key, text in given:
+        if not str(text).strip():
+            raise ConfigError(f"{key}={str(text)!r}: a blank query; expected the text to search for")
 
 
 def to_config(cls: type[T], node: Any) -> T:
@@ -575,6 +683,33 @@ def objective_config(node: Any) -> ObjectiveConfig:
     if name not in schemas:
         raise ConfigError(f"objective.name={name!r}: expected one of {', '.join(schemas)}")
     return to_config(schemas[name], node)
+
+
+def check_known_keys(cfg: DictConfig, path: str = "") -> None:
+    """ConfigError naming the first key of a composed config that its schema does not have, with the
+    closest key that it does have. Hydra's ``+key=value`` adds a key to a structured config without
+    asking the schema (and turning the config into its dataclass then drops the key unread), so a
+    ``+trainer.max_step=10`` or an ``evaluate +chekpoint=...`` would run as if never given."""
+    schema = OmegaConf.get_type(cfg)
+    fields = field_names(schema) if dataclasses.is_dataclass(schema) else None
+    for key in cfg:
+        if fields is not None and key not in fields:
+            raise unknown_key(f"{path}.{key}" if path else str(key), schema)
+    for key, value in cfg.items_ex(resolve=False):
+        if isinstance(value, DictConfig):
+            check_known_keys(value, f"{path}.{key}" if path else str(key))
+
+
+def unknown_key(full_key: str, schema: type, added: bool = True) -> ConfigError:
+    """The error for ``full_key`` (``trainer.max_step``), which the dataclass ``schema`` lacks: it
+    names the closest key the schema has. ``added``: given with a + (which Hydra suggests)."""
+    import difflib
+
+    *parents, key = full_key.split(".")
+    close = difflib.get_close_matches(key, field_names(schema), n=1)
+    hint = f"; did you mean {'.'.join([*parents, close[0]])}?" if close else ""
+    plus = "; a + before a key does not add one" if added else ""
+    return ConfigError(f"{full_key}: unknown key ({schema.__name__} in moco_retrieval/config.py has no {key!r}{plus}){hint}")
 
 
 def cache_root() -> Path:
@@ -638,5 +773,7 @@ __all__ = [
     "MISSING",
     "register_configs",
     "to_config",
+    "check_known_keys",
+    "unknown_key",
     "cache_root",
 ]

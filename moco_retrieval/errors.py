@@ -49,6 +49,10 @@ class MissingPackageError(UserError, ModuleNotFoundError):
     """An optional package the config asks for is not installed."""
 
 
+class OutputExistsError(UserError, FileExistsError):
+    """An output the command would write is there already, or is one of its inputs (names the key)."""
+
+
 def wrap_message(message: str, width: int = WIDTH) -> str:
     """Each line of ``message`` wrapped at ``width`` (paths and ids never broken)."""
     out = []
@@ -87,5 +91,5 @@ def reports_user_errors(command: str) -> Callable[[Callable[..., Any]], Callable
 
 
 __all__ = ["UserError", "ConfigError", "CheckpointError", "ModelLoadError", "ModelNotFoundError",
-           "MissingPackageError", "INTERRUPTED_STATUS", "USER_ERROR_STATUS",
+           "MissingPackageError", "OutputExistsError", "INTERRUPTED_STATUS", "USER_ERROR_STATUS", "report",
            "reports_user_errors", "wrap_message"]

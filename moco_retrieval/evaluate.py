@@ -23,13 +23,13 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
-import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from moco_retrieval.command import command
 from moco_retrieval.config import EvalConfig, ModelConfig, register_configs, to_config
-from moco_retrieval.errors import ConfigError, reports_user_errors
+from moco_retrieval.errors import ConfigError
 from moco_retrieval.model.loading import describe_spec, load_encoder
 
 register_configs()
@@ -128,8 +128,7 @@ def run_evaluate(cfg: Any, out_dir: str | Path) -> dict[str, Path]:
     return files
 
 
-@hydra.main(config_path="pkg://moco_retrieval.conf", config_name="evaluate", version_base="1.3")
-@reports_user_errors("evaluate")
+@command("evaluate")
 def main(cfg: DictConfig) -> None:
     missing = sorted(k for k in OmegaConf.missing_keys(cfg) if k != "data.train_path")  # not read here
     if missing:

@@ -24,6 +24,10 @@ tower, and ``evaluate`` / ``search model_dir=`` rebuild both.
 Supported: ``backbone_kind=transformer`` (fine-tuned or frozen backbone). A
 ``bag_of_wordpieces`` backbone is refused with an explanation.
 
+``out_dir`` must be missing or empty; ``overwrite=true`` replaces an earlier export there, removing
+only the entries its ``moco_retrieval.json`` lists (other files stay), and refuses a folder that is
+not an export. The export is written beside ``out_dir`` first and moved in when complete.
+
 Keys: ExportConfig in config.py (``conf/export.yaml``). The loaders (checkpoint, model directory)
 are in ``moco_retrieval/model/loading.py``.
 """
@@ -36,17 +40,22 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from moco_retrieval.command import command
 from moco_retrieval.config import register_configs
-from moco_retrieval.errors import ConfigError, reports_user_errors
+from moco_retrieval.errors import ConfigError, OutputExistsError
 from moco_retrieval.model.loading import META_FILE, load_encoder
 from moco_retrieval.model.momentum import ENCODERS
 
 register_configs()
-FORMAT_VERSION = 1  # of META_FILE
+FORMAT_VERSION = 1  # of META_FILE (since "files" was added, it lists the export's entries)
+# what exports wrote before META_FILE listed it: sentence-transformers' files and module folders, ours
+EXPORT_ENTRIES = ["1_Pooling", "2_Dense", "2_Normalize", "3_Dense", "3_Normalize", "4_Normalize", "README.md",
+                  "config.json", "config_sentence_transformers.json", "model.safetensors", "modules.json",
+                  "sentence_bert_config.json", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json",
+                  "vocab.txt", META_FILE]
 
 
 # --------------------------------------------------------------------------- export
@@ -62,19 +71,59 @@ def export_encoder(
 ) -> Path:
     """Write ``encoder``'s ``side`` tower (both towers, as a query / document ``Router``, when it
     has two) as a sentence-transformers directory (see the module docstring); returns the directory."""
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Normalize, Router
-
     if getattr(encoder, "backbone_kind", "transformer") != "transformer":
-        raise ValueError(
+        raise ConfigError(
             "export supports backbone_kind=transformer; a bag_of_wordpieces encoder has no transformer "
             "layers for sentence-transformers to run (evaluate and search use it directly from the checkpoint)"
         )
     out = Path(out_dir).expanduser()
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"out_dir={out_dir} exists and is not empty (set overwrite=true to replace it)")
-        shutil.rmtree(out)
+    replaced = earlier_export(out, overwrite)  # (refused here, before anything is written)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # written whole into a folder beside out_dir, then moved in: a failed export leaves out_dir as it was
+    with tempfile.TemporaryDirectory(prefix=".moco-export-", dir=out.parent) as staging:
+        written = _write_export(encoder, Path(staging), side, source)
+        out.mkdir(exist_ok=True)
+        for name in replaced:
+            _remove(out / name)
+        for name in written:
+            os.replace(Path(staging) / name, out / name)
+    _apply_umask([out, *(out / name for name in written)])
+    return out
+
+
+def earlier_export(out: Path, overwrite: bool) -> list[str]:
+    """The entries of ``out`` an export will replace: none for a missing or empty folder; with
+    ``overwrite``, those an earlier export wrote there (its META_FILE lists them). Refused
+    (OutputExistsError naming out_dir): a non-empty folder without ``overwrite``, a file, and a folder
+    that is not an export (nothing of the user's is deleted)."""
+    if out.exists() and not out.is_dir():
+        raise OutputExistsError(f"out_dir={out}: a file; expected a folder for the exported model")
+    if not out.exists() or not any(out.iterdir()):
+        return []
+    if not overwrite:
+        raise OutputExistsError(f"out_dir={out} exists and is not empty (overwrite=true replaces an earlier export "
+                                "there; or choose another out_dir)")
+    if not (out / META_FILE).is_file():
+        raise OutputExistsError(
+            f"out_dir={out} holds files but no {META_FILE}: not an export of this project, so overwrite=true "
+            "does not touch it (it replaces only what an export wrote). Choose another out_dir, or empty this one")
+    meta = json.loads((out / META_FILE).read_text(encoding="utf-8"))
+    listed = meta.get("files") or EXPORT_ENTRIES  # (an export from before the list: the names exports write)
+    return [name for name in listed if (out / name).exists() or (out / name).is_symlink()]
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def _write_export(encoder: Any, folder: Path, side: str, source: Optional[dict]) -> list[str]:
+    """The export's files in ``folder`` (META_FILE lists them, itself included); their names."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Router
+
     towers = {"query": encoder.tower_for("query"), "document": encoder.tower_for("doc")}
     if encoder.shared_tower:
         towers = {"": encoder.tower_for(side)}
@@ -87,7 +136,7 @@ def export_encoder(
         st = SentenceTransformer(modules=modules, device="cpu",
                                  similarity_fn_name="cosine" if encoder.normalize else "dot",
                                  prompts=prompts, default_prompt_name=default_prompt)
-        st.save(str(out))
+        st.save(str(folder))
     tower = towers["" if encoder.shared_tower else "query"]
     cfg = {
         "backbone_kind": "transformer",
@@ -99,13 +148,13 @@ def export_encoder(
         "doc_max_len": int(encoder.doc_max_len),
         "shared_tower": bool(encoder.shared_tower),
     }
-    meta = {"format_version": FORMAT_VERSION, "model": cfg, "side": side, "source": source or {},
+    files = sorted({p.name for p in folder.iterdir()} | {META_FILE})
+    meta = {"format_version": FORMAT_VERSION, "model": cfg, "side": side, "source": source or {}, "files": files,
             "prompts": encoder.prompts.to_dict()}
     if (source or {}).get("matryoshka_dims"):  # trained for these prefixes (SentenceTransformer(truncate_dim=d))
         meta["matryoshka_dims"] = list(source["matryoshka_dims"])
-    (out / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    _apply_umask(out)
-    return out
+    (folder / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return files
 
 
 def _tower_modules(encoder: Any, tower: Any, folder: Path) -> list[torch.nn.Module]:
@@ -131,14 +180,16 @@ def _tower_modules(encoder: Any, tower: Any, folder: Path) -> list[torch.nn.Modu
     return modules
 
 
-def _apply_umask(folder: Path) -> None:
-    """Ordinary permissions (0666 / 0777 less the umask) on everything written: some writers (the
-    safetensors file) create private 0600 files, which another user or a serving container cannot read."""
+def _apply_umask(paths: list[Path]) -> None:
+    """Ordinary permissions (0666 / 0777 less the umask) on what an export wrote (``paths`` and all
+    below them; nothing else in out_dir): some writers (the safetensors file) create private 0600
+    files, which another user or a serving container cannot read."""
     umask = os.umask(0o022)
     os.umask(umask)
-    for p in [folder, *folder.rglob("*")]:
-        if not p.is_symlink():
-            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
+    for top in paths:
+        for p in [top, *(top.rglob("*") if top.is_dir() and not top.is_symlink() else [])]:
+            if not p.is_symlink():
+                os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def write_model_card(out: Path, desc: dict, checkpoint: Optional[str], side: str, name: str) -> Path:
@@ -150,9 +201,9 @@ def write_model_card(out: Path, desc: dict, checkpoint: Optional[str], side: str
     if checkpoint and run_dir_of(checkpoint) is not None:
         metrics = validation_at(run_dir_of(checkpoint), int(desc.get("global_step", -1)), Path(checkpoint).name)
     model_cfg = json.loads((out / META_FILE).read_text(encoding="utf-8"))["model"]
-    card = out / "README.md"
+    card = out / "README.md"  # (an entry the export lists: sentence-transformers wrote its generic card there)
     card.write_text(model_card(desc, model_cfg, side, record, metrics, name), encoding="utf-8")
-    _apply_umask(out)
+    _apply_umask([card])
     return card
 
 
@@ -206,6 +257,7 @@ def run_export(cfg: Any) -> Path:
         raise ConfigError(f"encoder={cfg.encoder!r}: expected one of {ENCODERS}")
     if cfg.encoder == "key" and not cfg.checkpoint:
         raise ConfigError("encoder=key needs checkpoint=PATH (a base model has no key encoder)")
+    earlier_export(Path(cfg.out_dir).expanduser(), bool(cfg.overwrite))  # refused before the model loads
     enc, desc = load_encoder(checkpoint=cfg.checkpoint, model=cfg.model, encoder=cfg.encoder)
     side = "doc" if cfg.encoder == "key" else "query"
     out = export_encoder(enc, cfg.out_dir, side=side, source=desc, overwrite=bool(cfg.overwrite))
@@ -216,8 +268,7 @@ def run_export(cfg: Any) -> Path:
     return out
 
 
-@hydra.main(config_path="pkg://moco_retrieval.conf", config_name="export", version_base="1.3")
-@reports_user_errors("export")
+@command("export")
 def main(cfg: DictConfig) -> None:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:

@@ -7,18 +7,19 @@
 
 Keys: MineConfig in config.py (``conf/mine.yaml``). Writes ``output`` (training JSONL with
 ``negatives`` and ``positive_score``) and ``<output stem>.stats.json`` (what each filter removed).
-Then train with ``data=jsonl data.train_path=OUTPUT data.eval_dir=DIR data.n_negatives=N``.
+Then train with ``data=jsonl data.train_path=OUTPUT data.eval_dir=DIR data.n_negatives=N``. An existing
+``output`` is refused unless ``overwrite=true``; an input (the training pairs, ...) is refused always.
 """
 from __future__ import annotations
 
 import logging
 import warnings
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from moco_retrieval.command import command
 from moco_retrieval.config import register_configs
-from moco_retrieval.errors import ConfigError, reports_user_errors
+from moco_retrieval.errors import ConfigError
 
 register_configs()
 logging.getLogger("faiss.loader").setLevel(logging.WARNING)
@@ -35,8 +36,7 @@ def to_mine_config(cfg: DictConfig):
     return OmegaConf.to_object(cfg)
 
 
-@hydra.main(config_path="pkg://moco_retrieval.conf", config_name="mine", version_base="1.3")
-@reports_user_errors("mine")
+@command("mine")
 def main(cfg: DictConfig) -> None:
     from moco_retrieval.mining import run_mine
 

@@ -38,9 +38,16 @@ that are *not* known to be relevant become its hard negatives:
 The output is the training JSONL of :mod:`moco_retrieval.data.formats` (read by
 ``read_pairs_jsonl``; train with ``data=jsonl data.train_path=OUT data.n_negatives=N``): each row
 keeps its query, positive, ids and group, gains ``positive_score`` and ``negatives`` (``doc_id``,
-``text``, ``score``, ``group`` when known, and ``rank``), replacing any negatives it had. Rows left
-without a negative are not written unless ``keep_empty`` (training with ``n_negatives`` refuses
-them). The statistics go to ``<output stem>.stats.json`` and to stdout.
+``text``, ``score``, ``group`` when known, and ``rank``), replacing any negatives it had; ids and
+groups are written as the data gave them (a string ``"d9"`` stays ``"d9"``). Rows left without a
+negative are not written unless ``keep_empty`` (training with ``n_negatives`` refuses them); a
+warning says how many, what removed their candidates, and the printed training command says what
+part of the pairs it trains on. The statistics go to ``<output stem>.stats.json`` and to stdout.
+
+The output is refused before anything is read when it is a directory, exists (unless
+``overwrite=true``) or is one of the command's inputs (the training pairs, the evaluation or BEIR
+folder's files, the checkpoint, the model folders; ``overwrite=true`` or not: outputs.py), and it is
+written atomically (a temporary file renamed over it once complete).
 """
 from __future__ import annotations
 
@@ -48,7 +55,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -56,6 +63,7 @@ import numpy as np
 
 from moco_retrieval.data.formats import Negative, Pair, pair_to_json, write_jsonl
 from moco_retrieval.data.ids import NO_GROUP, normalize_text
+from moco_retrieval.errors import ConfigError
 
 SAMPLINGS = ("top", "random")
 REMOVAL_REASONS = ("positive", "group", "rank_window", "margin", "relative_margin", "max_score")
@@ -77,15 +85,19 @@ class MiningFilters:
     drop_group: bool = True
 
     def check(self) -> "MiningFilters":
+        for name in SCORE_FILTERS:
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ConfigError(f"{name}={value}: expected a finite number (or null: no such filter)")
         if self.range_min < 0 or self.range_max < self.range_min:
-            raise ValueError(
+            raise ConfigError(
                 f"rank window [range_min={self.range_min}, range_max={self.range_max}]: expected "
                 "0 <= range_min <= range_max"
             )
         if self.margin is not None and self.margin < 0:
-            raise ValueError(f"margin={self.margin}: expected >= 0 (or null for no absolute margin)")
+            raise ConfigError(f"margin={self.margin}: expected >= 0 (or null for no absolute margin)")
         if self.relative_margin is not None and not 0 <= self.relative_margin < 1:
-            raise ValueError(f"relative_margin={self.relative_margin}: expected 0 <= r < 1 (or null)")
+            raise ConfigError(f"relative_margin={self.relative_margin}: expected 0 <= r < 1 (or null)")
         return self
 
     def score_rejects(self, score: float, pos_score: float) -> Optional[str]:
@@ -110,6 +122,15 @@ class Candidate:
     doc: int  # corpus position
     score: float
     rank: int  # 0-based rank after removing positives and their groups
+
+
+def add_counts(total: dict[str, Any], part: dict[str, Any]) -> None:
+    """``total += part``, key by key (nested dicts of counts, as :func:`new_counts` makes)."""
+    for key, value in part.items():
+        if isinstance(value, dict):
+            add_counts(total[key], value)
+        else:
+            total[key] += value
 
 
 def new_counts() -> dict[str, Any]:
@@ -199,9 +220,16 @@ class Corpus:
     row_doc: list[int]  # corpus position of each pair's positive
     row_positives: list[set[int]]  # corpus positions of every positive of each pair's query
     row_groups: list[set[int]]  # groups (>= 0) of those positives
+    given_doc_ids: list[Any] = field(default_factory=list)  # each document's id and group as the data gave them
+    given_groups: list[Any] = field(default_factory=list)  # (None: not given), written as such into negatives
 
     def __len__(self) -> int:
         return len(self.doc_ids)
+
+    def negative(self, c: "Candidate") -> Negative:
+        j = c.doc
+        return Negative(doc_id=self.doc_ids[j], text=self.texts[j], score=round(c.score, 6), group=self.groups[j],
+                        given_doc_id=self.given_doc_ids[j], given_group=self.given_groups[j])
 
 
 def build_corpus(pairs: Sequence[Pair]) -> Corpus:
@@ -211,6 +239,8 @@ def build_corpus(pairs: Sequence[Pair]) -> Corpus:
     texts: list[str] = []
     groups: list[int] = []
     row_doc: list[int] = []
+    given_ids: list[Any] = []
+    given_groups: list[Any] = []
     for p in pairs:
         j = pos_of.get(p.doc_id)
         if j is None:
@@ -218,8 +248,11 @@ def build_corpus(pairs: Sequence[Pair]) -> Corpus:
             doc_ids.append(int(p.doc_id))
             texts.append(p.positive)
             groups.append(int(p.group))
+            given_ids.append(p.given_doc_id)
+            given_groups.append(p.given_group)
         elif groups[j] == NO_GROUP and p.group != NO_GROUP:
             groups[j] = int(p.group)
+            given_groups[j] = p.given_group
         row_doc.append(j)
     by_query: dict[str, set[int]] = {}
     for p, j in zip(pairs, row_doc):
@@ -232,7 +265,7 @@ def build_corpus(pairs: Sequence[Pair]) -> Corpus:
         if p.group != NO_GROUP:
             g.add(int(p.group))
         row_groups.append(g)
-    return Corpus(doc_ids, texts, groups, row_doc, row_positives, row_groups)
+    return Corpus(doc_ids, texts, groups, row_doc, row_positives, row_groups, given_ids, given_groups)
 
 
 # ------------------------------------------------------------------------------------ mining
@@ -336,6 +369,7 @@ def mine_from_embeddings(
 
     t0 = time.perf_counter()
     counts = new_counts()
+    empty_removed = {"considered": 0, **{r: 0 for r in REMOVAL_REASONS}}
     out_pairs: list[Pair] = []
     out_ranks: list[list[int]] = []
     n_hist = {"full": 0, "short": 0, "empty": 0}
@@ -348,20 +382,22 @@ def mine_from_embeddings(
     for i, p in enumerate(pairs):
         pos_score = float(q_emb[i] @ d_emb[corpus.row_doc[i]])
         sc, ix = results[i]
+        row_counts = new_counts()
         passing = filter_candidates(
-            ix.tolist(), sc.tolist(), pos_score, corpus.row_positives[i], corpus.row_groups[i], corpus.groups, filters, counts
+            ix.tolist(), sc.tolist(), pos_score, corpus.row_positives[i], corpus.row_groups[i], corpus.groups, filters,
+            row_counts,
         )
+        add_counts(counts, row_counts)
+        if not passing:  # why this row gets no negative: what removed its candidates
+            add_counts(empty_removed, row_counts["removed"])
+            empty_removed["considered"] += row_counts["considered"]
         chosen = sample_candidates(passing, n_negatives, sampling, seed, i)
         counts["not_sampled"] += len(passing) - len(chosen)
         counts["kept"] += len(chosen)
         n_hist["full" if len(chosen) >= n_negatives else "short" if chosen else "empty"] += 1
         pos_scores.append(pos_score)
-        if chosen or keep_empty:
-            negs = [Negative(doc_id=corpus.doc_ids[c.doc], text=corpus.texts[c.doc], score=round(c.score, 6), group=corpus.groups[c.doc]) for c in chosen]
-            out_pairs.append(
-                Pair(query=p.query, positive=p.positive, doc_id=p.doc_id, group=p.group, query_id=p.query_id,
-                     negatives=negs, positive_score=round(pos_score, 6))
-            )
+        if chosen or keep_empty:  # (replace: the pair's ids stay as the data gave them)
+            out_pairs.append(replace(p, negatives=[corpus.negative(c) for c in chosen], positive_score=round(pos_score, 6)))
             out_ranks.append([c.rank for c in chosen])
             neg_scores.extend(c.score for c in chosen)
             neg_ranks.extend(c.rank for c in chosen)
@@ -382,6 +418,8 @@ def mine_from_embeddings(
         "queries_with_n_negatives": n_hist["full"],
         "queries_with_fewer": n_hist["short"],
         "queries_without_negatives": n_hist["empty"],
+        # the rows without a negative: how many candidates they had, and what removed them
+        "candidates_of_queries_without_negatives": empty_removed,
         "rows_written": len(out_pairs),
         "negatives_written": counts["kept"],
         "mean_positive_score": _mean(pos_scores),
@@ -493,18 +531,91 @@ def eval_dir_of(data_cfg: Any) -> str:
     return str(getattr(data_cfg, "eval_dir", None) or "DIR")
 
 
+def mining_inputs(cfg: Any) -> dict[str, list[Path]]:
+    """What ``mine`` reads, by the key that names it: the output is never one of these files."""
+    from moco_retrieval.outputs import files_under
+
+    data = cfg.data
+    inputs = {f"data.{key}": files_under(getattr(data, key, None)) for key in ("train_path", "eval_dir", "dir", "debian_dir")}
+    for i, source in enumerate(getattr(data, "sources", None) or []):  # (several training sources, where configured)
+        for key in ("train_path", "dir"):
+            inputs[f"data.sources[{i}].{key}"] = files_under(getattr(source, key, None))
+    if data.kind == "debian":
+        from moco_retrieval.data.sources import debian_folder
+
+        inputs["the built Debian data set"] = files_under(debian_folder(data))
+    inputs.update({key: files_under(getattr(cfg, key, None)) for key in ("checkpoint", "model_dir")})
+    inputs["model.path"] = files_under(getattr(cfg.model, "path", None))
+    return inputs
+
+
+def check_mine_outputs(cfg: Any) -> tuple[Path, Path]:
+    """``(output, stats file)``, refused (one message naming the key) before anything is read when
+    either is a directory, there already without ``overwrite``, or an input (see outputs.py)."""
+    from moco_retrieval.outputs import check_output
+
+    if not cfg.output:
+        raise ConfigError("output=FILE is required (the JSONL of pairs with mined negatives)")
+    out = Path(cfg.output).expanduser()
+    stats_file = Path(cfg.stats_path).expanduser() if cfg.stats_path else stats_path_for(out)
+    check_output(out, "output", True, {})  # (a directory: said before the inputs are listed, a Debian set built)
+    inputs = mining_inputs(cfg)
+    check_output(out, "output", bool(cfg.overwrite), inputs)
+    check_output(stats_file, "stats_path", bool(cfg.overwrite), {**inputs, "output": [out]})
+    return out, stats_file
+
+
+def dropped_rows_warning(stats: dict, out: Path, keep_empty: bool) -> Optional[str]:
+    """What a user must know before training on ``out`` when rows got no negative: how many, why,
+    and what is in the file (None: every row got one)."""
+    n, total = stats["queries_without_negatives"], stats["queries"]
+    if not n:
+        return None
+    why = stats["candidates_of_queries_without_negatives"]
+    removed = sorted(((why[r], r) for r in REMOVAL_REASONS if why[r]), reverse=True)
+    reasons = ", ".join(f"{r} {k:,}" for k, r in removed) or "none: the corpus has no other document"
+    lines = [f"[moco_retrieval] warning: {n:,} of {total:,} training pairs ({100 * n / total:.1f}%) got no hard "
+             f"negative: the filters removed every candidate they had ({why['considered']:,} candidates; removed "
+             f"by {reasons})."]
+    if keep_empty:
+        lines.append(f"They are in {out} without negatives (keep_empty=true); training with data.n_negatives "
+                     "refuses such rows.")
+    else:
+        written = stats["rows_written"]
+        lines.append(f"They are left out: {out} holds {written:,} rows, {100 * written / total:.1f}% of the pairs. "
+                     "keep_empty=true writes them too, without negatives.")
+    lines.append("A weak model scores unrelated documents close to the positive: looser filters "
+                 "(relative_margin=null, margin=null, range_min=0, a larger range_max) or a trained model "
+                 "(checkpoint=...) leave more.")
+    return " ".join(lines)
+
+
+def next_command(stats: dict, out: Path, cfg: Any) -> str:
+    """The training command for ``out``, saying what part of the pairs it trains on."""
+    command = (f"data=jsonl data.train_path={out} data.eval_dir={eval_dir_of(cfg.data)} "
+               f"data.n_negatives={cfg.n_negatives}")
+    with_negatives, total = stats["queries"] - stats["queries_without_negatives"], stats["queries"]
+    if with_negatives == total:
+        return f"train with: {command}"
+    if cfg.keep_empty:
+        return (f"train with (data.n_negatives refuses the {total - with_negatives:,} rows written without negatives; "
+                f"keep_empty=false leaves them out): {command}")
+    return (f"train with (on {with_negatives:,} of your {total:,} training pairs, {100 * with_negatives / total:.1f}%: "
+            f"only the rows that got negatives): {command}")
+
+
 def run_mine(cfg: Any) -> MiningResult:
     """``python -m moco_retrieval.mine``: load the model and pairs, mine, write JSONL and stats."""
     from moco_retrieval.model.loading import load_encoder
+    from moco_retrieval.outputs import atomic_write
 
-    if not cfg.output:
-        raise SystemExit("output=FILE is required (the JSONL of pairs with mined negatives)")
+    out, stats_file = check_mine_outputs(cfg)
     filters = MiningFilters(
         range_min=cfg.range_min, range_max=cfg.range_max, margin=cfg.margin, relative_margin=cfg.relative_margin,
         max_score=cfg.max_score, drop_group=cfg.drop_group,
     ).check()
     if cfg.sampling not in SAMPLINGS:
-        raise SystemExit(f"sampling={cfg.sampling!r}: expected one of {SAMPLINGS}")
+        raise ConfigError(f"sampling={cfg.sampling!r}: expected one of {', '.join(SAMPLINGS)}")
     pairs = load_training_pairs(cfg.data)
     encoder, desc = load_encoder(checkpoint=cfg.checkpoint, model_dir=cfg.model_dir, model=cfg.model, encoder=cfg.encoder,
                                  prompts=cfg.data.prompts)
@@ -524,15 +635,19 @@ def run_mine(cfg: Any) -> MiningResult:
         keep_empty=cfg.keep_empty, index_cfg=cfg.eval, batch_size=cfg.batch_size, progress=cfg.progress,
     )
     result.stats["model"] = desc
-    out = Path(cfg.output).expanduser()
-    write_mined(out, result)
-    stats_file = Path(cfg.stats_path).expanduser() if cfg.stats_path else stats_path_for(out)
     result.stats["output"] = str(out)
-    stats_file.write_text(json.dumps(result.stats, indent=2, default=str) + "\n", encoding="utf-8")
+    with atomic_write(out) as tmp:
+        write_mined(tmp, result)
+    with atomic_write(stats_file) as tmp:
+        tmp.write_text(json.dumps(result.stats, indent=2, default=str) + "\n", encoding="utf-8")
     print(format_stats(result.stats))
     print(f"wrote {out} and {stats_file}")
-    print(f"train with: data=jsonl data.train_path={out} data.eval_dir={eval_dir_of(cfg.data)} "
-          f"data.n_negatives={cfg.n_negatives}")
+    warning = dropped_rows_warning(result.stats, out, bool(cfg.keep_empty))
+    if warning:
+        from moco_retrieval.errors import wrap_message
+
+        print(wrap_message(warning), file=sys.stderr, flush=True)
+    print(next_command(result.stats, out, cfg))
     return result
 
 
@@ -551,5 +666,7 @@ __all__ = [
     "stats_path_for",
     "format_stats",
     "load_training_pairs",
+    "check_mine_outputs",
+    "dropped_rows_warning",
     "run_mine",
 ]

@@ -29,12 +29,11 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-import hydra
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from moco_retrieval.config import EvalConfig, ModelConfig, cache_root, register_configs, to_config
-from moco_retrieval.errors import ConfigError, reports_user_errors
+from moco_retrieval.command import command
+from moco_retrieval.config import EvalConfig, ModelConfig, SearchConfig, cache_root, check_queries, register_configs, to_config
 from moco_retrieval.model.loading import load_encoder
 
 register_configs()
@@ -207,8 +206,8 @@ def run_search(cfg: Any, out=None) -> list[dict]:
     from moco_retrieval.evaluation.encode import encode_texts
 
     out = out or sys.stdout
-    if cfg.format not in ("text", "json"):
-        raise ConfigError(f"format={cfg.format!r}: expected text or json")
+    SearchConfig.check(cfg)  # (read as is, a DictConfig: the dataclass's checks by hand) k, format, ...
+    check_queries(cfg)
     eval_cfg = to_config(EvalConfig, cfg.eval)
     corpus, corpus_desc = load_corpus(cfg.corpus, cfg.data)
     enc, desc = load_encoder(checkpoint=cfg.checkpoint, model_dir=cfg.model_dir, model=cfg.model, encoder=cfg.encoder,
@@ -242,8 +241,7 @@ def run_search(cfg: Any, out=None) -> list[dict]:
     return answers
 
 
-@hydra.main(config_path="pkg://moco_retrieval.conf", config_name="search", version_base="1.3")
-@reports_user_errors("search")
+@command("search")
 def main(cfg: DictConfig) -> None:
     run_search(cfg)
 

@@ -29,7 +29,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
-import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -43,12 +42,12 @@ from moco_retrieval.checkpointing import (LAST, AtomicCheckpointIO, RebaseCheckp
                                           read_checkpoint, remove_best_after, remove_stale_temporaries, resolve_ckpt_path,
                                           set_aside_unreadable)
 from moco_retrieval.cluster import is_rank_zero, on_slurm, torchrun_devices
+from moco_retrieval.command import command
 from moco_retrieval.config import TrainConfig, TrainerConfig, register_configs
 from moco_retrieval.data.datamodule import RetrievalDataModule
 from moco_retrieval.data.multisource import source_prompts
 from moco_retrieval.data.prompts import apply_by_row, by_row, to_prompts
 from moco_retrieval.data.sampler import source_of
-from moco_retrieval.errors import reports_user_errors
 from moco_retrieval.finite_guard import FiniteGuard
 from moco_retrieval.evaluation.callback import ValidationReport
 from moco_retrieval.lightning_module import RetrievalModule
@@ -275,14 +274,13 @@ def resume_command(run_dir: Path) -> str:
     keep = [o for o in given if o.split("=", 1)[0].lstrip("+~") != "ckpt_path"]
     if not any(o.split("=", 1)[0].lstrip("+~") == "run_dir" for o in keep):
         keep.append(f"run_dir={run_dir.resolve()}")
-    command = shlex.join([*keep, "ckpt_path=last"])
+    args = shlex.join([*keep, "ckpt_path=last"])
     if torchrun_devices() is not None:
-        return f"the same torchrun launch with the arguments {command}"
-    return f"python -m moco_retrieval.train {command}"
+        return f"the same torchrun launch with the arguments {args}"
+    return f"python -m moco_retrieval.train {args}"
 
 
-@hydra.main(config_path="pkg://moco_retrieval.conf", config_name="train", version_base="1.3")
-@reports_user_errors("train")
+@command("train")
 def main(cfg: DictConfig) -> None:
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir)
     with sigterm_exit_status():  # a SIGTERM Lightning handles itself exits 143 too, not 0

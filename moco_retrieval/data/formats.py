@@ -9,8 +9,8 @@ JSONL pairs (:func:`read_pairs_jsonl`), one JSON object a line (blank lines are 
 * ``query``, ``positive``: non-empty strings, required.
 * ``query_id``: string (or integer, kept as its decimal string), optional.
 * ``doc_id``: id of the positive, optional. A string is hashed with :func:`ids.stable_id`; a
-  non-negative integer below 2**63 is used as is (what :func:`write_pairs_jsonl` writes, so a
-  round trip keeps ids). Without it the id is ``doc_id_for_text(positive)``: the same text always
+  non-negative integer below 2**63 is used as is. :func:`write_pairs_jsonl` writes ids (and groups)
+  as they were given (``"d9"`` stays ``"d9"``; a derived id as its integer), so a round trip keeps them. Without it the id is ``doc_id_for_text(positive)``: the same text always
   has the same id.
 * ``group``: group of the positive (e.g. its source), optional: a string (hashed) or an integer
   (``-1`` = none). Documents of one group are each other's false negatives.
@@ -60,6 +60,10 @@ class Negative:
     text: str
     score: Optional[float] = None
     group: int = NO_GROUP
+    # the ids as the data gave them (a string or an integer; None: not given), which pair_to_json writes
+    # back unchanged: a user's "d9" stays "d9" (doc_id and group are their hashes, see the module docstring)
+    given_doc_id: Any = field(default=None, compare=False)
+    given_group: Any = field(default=None, compare=False)
 
 
 @dataclass
@@ -71,6 +75,8 @@ class Pair:
     query_id: Optional[str] = None
     negatives: list[Negative] = field(default_factory=list)
     positive_score: Optional[float] = None
+    given_doc_id: Any = field(default=None, compare=False)  # as in Negative
+    given_group: Any = field(default=None, compare=False)
 
 
 @dataclass
@@ -209,7 +215,8 @@ def _parse_negatives(v: Any, path: PathLike, line: int) -> list[Negative]:
                 if item.get("group") is not None
                 else NO_GROUP
             )
-            out.append(Negative(doc_id=did, text=text, score=_opt_number(item, "score", path, line), group=grp))
+            out.append(Negative(doc_id=did, text=text, score=_opt_number(item, "score", path, line), group=grp,
+                                given_doc_id=item.get("doc_id"), given_group=item.get("group")))
         else:
             raise _error(path, line, f"{key} must be a string or an object with 'text', got {_type_name(item)}")
     return out
@@ -234,6 +241,8 @@ def pair_from_json(obj: dict, path: PathLike = "<pairs>", line: int = 0) -> Pair
         query_id=_id_str(obj, "query_id", path, line, required=False),
         negatives=negatives,
         positive_score=_opt_number(obj, "positive_score", path, line),
+        given_doc_id=obj.get("doc_id"),
+        given_group=obj.get("group"),
     )
 
 
@@ -263,10 +272,15 @@ def read_pairs_jsonl_located(path: PathLike) -> list[tuple[int, Pair]]:
     return out
 
 
+def _given(given: Any, hashed: int) -> Any:
+    """An id as the data gave it, else its integer (both read back to the same id)."""
+    return given if given is not None else int(hashed)
+
+
 def pair_to_json(pair: Pair) -> dict:
-    obj: dict[str, Any] = {"query": pair.query, "positive": pair.positive, "doc_id": int(pair.doc_id)}
+    obj: dict[str, Any] = {"query": pair.query, "positive": pair.positive, "doc_id": _given(pair.given_doc_id, pair.doc_id)}
     if pair.group != NO_GROUP:
-        obj["group"] = int(pair.group)
+        obj["group"] = _given(pair.given_group, pair.group)
     if pair.query_id is not None:
         obj["query_id"] = pair.query_id
     if pair.positive_score is not None:
@@ -274,11 +288,11 @@ def pair_to_json(pair: Pair) -> dict:
     if pair.negatives:
         negs = []
         for n in pair.negatives:
-            d: dict[str, Any] = {"doc_id": int(n.doc_id), "text": n.text}
+            d: dict[str, Any] = {"doc_id": _given(n.given_doc_id, n.doc_id), "text": n.text}
             if n.score is not None:
                 d["score"] = n.score
             if n.group != NO_GROUP:
-                d["group"] = int(n.group)
+                d["group"] = _given(n.given_group, n.group)
             negs.append(d)
         obj["negatives"] = negs
     return obj
@@ -296,7 +310,7 @@ def write_jsonl(path: PathLike, records: Iterable[dict]) -> int:
 
 
 def write_pairs_jsonl(path: PathLike, pairs: Iterable[Pair]) -> int:
-    """Write pairs so that :func:`read_pairs_jsonl` gives them back equal (ids as integers)."""
+    """Write pairs so that :func:`read_pairs_jsonl` gives them back equal (ids as given, else as integers)."""
     return write_jsonl(path, (pair_to_json(p) for p in pairs))
 
 
@@ -461,6 +475,7 @@ def beir_train_pairs(evalset: EvalSet) -> list[Pair]:
                         doc_id=stable_id(did),
                         group=groups.get(did, NO_GROUP),
                         query_id=qid,
+                        given_doc_id=did,
                     )
                 )
     return pairs

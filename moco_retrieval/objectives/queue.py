@@ -24,14 +24,59 @@ identical queue.
 """
 from __future__ import annotations
 
+import os
 from collections import deque
 
 import torch
 from torch import Tensor, nn
 
 from moco_retrieval.distributed import all_gather_no_grad
+from moco_retrieval.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SLOT_METADATA_BYTES = 3 * 8  # id, group and step of each slot (int64)
+
+
+def queue_bytes(size: int, dim: int, dtype: str) -> int:
+    """The memory a queue of ``size`` keys of dimension ``dim`` takes (keys and their slots' metadata)."""
+    return size * (dim * DTYPES[dtype].itemsize + SLOT_METADATA_BYTES)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this machine can still give (Linux's MemAvailable; else free pages; None: unknown)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_queue_fits(size: int, dim: int, dtype: str, available: int | None = None) -> None:
+    """ConfigError naming objective.queue_size when the queue cannot fit in the memory available
+    (checked before allocating it: an allocation that large fails with a traceback, or not at all
+    until the machine swaps)."""
+    need = queue_bytes(size, dim, dtype)
+    available = available_memory() if available is None else available
+    if available is not None and need > available:
+        raise ConfigError(
+            f"objective.queue_size={size:,}: the queue needs {need:,} bytes ({_human(need)}: {size:,} keys x "
+            f"({dim} x {DTYPES[dtype].itemsize} bytes of {dtype} + {SLOT_METADATA_BYTES} bytes of id, group and step)), "
+            f"more than the {_human(available)} of memory available; lower objective.queue_size "
+            "(objective.queue_dtype=bfloat16 halves the keys)")
+
+
+def _human(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:,.1f} {unit}" if unit != "bytes" else f"{int(n)} bytes"
+        n /= 1000
+    return f"{n:.1f} PB"
 
 
 class NegativeQueue(nn.Module):
@@ -57,6 +102,7 @@ class NegativeQueue(nn.Module):
             raise ValueError(f"objective.queue_max_age must be > 0 (or null: no bound), got {max_age}")
         if dtype not in DTYPES:
             raise ValueError(f"objective.queue_dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        check_queue_fits(size, dim, dtype)
         self.size, self.dim, self.logits_chunk, self.max_age = size, dim, logits_chunk, max_age
         self.register_buffer("queue_keys", torch.zeros(size, dim, dtype=DTYPES[dtype]))
         self.register_buffer("queue_ids", torch.full((size,), -1, dtype=torch.long))
