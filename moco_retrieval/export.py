@@ -19,8 +19,12 @@ plain ``encode`` stays the document side) and are recorded in ``moco_retrieval.j
 (``model.shared_tower=false``) the query tower (or, for ``encoder=key``, the key encoder's
 document tower) is exported: a single tower serves both sides in sentence-transformers.
 
-Supported: ``backbone_kind=transformer`` (fine-tuned or frozen backbone). A
-``bag_of_wordpieces`` backbone is refused with an explanation.
+Supported: ``backbone_kind=transformer`` (fine-tuned, frozen or LoRA backbone). A
+``bag_of_wordpieces`` backbone is refused with an explanation. LoRA adapters are merged into the
+exported backbone (a plain Hugging Face model); ``adapter_only=true`` writes the adapter alone
+(peft's files and the tokenizer: ``PeftModel.from_pretrained(base, DIR)``). ``pooling=last``
+(decoder backbones) is sentence-transformers' ``lasttoken``; the saved tokenizer appends the
+end-of-text token as in training.
 
 Keys: ExportConfig in config.py (``conf/export.yaml``). The loaders (checkpoint, model directory)
 are in ``moco_retrieval/model/loading.py``.
@@ -41,10 +45,12 @@ from omegaconf import DictConfig, OmegaConf
 from moco_retrieval.config import register_configs
 from moco_retrieval.errors import ConfigError, reports_user_errors
 from moco_retrieval.model.loading import META_FILE, load_encoder
+from moco_retrieval.model.lora import merged_backbone, save_adapter
 from moco_retrieval.model.momentum import ENCODERS
 
 register_configs()
 FORMAT_VERSION = 1  # of META_FILE
+ST_POOLING = {"mean": "mean", "cls": "cls", "last": "lasttoken"}  # our model.pooling -> sentence-transformers'
 
 
 # --------------------------------------------------------------------------- export
@@ -76,7 +82,7 @@ def export_encoder(
     tower = encoder.tower_for(side)
     with tempfile.TemporaryDirectory(prefix="moco-export-") as tmp:
         tmp_dir = Path(tmp)
-        _save_backbone(tower.backbone, tmp_dir)
+        _save_backbone(merged_backbone(tower.backbone), tmp_dir)
         encoder.tokenizer.save_pretrained(tmp_dir)
         modules: list[torch.nn.Module] = [
             Transformer(
@@ -85,7 +91,7 @@ def export_encoder(
                 query_length=int(encoder.query_max_len),
                 document_length=int(encoder.doc_max_len),
             ),
-            Pooling(int(encoder.hidden_size), pooling_mode="cls" if tower.pooling == "cls" else "mean"),
+            Pooling(int(encoder.hidden_size), pooling_mode=ST_POOLING[tower.pooling]),
         ]
         for lin, act in _head_layers(tower.head):
             dense = Dense(lin.in_features, lin.out_features, bias=lin.bias is not None, activation_function=act)
@@ -113,6 +119,24 @@ def export_encoder(
     meta = {"format_version": FORMAT_VERSION, "model": cfg, "side": side, "source": source or {},
             "prompts": encoder.prompts.to_dict()}
     (out / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    _apply_umask(out)
+    return out
+
+
+def export_adapter(encoder: Any, out_dir: str | Path, *, side: str = "query", overwrite: bool = False) -> Path:
+    """Write ``encoder``'s ``side`` LoRA adapter alone, with the tokenizer (``adapter_only=true``)."""
+    tower = encoder.tower_for(side)
+    if not isinstance(tower.head, torch.nn.Identity):
+        raise ConfigError("adapter_only=true would leave out the trained head (model.head): export the merged model")
+    out = Path(out_dir).expanduser()
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"out_dir={out_dir} exists and is not empty (set overwrite=true to replace it)")
+    with tempfile.TemporaryDirectory(prefix="moco-adapter-", dir=out.parent if out.parent.is_dir() else None) as tmp:
+        save_adapter(tower.backbone, Path(tmp))
+        encoder.tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.copytree(tmp, out)
     _apply_umask(out)
     return out
 
@@ -194,6 +218,10 @@ def run_export(cfg: Any) -> Path:
         raise ConfigError("encoder=key needs checkpoint=PATH (a base model has no key encoder)")
     enc, desc = load_encoder(checkpoint=cfg.checkpoint, model=cfg.model, encoder=cfg.encoder)
     side = "doc" if cfg.encoder == "key" else "query"
+    if cfg.adapter_only:
+        out = export_adapter(enc, cfg.out_dir, side=side, overwrite=bool(cfg.overwrite))
+        print(f"exported the {cfg.encoder} encoder's LoRA adapter to {out}")
+        return out
     out = export_encoder(enc, cfg.out_dir, side=side, source=desc, overwrite=bool(cfg.overwrite))
     write_model_card(out, desc, cfg.checkpoint, side, str(cfg.out_dir))
     print(f"exported the {cfg.encoder} encoder ({desc['source']}, dim {enc.dim}) to {out}")

@@ -19,6 +19,7 @@ from moco_retrieval.model.encoder import build_encoder
 from moco_retrieval.data.prompts import to_prompts
 from moco_retrieval.model.momentum import MomentumEncoder, state_dict_prefix
 from moco_retrieval.model.guide import build_guide_encoder
+from moco_retrieval.model.lora import drop_base_weights, restore_base_weights
 from moco_retrieval.objectives import GUIDE, TRAINED, View, build_objective
 
 
@@ -230,6 +231,13 @@ class RetrievalModule(L.LightningModule):
         warmup = o.warmup_steps or int(o.warmup_ratio * total)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o.schedule, warmup, total))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ---- checkpoints: a LoRA backbone's base weights are its folder's, loaded when the module is built
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        drop_base_weights(checkpoint["state_dict"], self)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        restore_base_weights(checkpoint["state_dict"], self)
 
     # ---- dropout masks that depend on the batch, not on the history of the generator ---------
     def on_train_batch_start(self, batch, batch_idx) -> None:

@@ -1,0 +1,135 @@
+"""LoRA adapters (``model.lora``, peft) on a frozen backbone.
+
+``apply_lora(backbone, cfg)`` wraps a Hugging Face backbone in a ``peft.PeftModel``: every base
+weight frozen, low-rank adapters on ``model.lora.target_modules`` (default: per architecture,
+:data:`DEFAULT_TARGETS`) trained. The EMA key encoder (momentum.py) shares the frozen base
+weights with the trained encoder, so its momentum copy is the adapters and the head only.
+
+Checkpoints leave the base weights out (they are the backbone folder's, loaded again when the
+model is built): :func:`drop_base_weights` before a save, :func:`restore_base_weights` before a
+load. Export merges the adapters into a plain backbone (:func:`merged_backbone`), or saves the
+adapter alone (:func:`save_adapter`).
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from torch import nn
+
+from moco_retrieval.errors import ConfigError
+
+# the attention (and, for encoders, feed-forward) projections, by config.model_type
+_BERT_LIKE = ["query", "key", "value", "dense"]
+_DECODER = ["q_proj", "k_proj", "v_proj", "o_proj"]
+DEFAULT_TARGETS: dict[str, list[str]] = {
+    "bert": _BERT_LIKE, "roberta": _BERT_LIKE, "xlm-roberta": _BERT_LIKE, "electra": _BERT_LIKE,
+    "llama": _DECODER, "mistral": _DECODER, "qwen2": _DECODER, "qwen3": _DECODER, "gemma": _DECODER,
+    "gemma2": _DECODER, "phi3": ["qkv_proj", "o_proj"], "mpnet": ["q", "k", "v", "o"],
+}
+ADAPTER_MARK = "lora_"  # in the name of every adapter parameter (peft: lora_A, lora_B, ...)
+
+
+def target_modules(backbone: nn.Module, configured: Optional[Iterable[str]]) -> list[str]:
+    """The module names to adapt: ``model.lora.target_modules``, else the architecture's default."""
+    if configured:
+        return list(configured)
+    model_type = str(getattr(getattr(backbone, "config", None), "model_type", ""))
+    if model_type in DEFAULT_TARGETS:
+        return list(DEFAULT_TARGETS[model_type])
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+    if model_type in PEFT_DEFAULTS:
+        return list(PEFT_DEFAULTS[model_type])
+    raise ConfigError(
+        f"model.lora: no default target modules for a {model_type or type(backbone).__name__!r} backbone; "
+        "set model.lora.target_modules=[NAME,...] (names of its linear layers, e.g. q_proj,v_proj)"
+    )
+
+
+def apply_lora(backbone: nn.Module, cfg: Any) -> nn.Module:
+    """``backbone`` wrapped in a peft model with LoRA adapters (``cfg``: a ``LoraConfig``); the base
+    weights are frozen, the adapters (float32, whatever the base's dtype) trainable."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    targets = target_modules(backbone, cfg.target_modules)
+    peft_cfg = PeftLoraConfig(r=int(cfg.r), lora_alpha=float(cfg.alpha), lora_dropout=float(cfg.dropout),
+                              target_modules=targets, bias="none")
+    try:
+        return get_peft_model(backbone, peft_cfg)
+    except ValueError as e:  # peft: "Target modules {...} not found in the base model"
+        raise ConfigError(f"model.lora.target_modules={targets}: {e}") from e
+
+
+def is_lora(backbone: nn.Module) -> bool:
+    from peft import PeftModel
+
+    return isinstance(backbone, PeftModel)
+
+
+def base_weight_keys(module: nn.Module) -> list[str]:
+    """The state-dict keys of ``module`` that are a LoRA backbone's base weights (and buffers):
+    what a checkpoint leaves out. Empty without LoRA."""
+    keys = []
+    for name, sub in module.named_modules():
+        if is_lora(sub):
+            prefix = f"{name}." if name else ""
+            keys += [prefix + k for k in sub.state_dict() if ADAPTER_MARK not in k]
+    return keys
+
+
+def drop_base_weights(state_dict: dict, module: nn.Module) -> int:
+    """Remove ``module``'s LoRA base weights from ``state_dict`` (a checkpoint's); returns how many."""
+    keys = [k for k in base_weight_keys(module) if k in state_dict]
+    for k in keys:
+        del state_dict[k]
+    return len(keys)
+
+
+def restore_base_weights(state_dict: dict, module: nn.Module) -> None:
+    """Put ``module``'s current base weights (the backbone folder's) into a checkpoint's
+    ``state_dict`` where it left them out, so the checkpoint loads strictly."""
+    keys = base_weight_keys(module)
+    if not keys:
+        return
+    current = module.state_dict()
+    for k in keys:
+        state_dict.setdefault(k, current[k])
+
+
+def merged_backbone(backbone: nn.Module) -> nn.Module:
+    """A plain Hugging Face model with the adapters merged into a copy of the base weights (the
+    trained backbone itself is left as it is); ``backbone`` itself when it has no adapters."""
+    if not is_lora(backbone):
+        return backbone
+    return copy.deepcopy(backbone).merge_and_unload()
+
+
+def save_adapter(backbone: nn.Module, folder: Path) -> None:
+    """The adapter alone (``adapter_config.json``, ``adapter_model.safetensors``): loadable with
+    ``peft.PeftModel.from_pretrained(base_model, folder)``."""
+    if not is_lora(backbone):
+        raise ConfigError("adapter_only=true needs a model trained with LoRA (model.lora.r > 0)")
+    backbone.save_pretrained(str(folder))
+
+
+def adapter_bytes(module: nn.Module) -> int:
+    """Bytes of the adapters' parameters in ``module``."""
+    return sum(p.numel() * p.element_size() for n, p in module.named_parameters() if ADAPTER_MARK in n)
+
+
+__all__ = [
+    "ADAPTER_MARK",
+    "DEFAULT_TARGETS",
+    "adapter_bytes",
+    "apply_lora",
+    "base_weight_keys",
+    "drop_base_weights",
+    "is_lora",
+    "merged_backbone",
+    "restore_base_weights",
+    "save_adapter",
+    "target_modules",
+]
