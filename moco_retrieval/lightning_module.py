@@ -19,7 +19,7 @@ from moco_retrieval.model.encoder import build_encoder
 from moco_retrieval.data.prompts import to_prompts
 from moco_retrieval.model.momentum import MomentumEncoder, state_dict_prefix
 from moco_retrieval.model.guide import build_guide_encoder
-from moco_retrieval.model.lora import drop_base_weights, restore_base_weights
+from moco_retrieval.model.lora import LORA_BASE, base_fingerprint, check_same_base, drop_base_weights, restore_base_weights
 from moco_retrieval.objectives import GUIDE, TRAINED, View, build_objective
 
 
@@ -234,9 +234,11 @@ class RetrievalModule(L.LightningModule):
 
     # ---- checkpoints: a LoRA backbone's base weights are its folder's, loaded when the module is built
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        drop_base_weights(checkpoint["state_dict"], self)
+        if drop_base_weights(checkpoint["state_dict"], self):
+            checkpoint[LORA_BASE] = base_fingerprint(self)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        check_same_base(checkpoint.get(LORA_BASE), self, "the checkpoint resumed from")
         restore_base_weights(checkpoint["state_dict"], self)
 
     # ---- dropout masks that depend on the batch, not on the history of the generator ---------

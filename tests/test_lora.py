@@ -225,3 +225,29 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_dir, lora, one_thr
     assert grads[False].keys() == grads[True].keys()
     for n, g in grads[False].items():
         torch.testing.assert_close(grads[True][n], g, rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_lora_checkpoint_refuses_another_base_and_hydra_takes_the_keys(lora_runs, tmp_path, one_thread):
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from moco_retrieval.config import TrainConfig, register_configs
+    from moco_retrieval.errors import CheckpointError
+    from moco_retrieval.model.loading import load_checkpoint_encoder
+
+    ckpt = dict(lora_runs["ref"])
+    assert ckpt["lora_base_fingerprint"]
+    other = build_tiny_bert(tmp_path / "other", seed=1)  # same shapes, other weights
+    ckpt["hyper_parameters"] = {**ckpt["hyper_parameters"],
+                                "model": {**ckpt["hyper_parameters"]["model"], "path": str(other)}}
+    torch.save(ckpt, tmp_path / "moved.ckpt")
+    with pytest.raises(CheckpointError, match="other base weights"):
+        load_checkpoint_encoder(tmp_path / "moved.ckpt")
+
+    register_configs()
+    with initialize_config_module("moco_retrieval.conf", version_base="1.3"):
+        cfg = OmegaConf.to_object(compose("train", overrides=[
+            "model=tiny", "model.lora.r=8", "model.lora.target_modules=[query,value]", "model.gradient_checkpointing=true"]))
+        assert isinstance(cfg, TrainConfig) and cfg.model.lora.r == 8 and cfg.model.lora.target_modules == ["query", "value"]
+        with pytest.raises(Exception, match="rank"):
+            compose("train", overrides=["model=tiny", "model.lora.rank=8"])

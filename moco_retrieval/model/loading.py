@@ -31,7 +31,7 @@ from moco_retrieval.config import ModelConfig, to_config
 from moco_retrieval.data.prompts import Prompts, model_prompts, to_prompts
 from moco_retrieval.errors import CheckpointError, ConfigError, ModelLoadError, ModelNotFoundError
 from moco_retrieval.model.encoder import TextEncoder, build_encoder
-from moco_retrieval.model.lora import restore_base_weights
+from moco_retrieval.model.lora import LORA_BASE, check_same_base, restore_base_weights
 from moco_retrieval.model.momentum import ENCODERS, state_dict_prefix
 
 META_FILE = "moco_retrieval.json"  # written next to an exported model: its ModelConfig and source
@@ -78,6 +78,7 @@ def load_checkpoint_encoder(path: str | Path, encoder: str = "query") -> tuple[T
             + (" (objective=inbatch or feature_memory has no key encoder: use encoder=query)" if encoder == "key" else "")
         )
     enc = build_encoder(cfg)
+    check_same_base(ckpt.get(LORA_BASE), enc, f"checkpoint={path}")
     restore_base_weights(state, enc)  # a LoRA checkpoint holds the adapters, not the base weights
     enc.load_state_dict(state, strict=True)
     enc.eval()

@@ -13,12 +13,14 @@ adapter alone (:func:`save_adapter`).
 from __future__ import annotations
 
 import copy
+import hashlib
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+import torch
 from torch import nn
 
-from moco_retrieval.errors import ConfigError
+from moco_retrieval.errors import CheckpointError, ConfigError
 
 # the attention (and, for encoders, feed-forward) projections, by config.model_type
 _BERT_LIKE = ["query", "key", "value", "dense"]
@@ -28,6 +30,7 @@ DEFAULT_TARGETS: dict[str, list[str]] = {
     "llama": _DECODER, "mistral": _DECODER, "qwen2": _DECODER, "qwen3": _DECODER, "gemma": _DECODER,
     "gemma2": _DECODER, "phi3": ["qkv_proj", "o_proj"], "mpnet": ["q", "k", "v", "o"],
 }
+LORA_BASE = "lora_base_fingerprint"  # the checkpoint key of base_fingerprint
 ADAPTER_MARK = "lora_"  # in the name of every adapter parameter (peft: lora_A, lora_B, ...)
 
 
@@ -64,7 +67,10 @@ def apply_lora(backbone: nn.Module, cfg: Any) -> nn.Module:
 
 
 def is_lora(backbone: nn.Module) -> bool:
-    from peft import PeftModel
+    try:
+        from peft import PeftModel
+    except ImportError:  # without peft nothing has adapters
+        return False
 
     return isinstance(backbone, PeftModel)
 
@@ -99,6 +105,34 @@ def restore_base_weights(state_dict: dict, module: nn.Module) -> None:
         state_dict.setdefault(k, current[k])
 
 
+SAMPLE = 256  # values hashed from each end of every base tensor: a fingerprint in milliseconds for 7B weights
+
+
+def base_fingerprint(module: nn.Module) -> Optional[str]:
+    """A cheap fingerprint of ``module``'s LoRA base weights (names, shapes, dtypes, the first and
+    last values of each), kept in checkpoints that leave them out; None without LoRA."""
+    backbone = next((m for m in module.modules() if is_lora(m)), None)
+    if backbone is None:
+        return None
+    state = backbone.state_dict()  # keys of the backbone alone: the same in a training module and an encoder
+    h = hashlib.sha256()
+    for k in sorted(k for k in state if ADAPTER_MARK not in k):
+        t = state[k].detach().reshape(-1)
+        h.update(f"{k}|{tuple(state[k].shape)}|{t.dtype}".encode())
+        ends = torch.cat([t[:SAMPLE], t[-SAMPLE:]]).to("cpu", torch.float64)
+        h.update(ends.numpy().tobytes())
+    return h.hexdigest()[:24]
+
+
+def check_same_base(saved: Optional[str], module: nn.Module, where: str) -> None:
+    """A checkpoint's adapters fit the base weights they were trained on: refuse another base."""
+    if saved is not None and saved != base_fingerprint(module):
+        raise CheckpointError(
+            f"{where} holds LoRA adapters trained on other base weights than the backbone loaded now "
+            "(model.backbone / model.path point at another model folder, or its files changed)"
+        )
+
+
 def merged_backbone(backbone: nn.Module) -> nn.Module:
     """A plain Hugging Face model with the adapters merged into a copy of the base weights (the
     trained backbone itself is left as it is); ``backbone`` itself when it has no adapters."""
@@ -122,10 +156,13 @@ def adapter_bytes(module: nn.Module) -> int:
 
 __all__ = [
     "ADAPTER_MARK",
+    "LORA_BASE",
     "DEFAULT_TARGETS",
     "adapter_bytes",
     "apply_lora",
+    "base_fingerprint",
     "base_weight_keys",
+    "check_same_base",
     "drop_base_weights",
     "is_lora",
     "merged_backbone",
