@@ -110,6 +110,9 @@ class ModelConfig(RangeChecked):
     lora: LoraConfig = field(default_factory=LoraConfig)
     # recompute the trained backbone's activations in backward (not the EMA copy's: it has no backward)
     gradient_checkpointing: bool = False
+    # the backbone's weights in memory: float32 | bfloat16 | float16; null: as transformers loads the
+    # folder. bfloat16 halves a frozen (LoRA) base: a 7B model in 14 GB; adapters and head stay float32
+    backbone_dtype: Optional[str] = None
 
     SECTION: ClassVar[str] = "model"
     RANGES: ClassVar[dict[str, Range]] = {

@@ -115,3 +115,17 @@ def test_decoder_trains_with_the_queue_resumes_exports_and_searches(decoder_dir,
     assert len(answers[0]["results"]) == 3
     for hit in answers[0]["results"]:
         assert hit["score"] == pytest.approx(float(st_scores[int(hit["doc_id"][1:])]), abs=1e-4)
+
+
+def test_a_bfloat16_base_trains_float32_adapters(decoder_dir, one_thread):
+    """What a 7B model on one 24 GB GPU needs: the frozen base in bfloat16, the adapters in float32."""
+    enc = build_encoder(decoder_cfg(decoder_dir, backbone_dtype="bfloat16", gradient_checkpointing=True)).train()
+    dtypes = {(p.requires_grad, p.dtype) for p in enc.parameters()}
+    assert dtypes == {(False, torch.bfloat16), (True, torch.float32)}
+    out = enc(enc.tokenize(TEXTS, "doc"), "doc")
+    assert out.dtype == torch.float32
+    out.pow(2).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in enc.named_parameters()
+               if "lora_B" in n)  # (B starts at zero, so A's gradient is zero at the first step)
+    with pytest.raises(Exception, match="backbone_dtype"):
+        build_encoder(decoder_cfg(decoder_dir, backbone_dtype="int8"))

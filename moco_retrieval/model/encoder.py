@@ -212,7 +212,7 @@ class TextEncoder(nn.Module):
             raise ConfigError("model.backbone_kind=bag_of_wordpieces pools by mean: set model.pooling=mean")
         _check_training_options(cfg)
         path, key = resolve_backbone(cfg)
-        model, tokenizer = load_backbone(path, key)
+        model, tokenizer = load_backbone(path, key, cfg.backbone_dtype)
         if cfg.pooling == "last":
             tokenizer = append_eos(tokenizer, f"{str(path)!r} (from {key})")
         self.tokenizer = tokenizer
