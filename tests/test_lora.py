@@ -251,3 +251,12 @@ def test_lora_checkpoint_refuses_another_base_and_hydra_takes_the_keys(lora_runs
         assert isinstance(cfg, TrainConfig) and cfg.model.lora.r == 8 and cfg.model.lora.target_modules == ["query", "value"]
         with pytest.raises(Exception, match="rank"):
             compose("train", overrides=["model=tiny", "model.lora.rank=8"])
+
+
+def test_a_lora_run_can_take_its_base_as_guide(tiny_dir):
+    from moco_retrieval.config import objective_config
+
+    module = RetrievalModule(lora_cfg(tiny_dir, gradient_checkpointing=True),
+                             objective_config({"name": "moco", "queue_size": 8, "guide": "base"}), OptimConfig())
+    guide = module._guide[0]
+    assert guide.frozen and not any(ADAPTER_MARK in n for n in guide.state_dict())
