@@ -5,6 +5,7 @@ embeddings in sentence-transformers, search over the exported directory."""
 from __future__ import annotations
 
 import io
+import json
 import sys
 from pathlib import Path
 
@@ -115,6 +116,16 @@ def test_decoder_trains_with_the_queue_resumes_exports_and_searches(decoder_dir,
     assert len(answers[0]["results"]) == 3
     for hit in answers[0]["results"]:
         assert hit["score"] == pytest.approx(float(st_scores[int(hit["doc_id"][1:])]), abs=1e-4)
+
+    from moco_retrieval.evaluate import run_evaluate
+
+    run_evaluate(_compose("evaluate", [
+        "model=tiny", f"model.path={decoder_dir}", "data=beir", f"data.dir={folder}", f"model_dir={out}",
+        "progress=false", "device=cpu", "eval.top_k=3"]), tmp_path / "eval")
+    entry = json.loads((tmp_path / "eval" / "eval.json").read_text())  # one model: its entry at the top
+    assert entry["model"]["pooling"] == "last" and entry["model"]["prompts"] == {"query": PROMPTS.query, "doc": ""}
+    st_q = st.encode_query(["x"]) @ st.encode_document(TEXTS).T  # the pool's one query, "x", and its positive d0
+    assert entry["metrics"]["recall@1"] == float(np.argmax(st_q[0]) == 0)
 
 
 def test_a_bfloat16_base_trains_float32_adapters(decoder_dir, one_thread):
