@@ -18,7 +18,6 @@ last token's hidden state, an end-of-text token appended to every text (decoder 
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 from typing import Iterable, Optional, Sequence
 
