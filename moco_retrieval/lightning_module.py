@@ -19,7 +19,9 @@ from moco_retrieval.model.encoder import build_encoder
 from moco_retrieval.data.prompts import to_prompts
 from moco_retrieval.model.momentum import MomentumEncoder, state_dict_prefix
 from moco_retrieval.model.guide import build_guide_encoder
-from moco_retrieval.model.lora import LORA_BASE, base_fingerprint, check_same_base, drop_base_weights, restore_base_weights
+from moco_retrieval.model.lora import (
+    LORA_BASE, base_fingerprint, check_same_base, check_same_lora, drop_base_weights, restore_base_weights,
+)
 from moco_retrieval.objectives import GUIDE, TRAINED, View, build_objective
 
 
@@ -238,6 +240,8 @@ class RetrievalModule(L.LightningModule):
             checkpoint[LORA_BASE] = base_fingerprint(self)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        trained = (checkpoint.get("hyper_parameters") or {}).get("model") or {}
+        check_same_lora(trained.get("lora"), self.model_cfg.lora, "the checkpoint resumed from")
         check_same_base(checkpoint.get(LORA_BASE), self, "the checkpoint resumed from")
         restore_base_weights(checkpoint["state_dict"], self)
 

@@ -260,3 +260,13 @@ def test_a_lora_run_can_take_its_base_as_guide(tiny_dir):
                              objective_config({"name": "moco", "queue_size": 8, "guide": "base"}), OptimConfig())
     guide = module._guide[0]
     assert guide.frozen and not any(ADAPTER_MARK in n for n in guide.state_dict())
+
+
+def test_resuming_with_other_lora_settings_is_refused(lora_runs, tiny_dir, tmp_path):
+    from moco_retrieval.errors import CheckpointError
+
+    module = RetrievalModule(ModelConfig(backbone="tiny", path=tiny_dir, lora=LoraConfig(r=8, alpha=8, dropout=0.1)),
+                             MoCoConfig(queue_size=16, temperature=0.1, momentum=0.9),
+                             OptimConfig(lr=1e-2, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
+    with pytest.raises(CheckpointError, match=r"trained with model.lora.r=4, but this run's config has model.lora.r=8"):
+        fit(module, tmp_path, 2, ckpt_path=str(lora_runs["ref_path"]))

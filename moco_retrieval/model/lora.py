@@ -133,6 +133,23 @@ def check_same_base(saved: Optional[str], module: nn.Module, where: str) -> None
         )
 
 
+def check_same_lora(trained: Optional[dict], current: Any, where: str) -> None:
+    """Resuming needs the adapters the checkpoint holds: refuse other ``model.lora`` settings (another
+    rank or other targets cannot load; another alpha or dropout would train another model mid-run).
+    ``trained``: the checkpoint's ``hyper_parameters.model.lora`` (None: from before LoRA existed)."""
+    trained = dict(trained or {"r": 0})
+    now = {"r": int(current.r), "alpha": float(current.alpha), "dropout": float(current.dropout),
+           "target_modules": None if current.target_modules is None else list(current.target_modules)}
+    if int(trained.get("r", 0)) == 0 and now["r"] == 0:
+        return
+    changed = [k for k in now if trained.get(k) != now[k]]
+    if changed:
+        raise CheckpointError(
+            f"{where} was trained with " + ", ".join(f"model.lora.{k}={trained.get(k)}" for k in changed)
+            + ", but this run's config has " + ", ".join(f"model.lora.{k}={now[k]}" for k in changed)
+            + "; set the trained values to resume it (or start a new run_dir)")
+
+
 def merged_backbone(backbone: nn.Module) -> nn.Module:
     """A plain Hugging Face model with the adapters merged into a copy of the base weights (the
     trained backbone itself is left as it is); ``backbone`` itself when it has no adapters."""
@@ -163,6 +180,7 @@ __all__ = [
     "base_fingerprint",
     "base_weight_keys",
     "check_same_base",
+    "check_same_lora",
     "drop_base_weights",
     "is_lora",
     "merged_backbone",
