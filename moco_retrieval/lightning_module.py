@@ -20,6 +20,9 @@ from moco_retrieval.model.encoder import build_encoder
 from moco_retrieval.data.prompts import to_prompts
 from moco_retrieval.model.momentum import MomentumEncoder, state_dict_prefix
 from moco_retrieval.model.guide import build_guide_encoder
+from moco_retrieval.model.lora import (
+    LORA_BASE, base_fingerprint, check_same_base, check_same_lora, drop_base_weights, restore_base_weights,
+)
 from moco_retrieval.objectives import GUIDE, TRAINED, StepInput, View, build_objective
 
 
@@ -230,6 +233,17 @@ class RetrievalModule(L.LightningModule):
         warmup = o.warmup_steps or int(o.warmup_ratio * total)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o.schedule, warmup, total))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ---- checkpoints: a LoRA backbone's base weights are its folder's, loaded when the module is built
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if drop_base_weights(checkpoint["state_dict"], self):
+            checkpoint[LORA_BASE] = base_fingerprint(self)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        trained = (checkpoint.get("hyper_parameters") or {}).get("model") or {}
+        check_same_lora(trained.get("lora"), self.model_cfg.lora, "the checkpoint resumed from")
+        check_same_base(checkpoint.get(LORA_BASE), self, "the checkpoint resumed from")
+        restore_base_weights(checkpoint["state_dict"], self)
 
     # ---- dropout masks that depend on the batch, not on the history of the generator ---------
     def on_train_batch_start(self, batch, batch_idx) -> None:

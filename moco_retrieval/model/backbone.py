@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from moco_retrieval.config import ModelConfig
 from moco_retrieval.errors import ConfigError, MissingPackageError, ModelLoadError, ModelNotFoundError
 
 BACKBONE_KINDS = ("transformer", "bag_of_wordpieces")
+DTYPES = ("float32", "bfloat16", "float16")  # model.backbone_dtype
 
 
 def resolve_backbone(cfg: ModelConfig) -> tuple[Path, str]:
@@ -94,17 +95,22 @@ def _quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
-def load_backbone(path: Path, key: str = "model.path") -> tuple[nn.Module, Any]:
-    """(AutoModel without pooler, AutoTokenizer) from a local folder; errors name path and key."""
+def load_backbone(path: Path, key: str = "model.path", dtype: Optional[str] = None) -> tuple[nn.Module, Any]:
+    """(AutoModel without pooler, AutoTokenizer) from a local folder, its weights in ``dtype`` (one of
+    :data:`DTYPES`; None: transformers' default); errors name path and key."""
     from transformers import AutoModel, AutoTokenizer
+
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"model.backbone_dtype={dtype!r}: expected one of {DTYPES}")
+    load_kw = {"local_files_only": True, **({"dtype": getattr(torch, dtype)} if dtype else {})}
 
     try:
         with _quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
             try:  # the pooler is unused (we pool ourselves) and would be an unused DDP parameter
-                model = AutoModel.from_pretrained(str(path), local_files_only=True, add_pooling_layer=False)
+                model = AutoModel.from_pretrained(str(path), add_pooling_layer=False, **load_kw)
             except TypeError:
-                model = AutoModel.from_pretrained(str(path), local_files_only=True)
+                model = AutoModel.from_pretrained(str(path), **load_kw)
     except Exception as e:  # noqa: BLE001 - re-raised with the path and key
         raise ModelLoadError(
             f"could not load a Hugging Face model and tokenizer from {str(path)!r} (from {key}): "
@@ -133,6 +139,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 __all__ = [
     "BACKBONE_KINDS",
+    "DTYPES",
     "bag_of_wordpieces",
     "load_backbone",
     "resolve_backbone",

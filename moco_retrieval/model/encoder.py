@@ -11,10 +11,13 @@ mode; only the head trains. Pooled backbone features come from the shared ``Feat
 
 ``backbone_kind=bag_of_wordpieces``: the mean of the backbone's input (word) embeddings over the
 non-special tokens; no transformer layers, no position embeddings.
+
+``model.lora.r > 0``: LoRA adapters on the frozen backbone (``lora.py``); ``pooling=last``: the
+last token's hidden state, an end-of-text token appended to every text (decoder backbones,
+``decoder.py``); ``model.gradient_checkpointing``: the backbone recomputes activations in backward.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 from typing import Iterable, Optional, Sequence
 
@@ -33,10 +36,13 @@ from moco_retrieval.model.backbone import (
     resolve_backbone,
     tokenizer_fingerprint,
 )
+from moco_retrieval.model.decoder import append_eos, last_token
 from moco_retrieval.model.feature_cache import FeatureCache
+from moco_retrieval.model.lora import apply_lora
+from moco_retrieval.model.momentum import copy_sharing_frozen
 
 KINDS = ("query", "doc")
-POOLINGS = ("mean", "cls")
+POOLINGS = ("mean", "cls", "last")
 HEADS = ("none", "linear", "mlp")
 HEAD_INITS = ("random", "identity")
 
@@ -132,6 +138,8 @@ class Tower(nn.Module):
             emb = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             if self.pooling == "cls":
                 return emb[:, 0].float()
+            if self.pooling == "last":
+                return last_token(emb, attention_mask)
             mask = attention_mask.bool()
         m = mask.to(torch.float32)
         with torch.autocast(emb.device.type, enabled=False):  # pool in fp32 even under bf16 autocast
@@ -164,6 +172,28 @@ def _refresh_cache_after_load(module: Tower, incompatible_keys) -> None:
 # --------------------------------------------------------------------------- encoder
 
 
+def _check_training_options(cfg: ModelConfig) -> None:
+    """LoRA and gradient checkpointing train a transformer backbone: not a frozen or bag-of-wordpieces one."""
+    lora = int(cfg.lora.r) > 0
+    for key, on in (("model.lora.r", lora), ("model.gradient_checkpointing", bool(cfg.gradient_checkpointing))):
+        if on and cfg.frozen_backbone:
+            raise ConfigError(f"{key} trains the backbone (its adapters / its backward), which "
+                              "model.frozen_backbone=true keeps fixed: set one of them off")
+        if on and cfg.backbone_kind != "transformer":
+            raise ConfigError(f"{key} needs model.backbone_kind=transformer, got {cfg.backbone_kind!r}")
+
+
+def _trained_backbone(model: nn.Module, cfg: ModelConfig) -> nn.Module:
+    """``model`` with activation checkpointing (non-reentrant: the frozen inputs of a LoRA backbone
+    need no gradient for it) and LoRA adapters, as configured."""
+    if cfg.gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if int(cfg.lora.r) > 0:
+        return apply_lora(model, cfg.lora)
+    return model
+
+
+
 class TextEncoder(nn.Module):
     """Query/document encoder: see the module docstring. ``dim``, ``normalize``, ``tokenizer``."""
 
@@ -179,7 +209,11 @@ class TextEncoder(nn.Module):
                 raise ConfigError(f"model.{key}={value!r}: expected one of {allowed}")
         if cfg.backbone_kind == "bag_of_wordpieces" and cfg.pooling != "mean":
             raise ConfigError("model.backbone_kind=bag_of_wordpieces pools by mean: set model.pooling=mean")
-        model, tokenizer = load_backbone(*resolve_backbone(cfg))
+        _check_training_options(cfg)
+        path, key = resolve_backbone(cfg)
+        model, tokenizer = load_backbone(path, key, cfg.backbone_dtype)
+        if cfg.pooling == "last":
+            tokenizer = append_eos(tokenizer, f"{str(path)!r} (from {key})")
         self.tokenizer = tokenizer
         self.normalize = bool(cfg.normalize)
         self.frozen = bool(cfg.frozen_backbone)
@@ -195,8 +229,8 @@ class TextEncoder(nn.Module):
             hidden = backbone.embedding_dim
             del model
         else:
-            backbone = model
             hidden = int(model.config.hidden_size)
+            backbone = _trained_backbone(model, cfg)
         self.hidden_size = hidden
         out = int(cfg.head_dim) if cfg.head_dim else hidden
         head = _make_head(str(cfg.head), hidden, out, str(cfg.head_init))
@@ -216,7 +250,7 @@ class TextEncoder(nn.Module):
             self.tower = tower
         else:
             self.query_tower = tower
-            self.doc_tower = copy.deepcopy(tower)  # the feature cache is shared, not copied
+            self.doc_tower = copy_sharing_frozen(tower)  # the feature cache and frozen weights are shared
 
     # -- towers and tokens
 

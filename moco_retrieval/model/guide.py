@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from moco_retrieval.config import ModelConfig
+from moco_retrieval.config import LoraConfig, ModelConfig
 from moco_retrieval.model.encoder import TextEncoder, build_encoder
 from moco_retrieval.objectives.guided import MOMENTUM_GUIDE, NONE
 
@@ -18,8 +18,9 @@ def guide_model_config(guide: str, model: ModelConfig) -> ModelConfig | None:
     """The ModelConfig of a fixed guide, or None when ``guide`` is "none" or "momentum"."""
     if guide in (NONE, MOMENTUM_GUIDE):
         return None
+    # the base as it was: no adapters, nothing to back-propagate through
     frozen = dict(head="none", head_dim=None, head_init="random", frozen_backbone=True, normalize=True,
-                  shared_tower=True, grad_cache_chunk=None)
+                  shared_tower=True, grad_cache_chunk=None, lora=LoraConfig(), gradient_checkpointing=False)
     if guide == "base":
         return dataclasses.replace(model, **frozen)
     return dataclasses.replace(model, backbone=guide, path=None, backbone_kind="transformer", pooling="mean", **frozen)

@@ -31,6 +31,7 @@ from moco_retrieval.config import ModelConfig, to_config
 from moco_retrieval.data.prompts import Prompts, model_prompts, to_prompts
 from moco_retrieval.errors import CheckpointError, ConfigError, ModelLoadError, ModelNotFoundError
 from moco_retrieval.model.encoder import TextEncoder, build_encoder
+from moco_retrieval.model.lora import LORA_BASE, check_same_base, restore_base_weights
 from moco_retrieval.model.momentum import ENCODERS, state_dict_prefix
 
 META_FILE = "moco_retrieval.json"  # written next to an exported model: its ModelConfig and source
@@ -77,6 +78,8 @@ def load_checkpoint_encoder(path: str | Path, encoder: str = "query") -> tuple[T
             + (" (objective=inbatch or feature_memory has no key encoder: use encoder=query)" if encoder == "key" else "")
         )
     enc = build_encoder(cfg)
+    check_same_base(ckpt.get(LORA_BASE), enc, f"checkpoint={path}")
+    restore_base_weights(state, enc)  # a LoRA checkpoint holds the adapters, not the base weights
     enc.load_state_dict(state, strict=True)
     enc.eval()
     desc = {
@@ -132,6 +135,9 @@ def load_model_dir(path: str | Path, fallback: Optional[ModelConfig] = None) -> 
         enc.prompts = stored_prompts(d) or enc.prompts
         return enc, {"source": "model_dir", "path": str(d.resolve()), "exported": False, **describe_encoder(cfg, enc)}
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    if meta.get("adapter_only"):
+        raise ModelLoadError(f"model_dir={path}: a LoRA adapter alone (export adapter_only=true), not a model; load it "
+                             "with peft onto its base model, or export the merged model (adapter_only=false)")
     shared = bool(meta["model"].get("shared_tower", True))
     if shared:  # one tower: backbone and tokenizer at the top level, then the head's Dense modules
         enc = build_encoder(exported_config(meta, d, shared=True))

@@ -41,8 +41,25 @@ def momentum_at(step: int, total_steps: int, m0: float, schedule: str = "constan
     return 1.0 - (1.0 - m0) * (math.cos(math.pi * t) + 1.0) / 2.0
 
 
+def copy_sharing_frozen(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` whose frozen parameters (``requires_grad`` False: a LoRA or frozen
+    backbone's base weights) are the original's own tensors, not copies: they never change, so a
+    second model's worth of memory would buy nothing."""
+    memo = {id(p): p for p in module.parameters() if not p.requires_grad}
+    return copy.deepcopy(module, memo)
+
+
+def _without_activation_checkpointing(module: nn.Module) -> None:
+    """Hugging Face layers recompute activations when their ``gradient_checkpointing`` is set; a
+    copy that never back-propagates has nothing to save by it (model.gradient_checkpointing)."""
+    for sub in module.modules():
+        if getattr(sub, "gradient_checkpointing", False) is True:
+            sub.gradient_checkpointing = False
+
+
 class MomentumEncoder(nn.Module):
-    """An EMA copy of ``encoder``.
+    """An EMA copy of ``encoder``: of its trained parameters; the frozen ones are shared (with LoRA,
+    the copy is the adapters and the head: megabytes, not a second backbone).
 
     Args:
         encoder: the query-side encoder to copy (deep-copied once; frozen feature caches are
@@ -53,7 +70,8 @@ class MomentumEncoder(nn.Module):
 
     def __init__(self, encoder: nn.Module, dropout: bool = False):
         super().__init__()
-        self.key_encoder = copy.deepcopy(encoder)  # KEY_ENCODER_ATTR: see state_dict_prefix
+        self.key_encoder = copy_sharing_frozen(encoder)  # KEY_ENCODER_ATTR: see state_dict_prefix
+        _without_activation_checkpointing(self.key_encoder)
         for p in self.key_encoder.parameters():
             p.requires_grad_(False)
         self.dropout = dropout

@@ -6,6 +6,11 @@ tokenizer files, loadable with ``AutoModel.from_pretrained(dir)`` and
 single characters (a-z, 0-9, ASCII punctuation), ``##`` continuation pieces for each of them and a
 few common suffixes, so any ASCII English text tokenizes without ``[UNK]``, then a few hundred
 whole words (a fixed list plus seeded pseudo-words). Same arguments, same files.
+
+``build_tiny_decoder(dir, arch="llama"|"qwen2")``: a tiny random decoder (Llama or Qwen2
+architecture) with the same vocabulary in a plain fast tokenizer, plus an end-of-text token
+(``<|endoftext|>``, also the padding token; ``padding_side`` left or right): the decoder-backbone
+path (model/decoder.py) without a download.
 """
 from __future__ import annotations
 
@@ -125,6 +130,51 @@ def build_tiny_bert(
     tokenizer = BertTokenizerFast(vocab={t: i for i, t in enumerate(vocab)}, do_lower_case=True)
     tokenizer.model_max_length = max_position
 
+    return _write_atomically(directory, model, tokenizer, vocab)
+
+
+EOS = "<|endoftext|>"
+DECODER_ARCHS = ("llama", "qwen2")
+
+
+def build_tiny_decoder(
+    directory: str | os.PathLike,
+    arch: str = "llama",
+    hidden: int = 32,
+    layers: int = 2,
+    padding_side: str = "left",
+    seed: int = 0,
+) -> Path:
+    """Write a tiny random decoder (``LlamaModel`` or ``Qwen2Model``) and a WordPiece fast
+    tokenizer over :func:`tiny_vocab` plus ``<|endoftext|>`` (eos and padding, no bos) into
+    ``directory``. The tokenizer appends nothing itself. Deterministic; global RNG untouched."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import LlamaConfig, LlamaModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2Model
+
+    if arch not in DECODER_ARCHS:
+        raise ValueError(f"tiny decoder: arch={arch!r}, expected one of {DECODER_ARCHS}")
+    directory = Path(directory).expanduser().resolve()
+    vocab = tiny_vocab(seed=seed) + [EOS]
+    backend = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS, pad_token=EOS, unk_token="[UNK]",
+                                        padding_side=padding_side, model_max_length=512)
+    eos_id = vocab.index(EOS)
+    config_cls, model_cls = (LlamaConfig, LlamaModel) if arch == "llama" else (Qwen2Config, Qwen2Model)
+    config = config_cls(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=2 * hidden,
+                        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                        max_position_embeddings=512, eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    model.eval()
+    return _write_atomically(directory, model, tokenizer, vocab)
+
+
+def _write_atomically(directory: Path, model, tokenizer, vocab: list[str]) -> Path:
+    """Model, tokenizer and vocab.txt into ``directory`` through a temporary sibling folder."""
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
@@ -150,4 +200,4 @@ def build_tiny_bert(
     return directory
 
 
-__all__ = ["build_tiny_bert", "tiny_vocab", "SPECIAL_TOKENS"]
+__all__ = ["DECODER_ARCHS", "EOS", "build_tiny_bert", "build_tiny_decoder", "tiny_vocab", "SPECIAL_TOKENS"]

@@ -1,0 +1,304 @@
+"""B11: where the queue must pay. Small per-step batches at equal memory (issue 35).
+
+B6 (``finetune.py``) compared objectives at batch 32 and up, where nobody is short of negatives.
+This is its setup (all-MiniLM-L6-v2, the same 18,240 pairs in the same order, the same pool,
+AdamW lr 2e-5, 10% warmup then linear decay, tau 0.05) at a per-step batch of 8 (and 4): what a
+user whose memory caps the batch gets from each answer. A run at batch b < 32 takes each batch of
+B6's batch-32 order and splits it into 32 / b consecutive steps, so every run still sees the same
+pairs in the same order, in 32 / b times the steps. Runs (``RUNS``):
+
+* in-batch at 8 and 4;
+* the main job's two-queue objective at 8 and 4 (``main-B``): its age bound and momentum scaled
+  to the steps, so the queue covers the same pairs and the EMA the same span of data as at batch
+  32: ``queue_max_age`` 128 * 32/B (4,096 keys either way) and ``momentum`` 1 - 0.005 * B/32
+  (time constant 200 steps at 32, 800 at 8);
+* MoCo at 8 (K 65,536, m 0.999: ``+experiment=queue65k objective=moco``);
+* GradCache at a global batch of 256 in mini-batches of 8, ours (``model.grad_cache_chunk=8``)
+  and sentence-transformers' CachedMNRL as the peer: the same memory as batch 8, the big-batch answer;
+* LoRA (r 16, alpha 32, LoRA's usual 10x learning rate 2e-4) at 8 with in-batch and with the main
+  objective; the main objective at 8 with gradient checkpointing;
+* in-batch 32 and the main job at 32 are read from B6's cache (``finetune_runs.jsonl``), not rerun.
+
+Each run reports recall@1, MRR@10, nDCG@10, the mean unrelated cosine, training seconds, and its
+peak memory: the process's peak RSS (CPU; run one run per process for it to be that run's), and
+``torch.cuda.max_memory_allocated`` on a GPU (``MR_BENCH_TRAINER=gpu``). Finished runs are appended
+to ``benchmarks/results/small_batch_runs.jsonl`` (committed), so later invocations resume; one
+thread per run, runs in parallel processes (``--only NAME --seeds S``).
+
+    python benchmarks/small_batch.py --only inbatch-8,main-8 --seeds 0 --threads 1
+    python benchmarks/small_batch.py --report
+    python benchmarks/small_batch.py --dry-run            # the tiny random model, seconds, to a temporary folder
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import finetune as b6  # noqa: E402
+from _common import (  # noqa: E402
+    RESULTS, Bench, add_location_args, append_jsonl, apply_location_args, environment, figure, log, md_table, peak_rss_mb,
+    read_jsonl,
+    write_results,
+)
+
+import torch  # noqa: E402
+
+NAME = "small_batch"
+LORA = ["model.lora.r=16", "model.lora.alpha=32", "optim.lr=2e-4"]
+MAIN_AT_32 = {"momentum": 0.995, "queue_max_age": 128, "keys": 4096}  # B6's MAIN_RUN: queue65k's objective at 32
+
+
+def main_objective_at(batch: int, *extra: str) -> list[str]:
+    """The main job's objective at ``batch``: the same keys (queue_max_age x batch = 4,096) and the
+    same EMA span in pairs (time constant 1 / (1 - m) steps scaled by 32 / batch)."""
+    scale = 32 // batch
+    m = 1 - (1 - MAIN_AT_32["momentum"]) / scale
+    return b6.two_queue(f"objective.momentum={m:g}", f"objective.queue_size={MAIN_AT_32['keys']}",
+                        f"objective.queue_max_age={MAIN_AT_32['queue_max_age'] * scale}", *extra, inbatch=1.0)
+
+
+def _main_what(batch: int) -> str:
+    scale = 32 // batch
+    return (f"the main job's two-queue objective, m {1 - 0.005 / scale:g} (EMA time constant {200 * scale} steps), "
+            f"keys at most {128 * scale} steps old ({MAIN_AT_32['keys']:,})")
+
+
+# name -> (kind, batch, overrides or loss options, what it is); in order of priority
+RUNS: dict[str, tuple[str, int, object, str]] = {
+    "inbatch-8": ("ours", 8, b6.INBATCH, "ours, in-batch negatives"),
+    "main-8": ("ours", 8, main_objective_at(8), _main_what(8)),
+    "gradcache-256": ("ours", 256, b6.INBATCH + ["model.grad_cache_chunk=8"], "ours, in-batch 256 by GradCache, chunks of 8"),
+    "cmnrl-256": ("cmnrl", 256, {"mini_batch_size": 8}, "sentence-transformers CachedMNRL, mini-batch 8"),
+    "moco-8": ("ours", 8, b6.MOCO, "MoCo queue, K 65,536, m 0.999"),
+    "lora_inbatch-8": ("ours", 8, b6.INBATCH + LORA, "LoRA r 16 (lr 2e-4), in-batch negatives"),
+    "lora_main-8": ("ours", 8, main_objective_at(8, *LORA), "LoRA r 16 (lr 2e-4), " + _main_what(8)),
+    "main_gc-8": ("ours", 8, main_objective_at(8, "model.gradient_checkpointing=true"),
+                  "main-8 with gradient checkpointing"),
+    "inbatch-4": ("ours", 4, b6.INBATCH, "ours, in-batch negatives"),
+    "main-4": ("ours", 4, main_objective_at(4), _main_what(4)),
+}
+SEEDS = {n: (0, 1, 2) for n in ("inbatch-8", "main-8", "gradcache-256", "cmnrl-256")}  # the goal's runs; others seed 0
+REFERENCES = {"inbatch-32": "inbatch-32", "main-32": b6.MAIN_RUN}  # our name -> B6's, read from its cache
+
+
+# ----------------------------------------------------------------------------------- runs
+
+
+def batches_of(bench, seed: int, pairs: int, batch: int) -> list[list[int]]:
+    """B6's pairs in B6's order: its batch-32 batches, each split into 32 / ``batch`` steps below 32."""
+    if batch >= 32:
+        return b6.pair_batches(bench, seed, pairs, batch)
+    if 32 % batch:
+        raise SystemExit(f"batch {batch}: must divide 32 (or be a multiple of it)")
+    return [b[i : i + batch] for b in b6.pair_batches(bench, seed, pairs, 32) for i in range(0, 32, batch)]
+
+
+class Memory:
+    """Peak memory of one run: the process's peak RSS, and the CUDA allocator's peak when on a GPU."""
+
+    def __init__(self):
+        self.cuda = torch.cuda.is_available() and b6.TRAINER == "gpu"
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        self.rss_before = peak_rss_mb()
+
+    def record(self) -> dict:
+        out = {"peak_rss_mib": peak_rss_mb(), "peak_rss_before_mib": self.rss_before}
+        if self.cuda:
+            out["cuda_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        return out
+
+
+def do_run(bench, pool, name: str, seed: int, args) -> dict:
+    kind, batch, spec, what = RUNS[name]
+    batches = batches_of(bench, seed, args.pairs, batch)
+    ev = b6.Evaluator(pool, b6.compose_cfg(b6.BASE + b6.INBATCH).eval, args.eval_every, batch, len(batches))
+    log(f"B11 {name} seed {seed}: {len(batches)} steps of {batch} ({len(batches) * batch:,} pairs), "
+        f"{torch.get_num_threads()} thread(s)")
+    mem = Memory()
+    t0 = time.perf_counter()
+    info = (b6.run_ours(bench, spec, batches, seed, ev) if kind == "ours"
+            else b6.run_peer(bench, kind, spec, batches, seed, ev))
+    ts = ev.step_times[3:] or ev.step_times
+    return {"key": run_key(name, seed, args), "name": name, "seed": seed, "kind": kind, "batch_size": batch, "what": what,
+            "steps": len(batches), "pairs": len(batches) * batch, "train_s": ev.train_s, "eval_s": ev.eval_s,
+            "s_per_step": statistics.median(ts), "final": ev.curve[-1], "curve": ev.curve, **mem.record(),
+            "wall_s": time.perf_counter() - t0, "threads": torch.get_num_threads(), "model": args.model,
+            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), **info}
+
+
+def run_key(name: str, seed: int, args) -> str:
+    return f"{name}|seed={seed}|model={args.model}|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}"
+
+
+def references(args) -> list[dict]:
+    """B6's in-batch 32 and main-job 32 runs on the same pairs and pool, renamed (MiniLM only)."""
+    if args.model != "minilm":
+        return []
+    suffix = f"|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}"
+    back = {v: k for k, v in REFERENCES.items()}
+    return [{**r, "name": back[r["name"]], "from": "finetune_runs.jsonl"}
+            for r in read_jsonl(RESULTS / "finetune_runs.jsonl") if r["name"] in back and r["key"].endswith(suffix)]
+
+
+# ----------------------------------------------------------------------------------- report
+
+
+def goal(by: dict) -> list[str]:
+    """Issue 35's goal: at batch 8 the queue beats in-batch 8 by more than 2 std, and matches
+    GradCache-256 in at most half its seconds."""
+    q = by.get("main-8", [])
+    if not q:
+        return ["- main-8 is not run yet."]
+    out = []
+    r = by.get("inbatch-8", [])
+    for key in ("recall@1", "ndcg@10"):
+        if not r:
+            break
+        mq, sq = b6.med_std([x["final"][key] for x in q])
+        mr, sr = b6.med_std([x["final"][key] for x in r])
+        sd, n = max(v for v in (sq, sr, 0.0) if v == v), min(len(q), len(r))
+        diffs = " / ".join(f"{d:+.3f}" for d in b6.paired(q, r, key))
+        verdict = (f"beats by more than 2 std: {'yes' if mq - mr > 2 * sd else 'no'}" if n >= 3
+                   else f"{n} seed(s): no claim yet")
+        out.append(f"- {key}, main-8 vs inbatch-8: {mq:.3f} vs {mr:.3f} ({mq - mr:+.3f}, 2 std {2 * sd:.4f}); {verdict}"
+                   + (f"; seed by seed {diffs}" if diffs else ""))
+    for ref in ("gradcache-256", "cmnrl-256"):
+        g = by.get(ref, [])
+        if not g:
+            out.append(f"- vs {ref}: not run yet.")
+            continue
+        mq, mg = b6.med_std([x["final"]["recall@1"] for x in q])[0], b6.med_std([x["final"]["recall@1"] for x in g])
+        tq, tg = b6.med_std([x["train_s"] for x in q])[0], b6.med_std([x["train_s"] for x in g])[0]
+        sd = mg[1] if mg[1] == mg[1] else 0.0
+        out.append(f"- vs {ref}: recall@1 {mq:.3f} vs {mg[0]:.3f} (matches within 2 std: {'yes' if mq >= mg[0] - 2 * sd else 'no'}); "
+                   f"training seconds {tq:.0f} vs {tg:.0f} (ratio {tq / tg:.2f}; the goal: at most 0.5)")
+    return out
+
+
+def memory_cell(xs: list[dict]) -> str:
+    cuda = [x["cuda_peak_mib"] for x in xs if "cuda_peak_mib" in x]
+    rss = [x["peak_rss_mib"] for x in xs if "peak_rss_mib" in x]
+    if cuda:
+        return f"{statistics.median(cuda):,.0f} (CUDA)"
+    return f"{statistics.median(rss):,.0f} (RSS)" if rss else ""
+
+
+def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str]) -> None:
+    by: dict[str, list[dict]] = {}
+    for r in records:
+        by.setdefault(r["name"], []).append(r)
+    rows = []
+    for name in [*REFERENCES, *RUNS]:
+        xs = by.get(name)
+        if not xs:
+            continue
+        what = RUNS[name][3] if name in RUNS else f"B6's {REFERENCES[name]} (from its cache)"
+        rows.append([name, what, xs[0]["batch_size"], len(xs), b6.fmt(xs, "recall@1"), b6.fmt(xs, "mrr@10"),
+                     b6.fmt(xs, "ndcg@10"), b6.fmt(xs, "unrelated_cos_mean"),
+                     f"{b6.med_std([x['s_per_step'] for x in xs])[0]:.2f}",
+                     f"{b6.med_std([x['train_s'] for x in xs])[0]:.0f}", memory_cell(xs)])
+    md = [f"# B11: small per-step batches at equal memory ({'dry run, tiny random model' if args.dry_run else args.model})", "",
+          f"Every run: the same {args.pairs:,} training pairs in the same order (B6's), held-out pool "
+          f"{args.max_queries} queries / {args.max_docs} documents; median ± std over the seeds run. Memory: "
+          "the process's peak (RSS on a CPU, one run per process; the CUDA allocator's peak on a GPU), MiB.", "",
+          md_table(["run", "what", "batch", "seeds", "recall@1", "MRR@10", "nDCG@10", "unrelated cos", "s/step",
+                    "train s", "peak memory MiB"], rows), "",
+          "## The goal (issue 35)", "", *goal(by), ""]
+    missing = [f"{n} (seed {s})" for n in RUNS for s in SEEDS.get(n, (0,)) if not any(r["seed"] == s for r in by.get(n, []))]
+    if missing:
+        md += ["## Not run yet", "", "Planned and not in the cache (the cache resumes them): " + ", ".join(missing) + ".", ""]
+    if cut:
+        md += ["Cut in this invocation: " + ", ".join(cut) + ".", ""]
+    write_results(prefix, "\n".join(md), {"benchmark": "B11 small batches at equal memory", "pairs": args.pairs,
+                                          "model": args.model, "pool": {"queries": args.max_queries, "docs": args.max_docs},
+                                          "runs": records, "environment": environment()}, out_dir)
+    plot(by, out_dir / f"{prefix}.png")
+    log(f"wrote {out_dir / (prefix + '.md')}")
+
+
+def plot(by: dict, path: Path) -> None:
+    """recall@1 against peak memory and against training seconds, one point per run (median of seeds)."""
+    fig = figure(10.0, 4.2)
+    panels = fig.subplots(1, 2, sharey=True)
+    for ax, key, xlabel in ((panels[0], "memory", "peak memory, MiB"), (panels[1], "train_s", "training seconds")):
+        for name, xs in by.items():
+            mem = [x.get("cuda_peak_mib", x.get("peak_rss_mib")) for x in xs]
+            x = statistics.median(m for m in mem if m is not None) if key == "memory" and any(m is not None for m in mem) \
+                else statistics.median(x["train_s"] for x in xs)
+            ax.scatter([x], [b6.med_std([r["final"]["recall@1"] for r in xs])[0]], label=name, zorder=3,
+                       marker="*" if name.startswith("main") else "o")
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    panels[0].set_ylabel("recall@1")
+    panels[1].legend(fontsize=6)
+    fig.suptitle("B11: recall@1 at small per-step batches", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+# ----------------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true",
+                    help="the tiny random model, 512 pairs, a 50 / 100 pool: checks the harness (results to --out or a temp folder)")
+    ap.add_argument("--only", default=",".join(RUNS), help=f"runs to do now, of: {', '.join(RUNS)}")
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds to run now")
+    ap.add_argument("--pairs", type=int, default=None, help="training pairs per run (default 18,240, B6's)")
+    ap.add_argument("--eval-every", type=int, default=None, help="pairs between evaluations (default 6,080)")
+    ap.add_argument("--max-queries", type=int, default=None, help="queries of the pool (default 1,000)")
+    ap.add_argument("--max-docs", type=int, default=None, help="documents of the pool (default 2,400)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--report", action="store_true", help="only write the report from the cache")
+    ap.add_argument("--deadline", default=None, help="UTC HH:MM: runs not started by then are cut")
+    ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    add_location_args(ap)
+    args = ap.parse_args(argv)
+    apply_location_args(args)
+    d = args.dry_run
+    args.model = "tiny" if d else "minilm"
+    if d and "model=tiny" not in b6.BASE:  # every composed config of B6's machinery on the tiny random encoder
+        b6.BASE = [*b6.BASE, "model=tiny"]
+    args.pairs = args.pairs or (512 if d else 18240)
+    args.eval_every = args.eval_every or (256 if d else 6080)
+    args.max_queries = args.max_queries if args.max_queries is not None else (50 if d else 1000)
+    args.max_docs = args.max_docs if args.max_docs is not None else (100 if d else 2400)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out_dir = args.out or (Path(tempfile.mkdtemp(prefix="b11-dry-")) if d else RESULTS)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prefix = f"{NAME}_dry_run" if d else (NAME if args.pairs == 18240 else f"{NAME}_{args.pairs}pairs")
+    cache = out_dir / f"{prefix}_runs.jsonl"
+    cut: list[str] = []
+    if not args.report:
+        from moco_retrieval.data.sources import cap_eval_set
+
+        unknown = [n for n in args.only.split(",") if n and n not in RUNS]
+        if unknown:
+            raise SystemExit(f"--only: unknown run(s) {', '.join(unknown)}; expected some of {', '.join(RUNS)}")
+        bench = Bench()
+        pool = cap_eval_set(bench.eval_set, args.max_queries or None, args.max_docs or None, seed=0)
+        for name in [n for n in args.only.split(",") if n]:
+            for seed in [int(s) for s in args.seeds.split(",")]:
+                key = run_key(name, seed, args)
+                if any(r["key"] == key for r in read_jsonl(cache)):  # read each time: a parallel process may have finished it
+                    continue
+                if args.deadline and time.strftime("%H:%M", time.gmtime()) >= args.deadline:
+                    cut.append(f"{name} seed {seed}")
+                    continue
+                append_jsonl(cache, do_run(bench, pool, name, seed, args))
+    suffix = f"|model={args.model}|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}"
+    records = [r for r in read_jsonl(cache) if r["key"].endswith(suffix)] + references(args)
+    report(records, args, out_dir, prefix, cut)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

