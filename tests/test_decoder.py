@@ -85,7 +85,7 @@ def test_decoder_trains_with_the_queue_resumes_exports_and_searches(decoder_dir,
     resumed = fit(make_module(decoder_dir), tmp_path / "run", 2, ckpt_path=str(tmp_path / "run" / "last.ckpt"))
     assert ref["global_step"] == resumed["global_step"] == 6
     assert all(ADAPTER_MARK in k for k in ref["state_dict"] if ".backbone." in k)  # no base weights
-    assert "objective.query_queue.queue_keys" in ref["state_dict"]
+    assert "objective.queries.queue.queue_keys" in ref["state_dict"]  # the query queue
     for k, v in ref["state_dict"].items():
         assert torch.equal(v, resumed["state_dict"][k]), k
 

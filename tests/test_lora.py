@@ -135,7 +135,8 @@ def test_lora_checkpoint_holds_adapters_ema_queue_optimizer_not_the_base(lora_ru
     adapters = {k for k in state if ADAPTER_MARK in k}
     assert {k.replace("key_encoder.key_encoder.", "encoder.", 1) for k in adapters if k.startswith("key_encoder.")} \
         == {k for k in adapters if k.startswith("encoder.")}  # the EMA copy of every adapter
-    assert {"objective.queue.queue_keys", "objective.queue.queue_ids"} <= state.keys()
+    assert any(k.startswith("objective.") and k.endswith(".queue_keys") for k in state)  # the queue's keys
+    assert any(k.startswith("objective.") and k.endswith(".queue_ids") for k in state)
     n_opt = sum(len(g["params"]) for g in ckpt["optimizer_states"][0]["param_groups"])
     assert n_opt == len([k for k in adapters if k.startswith("encoder.")])  # AdamW holds the adapters only
     base_bytes = sum(t.numel() * t.element_size() for k, t in module.state_dict().items() if k in set(base))
