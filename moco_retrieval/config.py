@@ -256,6 +256,9 @@ class MomentumOptions:
     # queued keys (of each queue) re-encoded per step by the current key encoder, replacing their
     # stale versions: the negative cache's refresh (objectives/refresh.py); 0: off
     queue_refresh: int = 0
+    # several training sources (data.sources): one queue (two_queue: one pair) per source, each batch
+    # scored against and enqueued into its own source's; one source: no change (objectives/memory.py)
+    queue_per_source: bool = False
 
     RANGES: ClassVar[dict[str, Range]] = {"momentum": FRACTION, "queue_max_age": AT_LEAST_ONE,
                                           "queue_refresh": NON_NEGATIVE}
@@ -560,6 +563,12 @@ class TrainConfig:
                 f"objective.queue_refresh={self.objective.queue_refresh} with model.frozen_backbone=true: the refresh "
                 "re-encodes queued texts by the key encoder, which a frozen backbone never changes; use "
                 "objective=feature_memory (its queue is re-projected every step) or objective.queue_refresh=0"
+            )
+        if getattr(self.objective, "queue_per_source", False) and self.objective.queue_refresh:
+            raise ConfigError(
+                f"objective.queue_per_source=true with objective.queue_refresh={self.objective.queue_refresh}: the "
+                "refresh of per-source queues is not supported; set objective.queue_refresh=0 or "
+                "objective.queue_per_source=false"
             )
 
 

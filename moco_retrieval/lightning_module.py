@@ -66,9 +66,12 @@ class RetrievalModule(L.LightningModule):
         model, objective, optim, eval: configs (dataclasses, DictConfigs or dicts); see config.py.
         prompts: the data's query / document prompts (``data.prompts``), kept in the checkpoint's
             hyper-parameters so that the commands and the export use the ones trained with.
+        sources: the number of training sources (``data.sources``; 1 without): the objective keeps a
+            memory per source under ``objective.queue_per_source``.
     """
 
-    def __init__(self, model: Any, objective: Any, optim: Any, eval: Any = None, seed: int = 0, prompts: Any = None):
+    def __init__(self, model: Any, objective: Any, optim: Any, eval: Any = None, seed: int = 0, prompts: Any = None,
+                 sources: int = 1):
         super().__init__()
         self.seed = seed
         self.model_cfg: ModelConfig = to_config(ModelConfig, model)
@@ -79,7 +82,7 @@ class RetrievalModule(L.LightningModule):
         self.save_hyperparameters(
             {k: OmegaConf.to_container(OmegaConf.structured(v)) for k, v in
              dict(model=self.model_cfg, objective=self.objective_cfg, optim=self.optim_cfg, eval=self.eval_cfg).items()}
-            | {"seed": seed, "prompts": to_prompts(prompts).to_dict()}
+            | {"seed": seed, "prompts": to_prompts(prompts).to_dict(), "sources": int(sources)}
         )
         self.encoder = build_encoder(self.model_cfg)
         self.encoder.prompts = to_prompts(prompts)
@@ -87,7 +90,7 @@ class RetrievalModule(L.LightningModule):
         # the trained model's; the guide is rebuilt from its config)
         guide = build_guide_encoder(self.objective_cfg.guide, self.model_cfg)
         self._guide = (guide,) if guide is not None else ()
-        self.objective = build_objective(self.objective_cfg, self.encoder, guide)
+        self.objective = build_objective(self.objective_cfg, self.encoder, guide, sources=int(sources))
         uses_ema = self.objective.uses_momentum_encoder
         self.key_encoder = MomentumEncoder(self.encoder, self.objective.key_encoder_dropout) if uses_ema else None
         # GradCache (model.grad_cache_chunk, see gradcache.py): sides embedded with gradient go through
@@ -106,7 +109,8 @@ class RetrievalModule(L.LightningModule):
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> "RetrievalModule":
-        return cls(cfg.model, cfg.objective, cfg.optim, cfg.eval, seed=cfg.seed, prompts=cfg.data.prompts)
+        return cls(cfg.model, cfg.objective, cfg.optim, cfg.eval, seed=cfg.seed, prompts=cfg.data.prompts,
+                   sources=max(1, len(cfg.data.sources)))
 
     @staticmethod
     def state_dict_prefix(encoder: str) -> str:
@@ -162,7 +166,8 @@ class RetrievalModule(L.LightningModule):
                if view.side != "neg" or has_neg}
         step = StepInput(**emb, doc_id=batch["doc_id"], group=batch["group"], step=self.global_step,
                          neg_id=batch.get("neg_id"), neg_group=batch.get("neg_group"),
-                         tokens={name: batch[name] for name in ("query", "doc", "neg") if name in batch})
+                         tokens={name: batch[name] for name in ("query", "doc", "neg") if name in batch},
+                         source=batch.get("source"))
         return self.objective(step)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:

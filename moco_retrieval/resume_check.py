@@ -34,7 +34,7 @@ MODEL_FREE = ("path", "feature_cache_dir", "grad_cache_chunk")  # where things a
 # objective options added since checkpoints were first written: the value a checkpoint without
 # the option was trained with (the behaviour before the option existed)
 OPTIONS_BEFORE_THEY_EXISTED = {"inbatch_weight": 0.0, "queue_max_age": None, "queue_refresh": 0, "matryoshka_dims": [],
-                               "matryoshka_weights": []}
+                               "matryoshka_weights": [], "queue_per_source": False}
 
 
 def _plain(node: Any) -> Any:

@@ -14,13 +14,14 @@ from moco_retrieval.objectives.step import GUIDE, MOMENTUM, TRAINED, StepInput, 
 from moco_retrieval.objectives.two_queue import TwoQueueObjective
 
 
-def build_objective(cfg: ObjectiveConfig, encoder, guide_encoder=None) -> Objective:
+def build_objective(cfg: ObjectiveConfig, encoder, guide_encoder=None, sources: int = 1) -> Objective:
     """The objective ``cfg`` describes (its class from the registry), sized for ``encoder`` (its
-    ``dim``; its ``hidden_size`` and ``frozen`` for the feature memory) and for a fixed guide's
-    ``guide_encoder`` (its ``dim``)."""
+    ``dim``; its ``hidden_size`` and ``frozen`` for the feature memory), for a fixed guide's
+    ``guide_encoder`` (its ``dim``) and for ``sources`` training sources (``data.sources``: one
+    memory each under ``objective.queue_per_source``)."""
     cfg = objective_config(cfg)
     guide_dim = guide_encoder.dim if guide_encoder is not None else None
-    objective = OBJECTIVES[cfg.name].objective.build(cfg, encoder, guide_dim)
+    objective = OBJECTIVES[cfg.name].objective.build(cfg, encoder, guide_dim, sources)
     check_views(type(objective).__name__, objective.views)
     if objective.scoring.matryoshka is not None:  # prefixes of the encoder's embeddings, unit when they are
         objective.scoring.matryoshka.check(encoder.dim)

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from moco_retrieval.config import ObjectiveConfig
 from moco_retrieval.model.momentum import momentum_at
 from moco_retrieval.objectives.guided import Guide
-from moco_retrieval.objectives.memory import KeyMemory
+from moco_retrieval.objectives.memory import KeyMemory, PerSourceMemory
 from moco_retrieval.objectives.scoring import Scoring
 from moco_retrieval.objectives.step import GUIDE, MOMENTUM, TRAINED, StepInput, View
 
@@ -62,8 +62,9 @@ class Objective(nn.Module):
         self.key_encoder_dropout = bool(cfg.key_encoder_dropout)
 
     @classmethod
-    def build(cls, cfg: ObjectiveConfig, encoder, guide_dim: int | None) -> "Objective":
-        """The objective ``cfg`` describes, for ``encoder`` (checks what it needs of the encoder)."""
+    def build(cls, cfg: ObjectiveConfig, encoder, guide_dim: int | None, sources: int = 1) -> "Objective":
+        """The objective ``cfg`` describes, for ``encoder`` (checks what it needs of the encoder) and
+        ``sources`` training sources (``data.sources``; per-source memories need their number)."""
         return cls(cfg)
 
     # ---- what the module asks
@@ -88,7 +89,8 @@ class Objective(nn.Module):
         return self.guide.fixed
 
     def memories(self) -> list[KeyMemory]:
-        return [m for m in self.children() if isinstance(m, KeyMemory)]
+        """Every key memory, those of each source included."""
+        return [m for m in self.modules() if isinstance(m, KeyMemory)]
 
     def memory_features(self) -> Tensor:
         raise TypeError(f"{type(self).__name__} stores no features (it declares no 'memory' view)")
@@ -117,14 +119,15 @@ class Objective(nn.Module):
     def stats(self, step: int) -> dict[str, float]:
         """What is remembered between steps, for logging (e.g. queue fill and age)."""
         out: dict[str, float] = {}
-        for memory in self.memories():
-            out.update(memory.stats(step))
+        for memory in self.children():
+            if isinstance(memory, (KeyMemory, PerSourceMemory)):  # a per-source one names each source's
+                out.update(memory.stats(step))
         return out
 
     def unsynced_state(self) -> dict[str, Tensor]:
         """The state each rank keeps itself (DDP synchronises gradients, not this): every buffer of
         the memories and of the logQ estimator, by state-dict name. Ranks must hold it identical."""
-        parts = [(name, m) for name, m in self.named_children() if isinstance(m, KeyMemory)]
+        parts = [(name, m) for name, m in self.named_modules() if isinstance(m, KeyMemory)]
         if self.scoring.logq is not None:
             parts.append(("scoring.logq", self.scoring.logq))
         return {f"{name}.{b}": t for name, m in parts for b, t in m.named_buffers()}

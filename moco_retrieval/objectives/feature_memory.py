@@ -61,7 +61,7 @@ class FeatureMemoryObjective(Objective):
         self.batch_negatives = bool(cfg.batch_negatives)
 
     @classmethod
-    def build(cls, cfg: FeatureMemoryConfig, encoder, guide_dim: int | None) -> "FeatureMemoryObjective":
+    def build(cls, cfg: FeatureMemoryConfig, encoder, guide_dim: int | None, sources: int = 1) -> "FeatureMemoryObjective":
         if not encoder.frozen:
             raise ValueError(
                 "objective=feature_memory needs model.frozen_backbone=true: only a frozen backbone's features stay "

@@ -68,7 +68,7 @@ class ICoLObjective(Objective):
         self.register_load_state_dict_post_hook(_sync_phase)
 
     @classmethod
-    def build(cls, cfg: ICoLConfig, encoder, guide_dim: int | None) -> "ICoLObjective":
+    def build(cls, cfg: ICoLConfig, encoder, guide_dim: int | None, sources: int = 1) -> "ICoLObjective":
         if encoder.shared_tower:  # (TrainConfig refuses the combination first)
             raise ValueError("objective=icol needs model.shared_tower=false: it trains the two towers in turns")
         return cls(cfg, encoder.dim)

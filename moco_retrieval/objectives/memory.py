@@ -9,7 +9,10 @@
 
 MoCo owns one (documents), the two-queue objective two (documents, queries), ICoL one per phase
 (emptied when the phase turns), the feature memory one (backbone features, re-projected every
-step). Everything it remembers is in buffers (checkpointed), identical on every rank because every
+step). With ``objective.queue_per_source`` and several training sources, MoCo and the two-queue
+objective hold a ``PerSourceMemory`` in place of each: one memory per source, of which a batch (every
+rank's rows come from one source: the multi-source sampler draws one per global batch) reads and
+writes only its own source's, so its negatives are texts of its own kind. Everything it remembers is in buffers (checkpointed), identical on every rank because every
 write is all-gathered in rank order first: state DDP does not synchronise.
 """
 from __future__ import annotations
@@ -17,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from moco_retrieval.objectives.queue import NegativeQueue
+from moco_retrieval.distributed import all_gather_no_grad
+from moco_retrieval.objectives.queue import NegativeQueue, check_queues_fit
 from moco_retrieval.objectives.refresh import QueueRefresh
 from moco_retrieval.objectives.step import MOMENTUM, Enqueue, StepInput, View
 
@@ -59,6 +63,10 @@ class KeyMemory(nn.Module):
         return cls(cfg.queue_size, dim, cfg.queue_dtype, getattr(cfg, "queue_max_age", None), kind=kind,
                    prefix=prefix, guide_dim=guide_dim, refresh=refresh,
                    width=max_len[kind] if refresh and max_len is not None else None)
+
+    def for_batch(self, batch: StepInput) -> "KeyMemory":
+        """The memory ``batch`` reads and writes: this one (``PerSourceMemory`` picks by source)."""
+        return self
 
     # ---- what the objective's directions read
     @property
@@ -139,6 +147,65 @@ class KeyMemory(nn.Module):
         return out
 
 
+class PerSourceMemory(nn.Module):
+    """One ``KeyMemory`` per training source (``objective.queue_per_source``): ``for_batch`` is the
+    memory of the batch's source, the only one its forward scores against and holds keys for. State-dict
+    keys ``<name>.sources.<S>.queue...``; logged stats ``{prefix}_fill_source_<S>`` (and ``_age``)."""
+
+    def __init__(self, memories: list[KeyMemory]):
+        super().__init__()
+        self.sources = nn.ModuleList(memories)
+
+    def for_batch(self, batch: StepInput) -> KeyMemory:
+        return self.sources[batch_source(batch, len(self.sources))]
+
+    def stats(self, step: int) -> dict[str, float]:
+        return {f"{k}_source_{s}": v for s, memory in enumerate(self.sources) for k, v in memory.stats(step).items()}
+
+
+def batch_source(batch: StepInput, sources: int) -> int:
+    """The one source of ``batch``: every row of every rank's batch must come from it (per-source
+    memories all-gather their writes, so all ranks must write the same source's memory)."""
+    if batch.source is None:
+        raise ValueError("objective.queue_per_source: the batch has no 'source' entry (a run on several "
+                         "data.sources collates one)")
+    ends = all_gather_no_grad(torch.stack([batch.source.min(), batch.source.max()]).long()).tolist()
+    if len(set(ends)) != 1:
+        raise RuntimeError(f"objective.queue_per_source needs every rank's batch of a step from one source; "
+                           f"the ranks' (min, max) sources are {list(zip(ends[::2], ends[1::2]))}")
+    if not 0 <= ends[0] < sources:
+        raise ValueError(f"a batch of source {ends[0]}, but the objective was built for {sources} source(s)")
+    return ends[0]
+
+
+def memory_queues(cfg, dim: int, guide_dim: int | None = None) -> list[tuple[int, int, str]]:
+    """``(size, dim, dtype)`` of each queue one memory of ``cfg`` allocates (keys, and a guide's)."""
+    return [(cfg.queue_size, d, cfg.queue_dtype) for d in (dim, guide_dim) if d is not None]
+
+
+def memories_per_side(cfg, sources: int) -> int:
+    """How many memories an objective keeps per side: one per source with ``queue_per_source`` (one
+    source: one, the same memory and checkpoint as without it)."""
+    return sources if getattr(cfg, "queue_per_source", False) else 1
+
+
+def side_memory(cfg, dim: int, sources: int, **kwargs) -> "KeyMemory | PerSourceMemory":
+    """One side's memory (``KeyMemory.of``'s arguments), or one per source (see ``memories_per_side``)."""
+    n = memories_per_side(cfg, sources)
+    if n == 1:
+        return KeyMemory.of(cfg, dim, **kwargs)
+    if getattr(cfg, "queue_refresh", 0):
+        raise ValueError("objective.queue_refresh does not refresh per-source queues: set objective.queue_refresh=0 "
+                         "or objective.queue_per_source=false")
+    return PerSourceMemory([KeyMemory.of(cfg, dim, **kwargs) for _ in range(n)])
+
+
+def check_memories_fit(cfg, dim: int, guide_dim: int | None, sides: int, sources: int) -> None:
+    """All the queues of ``sides`` memories (each per source when asked) fit in memory together:
+    checked before any is allocated."""
+    check_queues_fit(memory_queues(cfg, dim, guide_dim) * (sides * memories_per_side(cfg, sources)))
+
+
 def batch_enqueue(batch: StepInput, side: str, keys: Tensor, gathered=None, guide_keys: Tensor | None = None,
                   gathered_guide: Tensor | None = None) -> Enqueue:
     """The batch's keys of one ``side`` ("doc" or "query") for a memory: the all-gathered ones
@@ -150,4 +217,5 @@ def batch_enqueue(batch: StepInput, side: str, keys: Tensor, gathered=None, guid
     return Enqueue(keys, batch.doc_id, batch.group, batch.step, guide_keys=guide_keys, tokens=tokens)
 
 
-__all__ = ["KeyMemory", "batch_enqueue", "FRESH_VIEW"]
+__all__ = ["KeyMemory", "PerSourceMemory", "batch_enqueue", "batch_source", "check_memories_fit", "side_memory",
+           "FRESH_VIEW"]

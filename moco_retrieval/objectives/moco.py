@@ -23,7 +23,7 @@ import torch
 from moco_retrieval.config import MoCoConfig
 from moco_retrieval.objectives.base import Objective
 from moco_retrieval.objectives.direction import Direction, Keys, gathered_keys
-from moco_retrieval.objectives.memory import KeyMemory, batch_enqueue
+from moco_retrieval.objectives.memory import batch_enqueue, check_memories_fit, side_memory
 from moco_retrieval.objectives.step import MOMENTUM, Enqueue, StepInput, View
 
 
@@ -34,15 +34,16 @@ def hard_keys(batch: StepInput) -> Keys | None:
     return Keys(batch.neg.detach().float(), batch.neg_id, batch.neg_group)
 
 
-def build_momentum_objective(cls, cfg, encoder, guide_dim: int | None):
-    """``cls(cfg, dim, guide_dim, max_len)`` for ``encoder``: MoCo's and the two-queue objective's
-    ``build`` (``max_len``, the encoder's tokens per kind, is the width of a refreshing memory's texts)."""
+def build_momentum_objective(cls, cfg, encoder, guide_dim: int | None, sources: int = 1):
+    """``cls(cfg, dim, guide_dim, max_len, sources)`` for ``encoder``: MoCo's and the two-queue
+    objective's ``build`` (``max_len``, the encoder's tokens per kind, is the width of a refreshing
+    memory's texts)."""
     max_len = None
     if cfg.queue_refresh:
         if encoder.frozen:  # (TrainConfig refuses the combination first)
             raise ValueError("objective.queue_refresh needs a trained backbone: a frozen one never changes its keys")
         max_len = {kind: encoder.max_len(kind) for kind in ("query", "doc")}
-    return cls(cfg, encoder.dim, guide_dim, max_len)
+    return cls(cfg, encoder.dim, guide_dim, max_len, sources)
 
 
 class MoCoObjective(Objective):
@@ -61,13 +62,18 @@ class MoCoObjective(Objective):
         dim: the embedding dimension (the queue's key width).
         guide_dim: a fixed guide encoder's dimension, when ``cfg.guide`` names one.
         max_len: the encoder's tokens per kind, when ``cfg.queue_refresh`` keeps the queued texts.
+        sources: the training sources (``data.sources``); with ``cfg.queue_per_source`` and more than
+            one, one queue per source, and a batch (of one source) meets only its own source's keys:
+            a queue mixing kinds of text hands a batch mostly easy negatives. Off by default (MoCo's
+            one queue); with one source it changes nothing.
 
     References:
         - He et al., "Momentum Contrast for Unsupervised Visual Representation Learning", CVPR 2020.
         - Izacard et al., "Unsupervised Dense Information Retrieval with Contrastive Learning"
           (Contriever), 2021; facebookresearch/contriever ``src/moco.py``.
 
-    Parts: one ``Direction`` (queries -> documents); one ``KeyMemory``, ``docs``.
+    Parts: one ``Direction`` (queries -> documents); one ``KeyMemory``, ``docs`` (a ``PerSourceMemory``
+    of them with ``queue_per_source``).
 
     Relations:
         - ``TwoQueueObjective`` adds the document -> query direction and a query memory: both
@@ -80,9 +86,12 @@ class MoCoObjective(Objective):
     LEGACY_KEYS = {**Objective.LEGACY_KEYS, "queue.": "docs.queue.", "guide_queue.": "docs.guide.",
                    "doc_refresh.": "docs.refresh."}
 
-    def __init__(self, cfg: MoCoConfig, dim: int, guide_dim: int | None = None, max_len: dict | None = None):
+    def __init__(self, cfg: MoCoConfig, dim: int, guide_dim: int | None = None, max_len: dict | None = None,
+                 sources: int = 1):
         super().__init__(cfg)
-        self.docs = KeyMemory.of(cfg, dim, guide_dim=guide_dim if self.fixed_guide else None, max_len=max_len)
+        guide_dim = guide_dim if self.fixed_guide else None
+        check_memories_fit(cfg, dim, guide_dim, sides=1, sources=sources)
+        self.docs = side_memory(cfg, dim, sources, guide_dim=guide_dim, max_len=max_len)
         self.batch_negatives = bool(cfg.batch_negatives)
         self.enqueue_hard_negatives = bool(cfg.enqueue_hard_negatives)
         self.use_momentum_encoder(cfg)
@@ -97,11 +106,12 @@ class MoCoObjective(Objective):
             keys = gathered_keys(k, batch.doc_id, batch.group) if self.batch_negatives else None
             self.scoring.observe(keys.ids if keys is not None else None, batch.doc_id, batch.step)
             hard = hard_keys(batch)
-            guide = self.guide.scores(batch, "query", memory=self.docs,
+            docs = self.docs.for_batch(batch)  # (the batch's source's, with queue_per_source)
+            guide = self.guide.scores(batch, "query", memory=docs,
                                       batch_keys=keys.vectors if keys is not None else None, hard=True)
-            qd = Direction(self.scoring, q, k, batch.doc_id, batch.group, guide).add_keys(keys, hard, self.docs)
+            qd = Direction(self.scoring, q, k, batch.doc_id, batch.group, guide).add_keys(keys, hard, docs)
             loss, stats = qd.loss(tau)
-        self.hold(self.docs, self.enqueue(batch, k, keys, guide))
+        self.hold(docs, self.enqueue(batch, k, keys, guide))
         return loss, stats
 
     def enqueue(self, batch: StepInput, k: torch.Tensor, keys: Keys | None, guide) -> Enqueue:

@@ -71,6 +71,22 @@ def check_queue_fits(size: int, dim: int, dtype: str, available: int | None = No
             "(objective.queue_dtype=bfloat16 halves the keys)")
 
 
+def check_queues_fit(queues: list[tuple[int, int, str]], available: int | None = None) -> None:
+    """``check_queue_fits`` for all of an objective's queues together (``(size, dim, dtype)`` each:
+    key queues, guide queues, one set per source), before any is allocated."""
+    if len(queues) == 1:
+        return check_queue_fits(*queues[0], available)
+    need = sum(queue_bytes(*q) for q in queues)
+    available = available_memory() if available is None else available
+    if available is not None and need > available:
+        parts = " + ".join(f"{size:,} x ({dim} x {DTYPES[dtype].itemsize} + {SLOT_METADATA_BYTES}) bytes"
+                           for size, dim, dtype in queues)
+        raise ConfigError(
+            f"objective.queue_size={queues[0][0]:,}: the objective's {len(queues)} queues need {need:,} bytes "
+            f"({_human(need)}: {parts}), more than the {_human(available)} of memory available; lower "
+            "objective.queue_size (objective.queue_dtype=bfloat16 halves the keys)")
+
+
 def _human(n: float) -> str:
     for unit in ("bytes", "KB", "MB", "GB", "TB", "PB"):
         if n < 1000 or unit == "PB":

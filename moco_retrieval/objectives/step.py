@@ -57,6 +57,7 @@ class StepInput:
     doc_features: the documents' frozen backbone features (what feature_memory stores).
     memory: the stored features through the current head, with gradient (feature_memory).
     tokens: the batch's sides as collated ("query", "doc", "neg"), for memories that keep texts.
+    source: each row's training source (data.sources) [B], when the batch says (per-source memories).
     """
 
     q: Tensor
@@ -77,9 +78,11 @@ class StepInput:
     doc_features: Tensor | None = None
     memory: Tensor | None = None
     tokens: dict = field(default_factory=dict)
+    source: Tensor | None = None
 
 
-VIEW_NAMES = frozenset(f.name for f in fields(StepInput)) - {"doc_id", "group", "step", "neg_id", "neg_group", "tokens"}
+VIEW_NAMES = frozenset(f.name for f in fields(StepInput)) - {"doc_id", "group", "step", "neg_id", "neg_group", "tokens",
+                                                             "source"}
 
 
 def check_views(owner: str, views: dict[str, View]) -> None:

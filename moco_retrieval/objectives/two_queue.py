@@ -36,7 +36,7 @@ from moco_retrieval.distributed import all_gather_no_grad, all_gather_with_grad
 from moco_retrieval.objectives.base import Objective
 from moco_retrieval.objectives.direction import Direction, Keys, gathered_keys
 from moco_retrieval.objectives.guided import GuideScores
-from moco_retrieval.objectives.memory import KeyMemory, batch_enqueue
+from moco_retrieval.objectives.memory import batch_enqueue, check_memories_fit, side_memory
 from moco_retrieval.objectives.moco import build_momentum_objective, hard_keys
 from moco_retrieval.objectives.step import MOMENTUM, StepInput, View
 
@@ -63,6 +63,9 @@ class TwoQueueObjective(Objective):
         dim: the embedding dimension (both queues' key width).
         guide_dim: a fixed guide encoder's dimension, when ``cfg.guide`` names one.
         max_len: the encoder's tokens per kind, when ``cfg.queue_refresh`` keeps the queued texts.
+        sources: the training sources (``data.sources``); with ``cfg.queue_per_source`` and more than
+            one, one pair of queues per source, and a batch (of one source) meets only its own source's
+            keys in both directions. Off by default; with one source it changes nothing.
 
     References:
         - Yang et al., "xMoCo: Cross Momentum Contrastive Learning for Open-Domain Question
@@ -75,7 +78,8 @@ class TwoQueueObjective(Objective):
           memory loss summed. Li et al. 2023, "Towards General Text Embeddings with Multi-stage
           Contrastive Learning" (GTE): same-side negatives.
 
-    Parts: two ``Direction``s (and an in-batch one); two ``KeyMemory``s, ``docs`` and ``queries``.
+    Parts: two ``Direction``s (and an in-batch one); two ``KeyMemory``s, ``docs`` and ``queries`` (each a
+    ``PerSourceMemory`` of them with ``queue_per_source``).
 
     Relations:
         - ``MoCoObjective`` is the query -> document direction alone.
@@ -94,13 +98,16 @@ class TwoQueueObjective(Objective):
                    "doc_refresh.": "docs.refresh.", "query_queue.": "queries.queue.",
                    "query_guide_queue.": "queries.guide.", "query_refresh.": "queries.refresh."}
 
-    def __init__(self, cfg: TwoQueueConfig, dim: int, guide_dim: int | None = None, max_len: dict | None = None):
+    def __init__(self, cfg: TwoQueueConfig, dim: int, guide_dim: int | None = None, max_len: dict | None = None,
+                 sources: int = 1):
         super().__init__(cfg)
         if min(cfg.doc_to_query_weight, cfg.queue_warmup_steps, cfg.inbatch_weight) < 0:
             raise ValueError("objective.doc_to_query_weight, queue_warmup_steps and inbatch_weight must be >= 0")
         guide_dim = guide_dim if self.fixed_guide else None
-        self.docs = KeyMemory.of(cfg, dim, guide_dim=guide_dim, max_len=max_len)
-        self.queries = KeyMemory.of(cfg, dim, kind="query", prefix="query_queue", guide_dim=guide_dim, max_len=max_len)
+        check_memories_fit(cfg, dim, guide_dim, sides=2, sources=sources)
+        self.docs = side_memory(cfg, dim, sources, guide_dim=guide_dim, max_len=max_len)
+        self.queries = side_memory(cfg, dim, sources, kind="query", prefix="query_queue", guide_dim=guide_dim,
+                                   max_len=max_len)
         self.batch_negatives = bool(cfg.batch_negatives)
         self.doc_to_query_weight = float(cfg.doc_to_query_weight)
         self.queue_warmup_steps = int(cfg.queue_warmup_steps)
@@ -122,12 +129,13 @@ class TwoQueueObjective(Objective):
             batch_q = Keys(all_gather_no_grad(q_key), batch_k.ids, batch_k.groups) if batch_k is not None else None
             self.scoring.observe(batch_k.ids if batch_k is not None else None, ids, batch.step)
             counted = batch.step >= self.queue_warmup_steps
-            docs, queries = (self.docs, self.queries) if counted else (None, None)
+            docs_memory, queries_memory = self.docs.for_batch(batch), self.queries.for_batch(batch)  # (its source's)
+            docs, queries = (docs_memory, queries_memory) if counted else (None, None)
             # masked_by_* are query -> document's (each loss counts its own blocks' masks), as under MoCo
-            guide_qd = self.guide.scores(batch, "query", memory=self.docs, hard=True,
+            guide_qd = self.guide.scores(batch, "query", memory=docs_memory, hard=True,
                                          batch_keys=batch_k.vectors if batch_k is not None else None)
             qd = Direction(self.scoring, q, k, ids, groups, guide_qd).add_keys(batch_k, hard_keys(batch), docs)
-            guide_dq = self.guide.scores(batch, "doc", memory=self.queries,
+            guide_dq = self.guide.scores(batch, "doc", memory=queries_memory,
                                          batch_keys=batch_q.vectors if batch_q is not None else None)
             dq = Direction(self.scoring, d, q_key, ids, groups, guide_dq).add_keys(batch_q, None, queries)
             if self.same_side_negatives:  # q -> other query keys + query queue; d -> other doc keys + doc queue
@@ -146,7 +154,8 @@ class TwoQueueObjective(Objective):
         stats.update(loss=loss.detach(), loss_query_to_doc=loss_qd.detach(), loss_doc_to_query=loss_dq.detach(),
                      accuracy_doc_to_query=stats_dq["accuracy"],
                      masked_per_query_doc_to_query=stats_dq["masked_per_query"])
-        self.hold_keys(batch, (self.docs, "doc", k, batch_k, guide_qd), (self.queries, "query", q_key, batch_q, guide_dq))
+        self.hold_keys(batch, (docs_memory, "doc", k, batch_k, guide_qd),
+                       (queries_memory, "query", q_key, batch_q, guide_dq))
         return loss, stats
 
     def hold_keys(self, batch: StepInput, *memories: tuple) -> None:
