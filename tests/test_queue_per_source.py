@@ -5,6 +5,7 @@ preemption fingerprint covers every source's memory, and all the queues' memory 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -107,6 +108,34 @@ def test_enqueue_lands_in_the_batchs_source_memory_only(make, sides):
     assert "queue_fill" not in stats
     if "queries" in sides:
         assert stats["query_queue_fill_source_2"] == 2 * B
+
+
+@pytest.mark.parametrize("cls,cfg_cls", [(MoCoObjective, MoCoConfig), (TwoQueueObjective, TwoQueueConfig)])
+def test_each_source_trains_as_a_plain_objective_on_its_own_batches(cls, cfg_cls):
+    """With a fixed guide (its embeddings queued slot for slot): over steps of sources 0, 1, 1, 0, 1, the
+    per-source objective's losses on source 1's steps, and source 1's memories (keys, guide embeddings),
+    equal those of a plain objective that only ever saw source 1's batches."""
+    cfg = cfg_cls(queue_size=SIZE, temperature=TAU, guide="base", guide_margin=0.02, queue_per_source=True)
+    per = cls(cfg, D, guide_dim=D, sources=2).train()
+    plain = cls(dataclasses.replace(cfg, queue_per_source=False), D, guide_dim=D).train()
+    per_losses, plain_losses = [], []
+    for step, source in enumerate([0, 1, 1, 0, 1]):
+        x = dict(q=unit(B, D, seed=10 + step), k=unit(B, D, seed=20 + step), doc_id=torch.arange(B) + 10 * step,
+                 group=torch.full((B,), -1), step=step, g_q=unit(B, D, seed=30 + step), g_k=unit(B, D, seed=40 + step),
+                 d=unit(B, D, seed=50 + step), q_key=unit(B, D, seed=60 + step))
+        for obj, out, src in ((per, per_losses, torch.full((B,), source)), (plain, plain_losses, None)):
+            if obj is plain and source != 1:
+                continue
+            loss, stats = obj(StepInput(**x, source=src))
+            obj.after_backward()
+            out.append((loss.item(), float(stats["masked_by_guide"])))
+    assert [per_losses[i] for i in (1, 2, 4)] == plain_losses
+    assert plain_losses[-1][1] > 0  # the guide masked queued candidates
+    for side in ("docs", "queries") if cls is TwoQueueObjective else ("docs",):
+        mine, ref = getattr(per, side).sources[1].state_dict(), getattr(plain, side).state_dict()
+        assert mine.keys() == ref.keys() and any(k.startswith("guide.") for k in ref)
+        for k in ref:
+            assert torch.equal(mine[k], ref[k]), (side, k)
 
 
 def test_a_batch_must_come_from_one_known_source():
