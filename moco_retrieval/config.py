@@ -250,7 +250,7 @@ class OptimConfig(RangeChecked):
 
 @dataclass
 class ColumnsConfig:
-    """``data=parquet`` / ``data=csv``: the column holding each field of a pair (data/tabular.py)."""
+    """``data=parquet`` / ``data=csv`` / ``data=hf``: the column holding each field of a pair (data/tabular.py)."""
 
     query: str = "query"
     positive: str = "positive"
@@ -263,10 +263,12 @@ class ColumnsConfig:
 
 @dataclass
 class DataConfig(RangeChecked):
-    kind: str = "debian"  # debian | jsonl | parquet | csv | beir
+    kind: str = "debian"  # debian | jsonl | parquet | csv | hf | beir
     train_path: Optional[str] = None  # jsonl / parquet / csv: training pairs
-    eval_dir: Optional[str] = None  # jsonl / parquet / csv: BEIR-layout evaluation directory
-    columns: ColumnsConfig = field(default_factory=ColumnsConfig)  # parquet / csv column names
+    eval_dir: Optional[str] = None  # jsonl / parquet / csv / hf: BEIR-layout evaluation directory
+    columns: ColumnsConfig = field(default_factory=ColumnsConfig)  # parquet / csv / hf column names
+    path: Optional[str] = None  # hf: a `save_to_disk` folder (Dataset or DatasetDict) or a folder of Parquet shards
+    split: str = "train"  # hf: the split of a DatasetDict (or the subfolder of Parquet shards)
     dir: Optional[str] = None  # beir: directory with corpus.jsonl, queries.jsonl, qrels/
     train_split: str = "train"
     eval_split: str = "test"

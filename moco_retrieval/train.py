@@ -200,8 +200,8 @@ def _train(cfg: TrainConfig, run_dir: Path) -> dict:
     module, dm, trainer = build(cfg, run_dir, dm)
     if module.encoder.frozen:  # every frozen feature computed (or loaded) once, up front
         module.encoder.warm_features(
-            queries=[p.query for p in dm.train_pairs] + list(dm.eval_set.queries.values()),
-            docs=[p.positive for p in dm.train_pairs] + list(dm.eval_set.corpus.values()),
+            queries=dm.train_texts("query") + list(dm.eval_set.queries.values()),
+            docs=dm.train_texts("positive") + list(dm.eval_set.corpus.values()),
         )
     if trainer.is_global_zero:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))

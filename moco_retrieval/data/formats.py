@@ -243,11 +243,15 @@ def read_pairs_jsonl(path: PathLike) -> list[Pair]:
 
 
 def read_pairs_jsonl_located(path: PathLike) -> list[tuple[int, Pair]]:
-    """Like :func:`read_pairs_jsonl`, with each pair's line number (for later error messages).
+    """Like :func:`read_pairs_jsonl`, with each pair's line number (for later error messages)."""
+    return list(iter_pairs_jsonl_located(path))
+
+
+def iter_pairs_jsonl_located(path: PathLike) -> Iterator[tuple[int, Pair]]:
+    """``(line, pair)`` of each line, streamed (the conversion into a store reads files this way).
 
     A given ``doc_id`` names one document: the same id on two lines with different positive texts
     is an error naming both lines (those documents would mask each other as false negatives)."""
-    out = []
     given: dict[int, tuple[int, int]] = {}  # doc_id -> (first line, id of its positive's text)
     for line, obj in iter_jsonl(path, "training pairs"):
         pair = pair_from_json(obj, path, line)
@@ -259,8 +263,7 @@ def read_pairs_jsonl_located(path: PathLike) -> list[tuple[int, Pair]]:
                     "expected one text per doc_id (give the two documents different ids, or leave doc_id out "
                     "to derive it from the text)"
                 )
-        out.append((line, pair))
-    return out
+        yield line, pair
 
 
 def pair_to_json(pair: Pair) -> dict:
@@ -504,6 +507,7 @@ __all__ = [
     "pair_to_json",
     "read_pairs_jsonl",
     "read_pairs_jsonl_located",
+    "iter_pairs_jsonl_located",
     "write_jsonl",
     "write_pairs_jsonl",
     "beir_doc_text",

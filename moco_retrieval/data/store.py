@@ -1,0 +1,195 @@
+"""Training pairs on disk: a converted store (written by :mod:`.convert`) opened memory-mapped.
+
+A store is a folder::
+
+    pairs.arrow      Arrow stream (what ``datasets`` writes and ``Dataset.from_file`` opens), one row per
+                     pair: query, positive, query_id, positive_score, negatives (list of {text, doc_id,
+                     group, score})
+    doc_id.npy group.npy n_neg.npy     int64, int64, int32 per row: what the sampler and the masks need
+    file.npy line.npy                  per row, the input file (index into manifest "files") and its line/row
+    offsets.npy      row offsets of the sources in the store ([0, rows] for one; concatenated sources add theirs)
+    manifest.json    version, rows, files, location template, fingerprint, conversion time
+
+Every process memory-maps the same pages (``np.load(mmap_mode="r")`` and Arrow's memory map), so
+nothing is parsed again and the pages are shared by the ranks of a node. :class:`PairRows` is the
+view training uses (a store, or pairs already in memory), with the rows a cap keeps; its
+:meth:`~PairRows.take` reads one batch's rows.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from .formats import Negative, Pair
+
+STORE_VERSION = 1
+TABLE = "pairs.arrow"
+MANIFEST = "manifest.json"
+ARRAYS = ("doc_id", "group", "n_neg", "file", "line", "offsets")
+
+
+def store_schema():
+    import pyarrow as pa
+
+    negative = pa.struct([("text", pa.string()), ("doc_id", pa.int64()), ("group", pa.int64()), ("score", pa.float64())])
+    return pa.schema([("query", pa.string()), ("positive", pa.string()), ("query_id", pa.string()),
+                      ("positive_score", pa.float64()), ("negatives", pa.list_(negative))])
+
+
+def read_manifest(folder: Path) -> dict:
+    return json.loads((Path(folder) / MANIFEST).read_text())
+
+
+class PairStore:
+    """A converted store, opened lazily (texts through ``datasets``, numbers through numpy memory
+    maps); pickled as its folder, so DataLoader workers open their own maps."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.manifest = read_manifest(self.folder)
+        self._arrays: dict[str, np.ndarray] = {}
+        self._table: Any = None
+
+    def __len__(self) -> int:
+        return int(self.manifest["rows"])
+
+    def array(self, name: str) -> np.ndarray:
+        if name not in self._arrays:
+            self._arrays[name] = np.load(self.folder / f"{name}.npy", mmap_mode="r")
+        return self._arrays[name]
+
+    @property
+    def table(self) -> Any:
+        """The Arrow table as a ``datasets.Dataset`` (memory-mapped)."""
+        if self._table is None:
+            import datasets
+
+            self._table = datasets.Dataset.from_file(str(self.folder / TABLE)).with_format("arrow")
+        return self._table
+
+    def where(self, row: int) -> str:
+        files = self.manifest["files"]
+        return self.manifest["location"].format(file=files[int(self.array("file")[row])], line=int(self.array("line")[row]))
+
+    def take(self, rows: Sequence[int]) -> list[Pair]:
+        """The pairs at ``rows`` (one read of the table for all of them)."""
+        rows = [int(r) for r in rows]
+        records = self.table[rows].to_pylist()
+        ids, groups = self.array("doc_id")[rows], self.array("group")[rows]
+        return [_pair(rec, int(d), int(g)) for rec, d, g in zip(records, ids, groups)]
+
+    def column(self, name: str) -> list:
+        """One text column of every row (e.g. every query, for frozen features)."""
+        return self.table.select_columns([name])[name].to_pylist()
+
+    def __getstate__(self) -> dict:
+        return {"folder": self.folder, "manifest": self.manifest}
+
+    def __setstate__(self, state: dict) -> None:
+        self.folder, self.manifest = state["folder"], state["manifest"]
+        self._arrays, self._table = {}, None
+
+
+def _pair(rec: dict, doc_id: int, group: int) -> Pair:
+    negs = [Negative(doc_id=n["doc_id"], text=n["text"], score=n["score"], group=n["group"]) for n in rec["negatives"] or ()]
+    return Pair(query=rec["query"], positive=rec["positive"], doc_id=doc_id, group=group, query_id=rec["query_id"],
+                negatives=negs, positive_score=rec["positive_score"])
+
+
+class PairList:
+    """Pairs already in memory (BEIR qrels, ``from_loaded``) behind the interface of :class:`PairStore`."""
+
+    def __init__(self, pairs: Sequence[Pair], where: Optional[Sequence[str]] = None):
+        self.pairs, self._where = list(pairs), list(where) if where is not None else None
+        if self._where is not None and len(self._where) != len(self.pairs):
+            raise ValueError(f"{len(self._where)} source locations for {len(self.pairs)} training pairs")
+        self._arrays = {
+            "doc_id": np.array([p.doc_id for p in self.pairs], dtype=np.int64),
+            "group": np.array([p.group for p in self.pairs], dtype=np.int64),
+            "n_neg": np.array([len(p.negatives) for p in self.pairs], dtype=np.int32),
+        }
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def array(self, name: str) -> np.ndarray:
+        return self._arrays[name]
+
+    def where(self, row: int) -> Optional[str]:
+        return self._where[row] if self._where is not None else None
+
+    def take(self, rows: Sequence[int]) -> list[Pair]:
+        return [self.pairs[int(r)] for r in rows]
+
+    def column(self, name: str) -> list:
+        return [getattr(p, name) for p in self.pairs]
+
+
+class PairRows:
+    """Training rows: a :class:`PairStore` or :class:`PairList` and the rows of it kept (a cap), in
+    order. Index ``i`` of the view is row ``rows[i]`` of the source."""
+
+    def __init__(self, source: Any, rows: Optional[np.ndarray] = None):
+        self.source = source
+        self.rows = None if rows is None else np.asarray(rows, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.source) if self.rows is None else len(self.rows)
+
+    def _at(self, name: str) -> np.ndarray:
+        a = self.source.array(name)
+        return a if self.rows is None else a[self.rows]
+
+    @property
+    def doc_ids(self) -> np.ndarray:
+        return self._at("doc_id")
+
+    @property
+    def groups(self) -> np.ndarray:
+        return self._at("group")
+
+    @property
+    def negative_counts(self) -> np.ndarray:
+        return self._at("n_neg")
+
+    def _row(self, i: int) -> int:
+        return int(i) if self.rows is None else int(self.rows[int(i)])
+
+    def where(self, i: int) -> Optional[str]:
+        return self.source.where(self._row(i))
+
+    def take(self, indices: Sequence[int]) -> list[Pair]:
+        return self.source.take([self._row(i) for i in indices])
+
+    def column(self, name: str) -> list:
+        values = self.source.column(name)
+        return values if self.rows is None else [values[int(r)] for r in self.rows]
+
+    def pairs(self) -> list[Pair]:
+        """Every row as a Pair (small sets and tests: a store's rows stay on disk otherwise)."""
+        return self.take(range(len(self)))
+
+
+class PairRowsDataset(Dataset):
+    """``(index, Pair)`` items (what the collate takes); a batch's rows are read in one go
+    (``__getitems__``, which the DataLoader calls with the sampler's batch)."""
+
+    def __init__(self, rows: PairRows):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> tuple[int, Pair]:
+        return int(i), self.rows.take([i])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[int, Pair]]:
+        return list(zip((int(i) for i in indices), self.rows.take(indices)))
+
+
+__all__ = ["STORE_VERSION", "TABLE", "MANIFEST", "ARRAYS", "store_schema", "read_manifest", "PairStore", "PairList",
+           "PairRows", "PairRowsDataset"]
