@@ -1,4 +1,7 @@
-"""``python -m moco_retrieval.data debian --out DIR [--lists DIR | --translation FILE --packages FILE]``"""
+"""``python -m moco_retrieval.data debian --out DIR [--lists DIR | --translation FILE --packages FILE]``
+
+``python -m moco_retrieval.data prepare data=KIND data.KEY=VALUE ...``: convert a run's training pairs
+into their store (convert.py) ahead of a cluster job, with the same ``data.*`` overrides as the run."""
 from __future__ import annotations
 
 import argparse
@@ -41,11 +44,51 @@ def _parser() -> argparse.ArgumentParser:
         "--dedup", choices=DEDUP_MODES, default="first-paragraph",
         help="document key for duplicate removal (default first-paragraph)",
     )
+    p = sub.add_parser(
+        "prepare",
+        help="convert training pairs into the memory-mapped store a run reads (ahead of a cluster job)",
+        description=(
+            "Convert the training pairs of a data config into the store training opens (Arrow + numpy, keyed by "
+            "the input's content; an existing store of the same content is kept). Takes the training command's "
+            "data overrides, e.g. data=hf data.path=DIR, or data=jsonl data.train_path=FILE."
+        ),
+    )
+    p.add_argument("overrides", nargs="*", help="data=KIND and data.KEY=VALUE overrides, as for training")
     return ap
+
+
+def _data_config(overrides: Sequence[str]):
+    from hydra import compose, initialize_config_module
+
+    from moco_retrieval.config import DataConfig, register_configs, to_config
+
+    bad = [o for o in overrides if not (o.startswith("data=") or o.startswith("data."))]
+    if bad:
+        raise DataError(f"prepare takes data=KIND and data.KEY=VALUE overrides only, got {' '.join(bad)}")
+    register_configs()
+    with initialize_config_module("moco_retrieval.conf", version_base="1.3"):
+        return to_config(DataConfig, compose("train", overrides=list(overrides)).data)
+
+
+def prepare(overrides: Sequence[str]) -> int:
+    """Convert (or find) the store of the configured training pairs; print where it is."""
+    from .convert import folder_bytes
+    from .sources import prepare_store
+    from .store import read_manifest
+
+    cfg = _data_config(overrides)
+    if cfg.kind == "beir":
+        raise DataError("data=beir: its training pairs come from qrels and need no preparing")
+    folder = prepare_store(cfg)
+    m = read_manifest(folder)
+    print(f"store {folder}: {m['rows']:,} rows of {m['name']}, {folder_bytes(folder) / 1e6:,.1f} MB")
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "prepare":
+        return _reported(prepare, args.overrides)
     try:
         if args.translation or args.packages:
             if args.lists:
@@ -73,6 +116,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _reported(fn, *args) -> int:
+    """``fn(*args)``; a user error (bad data, a bad override) as one line on stderr, status 2."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from moco_retrieval.errors import UserError
+
+    try:
+        return fn(*args)
+    except (UserError, ValueError, OmegaConfBaseException, HydraException) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

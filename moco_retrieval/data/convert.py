@@ -87,6 +87,12 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 # ---------------------------------------------------------------------------------------- lock
 
 
@@ -220,6 +226,7 @@ def ensure_store(spec: PairSpec, root: Path) -> Path:
         if (final / MANIFEST).is_file():
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would keep the store from the node's other users
         try:
             m = write_store(spec, tmp)
             os.rename(tmp, final)
