@@ -35,6 +35,11 @@ from typing import Any, Iterable, Iterator, Optional, Union
 
 from moco_retrieval.errors import UserError
 
+try:
+    import orjson as _orjson
+except ImportError:  # optional: json alone gives the same objects, slower
+    _orjson = None
+
 from .ids import NO_GROUP, doc_id_for_text, stable_id
 
 PathLike = Union[str, os.PathLike]
@@ -103,7 +108,7 @@ def iter_jsonl(path: PathLike, what: str = "JSON objects") -> Iterator[tuple[int
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = _loads(line)
             except json.JSONDecodeError as exc:
                 raise _error(
                     p, lineno, f"malformed JSON ({exc.msg}: column {exc.colno}); expected one JSON object per line"
@@ -114,6 +119,17 @@ def iter_jsonl(path: PathLike, what: str = "JSON objects") -> Iterator[tuple[int
             yield lineno, obj
     if n == 0:
         raise _error(p, None, f"empty file (expected at least one line of {what})")
+
+
+def _loads(line: str) -> Any:
+    """``json.loads``, through orjson when it is installed (a few times faster; anything it refuses,
+    e.g. NaN or integers beyond 64 bits, goes to json, which decides and words the error)."""
+    if _orjson is not None:
+        try:
+            return _orjson.loads(line)
+        except _orjson.JSONDecodeError:
+            pass
+    return json.loads(line)
 
 
 def _type_name(v: Any) -> str:
