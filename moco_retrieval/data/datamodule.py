@@ -173,6 +173,7 @@ class RetrievalDataModule(L.LightningDataModule):
         return self._sampler
 
     def train_dataloader(self) -> DataLoader:
+        self.train_rows.open()  # mapped before the workers fork: they share the maps
         return ResumableDataLoader(
             PairRowsDataset(self.train_rows),
             batch_sampler=self.batch_sampler,

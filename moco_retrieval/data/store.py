@@ -71,6 +71,13 @@ class PairStore:
             self._table = datasets.Dataset.from_file(str(self.folder / TABLE)).with_format("arrow")
         return self._table
 
+    def open(self) -> None:
+        """Map the table and the arrays now (e.g. before DataLoader workers fork, so that they share
+        the maps and the imported modules instead of each opening its own)."""
+        for name in ("doc_id", "group", "n_neg"):
+            self.array(name)
+        _ = self.table
+
     def where(self, row: int) -> str:
         files = self.manifest["files"]
         return self.manifest["location"].format(file=files[int(self.array("file")[row])], line=int(self.array("line")[row]))
@@ -119,6 +126,9 @@ class PairList:
     def array(self, name: str) -> np.ndarray:
         return self._arrays[name]
 
+    def open(self) -> None:
+        """Nothing to open: the pairs are in memory."""
+
     def where(self, row: int) -> Optional[str]:
         return self._where[row] if self._where is not None else None
 
@@ -155,6 +165,9 @@ class PairRows:
     @property
     def negative_counts(self) -> np.ndarray:
         return self._at("n_neg")
+
+    def open(self) -> None:
+        self.source.open()
 
     def _row(self, i: int) -> int:
         return int(i) if self.rows is None else int(self.rows[int(i)])
