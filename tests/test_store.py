@@ -291,3 +291,21 @@ def test_hf_folder_trains(tmp_path, layout, one_thread):
     metrics = train(cfg, tmp_path / "run")
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").exists() and 0.0 <= metrics["val/recall@1"] <= 1.0
     assert len(list((tmp_path / "cache" / "pairs").glob("*/manifest.json"))) == 1
+
+
+def test_stores_concatenate_with_per_source_offsets(tmp_path):
+    """Several sources as one row space (the multi-source run's input): offsets, ids, rows, locations."""
+    from moco_retrieval.data.store import ConcatStores, PairList, PairStore
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = cfg_for(tmp_path / "a", rich_rows(30))
+    b = cfg_for(tmp_path / "b", [{"query": f"other {i}", "positive": f"other doc {i}"} for i in range(12)])
+    stores = [PairStore(prepare_store(a)), PairStore(prepare_store(b)), PairList(load_training_pairs(a).pairs[:5])]
+    both = ConcatStores(stores)
+    assert both.array("offsets").tolist() == [0, 30, 42, 47] and len(both) == 47
+    want = load_training_pairs(a).pairs + load_training_pairs(b).pairs + load_training_pairs(a).pairs[:5]
+    assert both.array("doc_id").tolist() == [p.doc_id for p in want]
+    rows = [41, 0, 30, 45, 7, 29]
+    assert both.take(rows) == [want[r] for r in rows]
+    assert both.where(31) == f"{b.train_path}:2" and both.where(3) == f"{a.train_path}:4"

@@ -12,8 +12,9 @@ A store is a folder::
 
 Every process memory-maps the same pages (``np.load(mmap_mode="r")`` and Arrow's memory map), so
 nothing is parsed again and the pages are shared by the ranks of a node. :class:`PairRows` is the
-view training uses (a store, or pairs already in memory), with the rows a cap keeps; its
-:meth:`~PairRows.take` reads one batch's rows.
+view training uses (a store, pairs already in memory, or several of them concatenated:
+:class:`ConcatStores`, with the per-source offsets a multi-source sampler takes), with the rows a
+cap keeps; its :meth:`~PairRows.take` reads one batch's rows.
 """
 from __future__ import annotations
 
@@ -139,6 +140,55 @@ class PairList:
         return [getattr(p, name) for p in self.pairs]
 
 
+class ConcatStores:
+    """Several stores (or pair lists) as one, source after source: row ``offsets[s] + i`` is row ``i``
+    of source ``s`` (what a multi-source run samples from; the per-source ``offsets`` array is the
+    sampler's). Only the numeric arrays are concatenated (in memory); texts stay in each store."""
+
+    def __init__(self, sources: Sequence[Any]):
+        if not sources:
+            raise ValueError("no sources to concatenate")
+        self.sources = list(sources)
+        self.offsets = np.concatenate([[0], np.cumsum([len(s) for s in self.sources])]).astype(np.int64)
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def array(self, name: str) -> np.ndarray:
+        if name == "offsets":
+            return self.offsets
+        if name not in self._arrays:
+            self._arrays[name] = np.concatenate([np.asarray(s.array(name)) for s in self.sources])
+        return self._arrays[name]
+
+    def open(self) -> None:
+        for s in self.sources:
+            s.open()
+
+    def _split(self, row: int) -> tuple[int, int]:
+        s = int(np.searchsorted(self.offsets, row, side="right")) - 1
+        return s, int(row) - int(self.offsets[s])
+
+    def where(self, row: int) -> Optional[str]:
+        s, i = self._split(row)
+        return self.sources[s].where(i)
+
+    def take(self, rows: Sequence[int]) -> list[Pair]:
+        """The pairs at ``rows``, one read per source touched, in the order asked."""
+        rows = np.asarray(rows, dtype=np.int64)
+        src = np.searchsorted(self.offsets, rows, side="right") - 1
+        out: list[Optional[Pair]] = [None] * len(rows)
+        for s in np.unique(src):
+            at = np.flatnonzero(src == s)
+            for k, pair in zip(at, self.sources[int(s)].take((rows[at] - self.offsets[s]).tolist())):
+                out[int(k)] = pair
+        return out  # type: ignore[return-value]
+
+    def column(self, name: str) -> list:
+        return [v for s in self.sources for v in s.column(name)]
+
+
 class PairRows:
     """Training rows: a :class:`PairStore` or :class:`PairList` and the rows of it kept (a cap), in
     order. Index ``i`` of the view is row ``rows[i]`` of the source."""
@@ -205,4 +255,4 @@ class PairRowsDataset(Dataset):
 
 
 __all__ = ["STORE_VERSION", "TABLE", "MANIFEST", "ARRAYS", "store_schema", "read_manifest", "PairStore", "PairList",
-           "PairRows", "PairRowsDataset"]
+           "ConcatStores", "PairRows", "PairRowsDataset"]
