@@ -309,3 +309,13 @@ def test_stores_concatenate_with_per_source_offsets(tmp_path):
     rows = [41, 0, 30, 45, 7, 29]
     assert both.take(rows) == [want[r] for r in rows]
     assert both.where(31) == f"{b.train_path}:2" and both.where(3) == f"{a.train_path}:4"
+
+
+def test_the_store_is_a_datasets_arrow_file(tmp_path):
+    """datasets opens a store's table as it is (the field's format), with the rows training reads."""
+    datasets = pytest.importorskip("datasets")
+    cfg = cfg_for(tmp_path, rich_rows(25))
+    ds = datasets.Dataset.from_file(str(prepare_store(cfg) / "pairs.arrow"))
+    pairs = load_training_pairs(cfg).pairs
+    assert ds["query"] == [p.query for p in pairs] and len(ds) == 25
+    assert [[n["text"] for n in r] for r in ds["negatives"]] == [[n.text for n in p.negatives] for p in pairs]

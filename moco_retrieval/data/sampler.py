@@ -63,14 +63,16 @@ class RetrievalBatchSampler(Sampler[list[int]]):
             rank, world_size = dist_rank_world()
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in [0, world_size={world_size})")
-        self.doc_ids = [int(x) for x in doc_ids]
-        self.groups = [int(x) for x in groups]
+        # numbers, not Python objects: a memory-mapped store's arrays stay mapped, and nothing here is
+        # copied into DataLoader workers page by page as their garbage collector touches it
+        self.doc_ids = np.asarray(doc_ids, dtype=np.int64)
+        self.groups = np.asarray(groups, dtype=np.int64)
         self.batch_size = int(batch_size)
         self.seed, self.shuffle, self.unique_in_batch = int(seed), bool(shuffle), bool(unique_in_batch)
         self.rank, self.world_size = int(rank), int(world_size)
         self.epoch = 0
         self.batches_done = 0
-        self._cache: Optional[tuple[int, list[list[int]]]] = None
+        self._cache: Optional[tuple[int, np.ndarray]] = None
         # Lightning calls set_epoch on ``dataloader.sampler`` and ``dataloader.batch_sampler.sampler``,
         # not on the batch sampler itself: this attribute routes it here.
         self.sampler = _EpochSetter(self)
@@ -82,21 +84,21 @@ class RetrievalBatchSampler(Sampler[list[int]]):
             return np.arange(n)
         return np.random.default_rng([self.seed, int(epoch)]).permutation(n)
 
-    def global_batches(self, epoch: int) -> list[list[int]]:
-        """All ranks' batches of ``epoch`` (each ``batch_size * world_size`` rows)."""
+    def global_batches(self, epoch: int) -> np.ndarray:
+        """All ranks' batches of ``epoch``: one row of ``batch_size * world_size`` row indices each."""
         if self._cache is not None and self._cache[0] == epoch:
             return self._cache[1]
         gb = self.batch_size * self.world_size
-        order = self.order(epoch).tolist()
+        order = self.order(epoch)
         if not self.unique_in_batch:
-            batches = [order[s : s + gb] for s in range(0, len(order) - gb + 1, gb)]
+            batches = order[: len(order) // gb * gb].reshape(-1, gb)
         else:
-            batches = self._unique_batches(order, gb)
+            batches = np.array(self._unique_batches(order.tolist(), gb), dtype=np.int64).reshape(-1, gb)
         self._cache = (epoch, batches)
         return batches
 
     def _unique_batches(self, order: list[int], gb: int) -> list[list[int]]:
-        ids, groups = self.doc_ids, self.groups
+        ids, groups = self.doc_ids.tolist(), self.groups.tolist()  # for this plan only (Python sets below)
         batches: list[list[int]] = []
         pending: list[int] = []
         stream = iter(order)
@@ -136,10 +138,10 @@ class RetrievalBatchSampler(Sampler[list[int]]):
                 return batches  # the stream is exhausted: drop the partial batch and the deferred rows
             batches.append(batch)
 
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """This rank's batches of ``epoch``."""
+    def epoch_batches(self, epoch: int) -> np.ndarray:
+        """This rank's batches of ``epoch`` (one row each)."""
         b, r = self.batch_size, self.rank
-        return [g[r * b : (r + 1) * b] for g in self.global_batches(epoch)]
+        return self.global_batches(epoch)[:, r * b : (r + 1) * b]
 
     # -- Sampler protocol
     def __len__(self) -> int:
@@ -149,7 +151,7 @@ class RetrievalBatchSampler(Sampler[list[int]]):
         # a generator: epoch and position are read at the first next(), i.e. after set_epoch
         epoch, start = self.epoch, self.batches_done
         for batch in self.epoch_batches(epoch)[start:]:
-            yield list(batch)
+            yield batch.tolist()
 
     def set_epoch(self, epoch: int) -> None:
         epoch = int(epoch)

@@ -2,7 +2,7 @@
 
 A store is a folder::
 
-    pairs.arrow      Arrow stream (what ``datasets`` writes and ``Dataset.from_file`` opens), one row per
+    pairs.arrow      Arrow stream (the format ``datasets`` writes; ``Dataset.from_file`` opens it), one row per
                      pair: query, positive, query_id, positive_score, negatives (list of {text, doc_id,
                      group, score})
     doc_id.npy group.npy n_neg.npy     int64, int64, int32 per row: what the sampler and the masks need
@@ -65,11 +65,12 @@ class PairStore:
 
     @property
     def table(self) -> Any:
-        """The Arrow table as a ``datasets.Dataset`` (memory-mapped)."""
+        """The Arrow table, memory-mapped (pyarrow: the stream ``datasets.Dataset.from_file`` opens too,
+        without importing ``datasets`` in every rank and worker; benchmarks/results/data_scale.md)."""
         if self._table is None:
-            import datasets
+            import pyarrow as pa
 
-            self._table = datasets.Dataset.from_file(str(self.folder / TABLE)).with_format("arrow")
+            self._table = pa.ipc.open_stream(pa.memory_map(str(self.folder / TABLE))).read_all()
         return self._table
 
     def open(self) -> None:
@@ -85,14 +86,16 @@ class PairStore:
 
     def take(self, rows: Sequence[int]) -> list[Pair]:
         """The pairs at ``rows`` (one read of the table for all of them)."""
-        rows = [int(r) for r in rows]
-        records = self.table[rows].to_pylist()
+        import pyarrow as pa
+
+        rows = np.asarray(rows, dtype=np.int64)
+        records = self.table.take(pa.array(rows)).to_pylist()
         ids, groups = self.array("doc_id")[rows], self.array("group")[rows]
         return [_pair(rec, int(d), int(g)) for rec, d, g in zip(records, ids, groups)]
 
     def column(self, name: str) -> list:
         """One text column of every row (e.g. every query, for frozen features)."""
-        return self.table.select_columns([name])[name].to_pylist()
+        return self.table.column(name).to_pylist()
 
     def __getstate__(self) -> dict:
         return {"folder": self.folder, "manifest": self.manifest}
