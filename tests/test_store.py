@@ -319,3 +319,21 @@ def test_the_store_is_a_datasets_arrow_file(tmp_path):
     pairs = load_training_pairs(cfg).pairs
     assert ds["query"] == [p.query for p in pairs] and len(ds) == 25
     assert [[n["text"] for n in r] for r in ds["negatives"]] == [[n.text for n in p.negatives] for p in pairs]
+
+
+def test_a_store_finished_elsewhere_first_wins(tmp_path):
+    """Without a working lock (some network file systems) two converters may race: the second rename
+    finds the first's complete store and keeps it, dropping its own copy."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    for d in (first, second):
+        d.mkdir()
+        (d / "manifest.json").write_text(json.dumps({"who": d.name}))
+    final = tmp_path / "store"
+    convert._publish(first, final)
+    convert._publish(second, final)
+    assert json.loads((final / "manifest.json").read_text()) == {"who": "a"} and not second.exists()
+    (tmp_path / "c").mkdir()
+    with pytest.raises(OSError):  # a non-empty folder without a manifest is not a finished store
+        (tmp_path / "half").mkdir()
+        (tmp_path / "half" / "x").write_text("")
+        convert._publish(tmp_path / "c", tmp_path / "half")

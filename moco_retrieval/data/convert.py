@@ -105,6 +105,9 @@ def file_lock(path: Path, waiting: str) -> Iterator[None]:
         except BlockingIOError:
             log_line(waiting, file=sys.stderr)
             fcntl.flock(fh, fcntl.LOCK_EX)
+        except OSError:  # a file system without flock (some network mounts): the rename below still decides
+            yield
+            return
         try:
             yield
         finally:
@@ -211,6 +214,16 @@ def write_store(spec: PairSpec, folder: Path) -> dict:
     return manifest
 
 
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished store into place; another process's identical store already there wins."""
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not (final / MANIFEST).is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in Path(folder).iterdir() if p.is_file())
 
@@ -229,7 +242,7 @@ def ensure_store(spec: PairSpec, root: Path) -> Path:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would keep the store from the node's other users
         try:
             m = write_store(spec, tmp)
-            os.rename(tmp, final)
+            _publish(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
