@@ -337,3 +337,15 @@ def test_a_store_finished_elsewhere_first_wins(tmp_path):
         (tmp_path / "half").mkdir()
         (tmp_path / "half" / "x").write_text("")
         convert._publish(tmp_path / "c", tmp_path / "half")
+
+
+def test_rows_across_record_batches_come_back_in_the_order_asked(tmp_path, monkeypatch):
+    from moco_retrieval.data.store import PairStore
+
+    monkeypatch.setattr(convert, "CHUNK", 7)  # 60 rows in 9 record batches
+    cfg = cfg_for(tmp_path, rich_rows(60))
+    store = PairStore(prepare_store(cfg))
+    assert len(store.table.to_batches()) == 9
+    want = load_training_pairs(cfg).pairs
+    rows = np.random.default_rng(0).permutation(60)[:25].tolist() + [3, 3, 59]
+    assert store.take(rows) == [want[r] for r in rows]

@@ -54,6 +54,8 @@ class PairStore:
         self.manifest = read_manifest(self.folder)
         self._arrays: dict[str, np.ndarray] = {}
         self._table: Any = None
+        self._batches: list = []
+        self._batch_starts = np.zeros(1, dtype=np.int64)
 
     def __len__(self) -> int:
         return int(self.manifest["rows"])
@@ -71,6 +73,8 @@ class PairStore:
             import pyarrow as pa
 
             self._table = pa.ipc.open_stream(pa.memory_map(str(self.folder / TABLE))).read_all()
+            self._batches = self._table.to_batches()
+            self._batch_starts = np.cumsum([0] + [len(b) for b in self._batches])
         return self._table
 
     def open(self) -> None:
@@ -86,12 +90,25 @@ class PairStore:
 
     def take(self, rows: Sequence[int]) -> list[Pair]:
         """The pairs at ``rows`` (one read of the table for all of them)."""
-        import pyarrow as pa
-
         rows = np.asarray(rows, dtype=np.int64)
-        records = self.table.take(pa.array(rows)).to_pylist()
+        records = self._gather(rows)
         ids, groups = self.array("doc_id")[rows], self.array("group")[rows]
         return [_pair(rec, int(d), int(g)) for rec, d, g in zip(records, ids, groups)]
+
+    def _gather(self, rows: np.ndarray) -> list[dict]:
+        """The records at ``rows``, taken from each record batch they fall in (a take on the whole
+        table would first concatenate its chunks: the whole file in memory, in every worker)."""
+        import pyarrow as pa
+
+        _ = self.table
+        batch_of = np.searchsorted(self._batch_starts, rows, side="right") - 1
+        out: list = [None] * len(rows)
+        for b in np.unique(batch_of):
+            at = np.flatnonzero(batch_of == b)
+            taken = self._batches[int(b)].take(pa.array(rows[at] - self._batch_starts[b]))
+            for k, rec in zip(at.tolist(), taken.to_pylist()):
+                out[k] = rec
+        return out
 
     def column(self, name: str) -> list:
         """One text column of every row (e.g. every query, for frozen features)."""
@@ -102,7 +119,7 @@ class PairStore:
 
     def __setstate__(self, state: dict) -> None:
         self.folder, self.manifest = state["folder"], state["manifest"]
-        self._arrays, self._table = {}, None
+        self._arrays, self._table, self._batches = {}, None, []
 
 
 def _pair(rec: dict, doc_id: int, group: int) -> Pair:
