@@ -309,11 +309,13 @@ def main() -> None:
     ap.add_argument("--neg-rows", type=int, default=100_000)
     ap.add_argument("--work", default="/tmp/data_scale")
     ap.add_argument("--cut", default="", help="what was left out, for the report")
+    ap.add_argument("--merge", action="store_true", help="add to benchmarks/results/data_scale.json (earlier sizes kept)")
+    ap.add_argument("--tag", default="", help="appended to this invocation's 1k reference labels (side by side)")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     eval_dir = write_eval(work / "eval")
-    files = {"1k": generate(work / "pairs_1k.jsonl", 1000)}
+    files = {f"1k{args.tag}": generate(work / "pairs_1k.jsonl", 1000)}
     files.update({f"{n:,}": generate(work / f"pairs_{n}.jsonl", n) for n in args.sizes})
     if args.negatives:
         files[f"{args.neg_rows:,} x {args.negatives} neg"] = generate(work / f"pairs_{args.neg_rows}x{args.negatives}.jsonl",
@@ -328,7 +330,7 @@ def main() -> None:
         print(key, res["conversion"][key], res["open"][key], flush=True)
         res["runs"].append(run(f"{key} warm", f, cache, eval_dir, work))
         print(res["runs"][-1], flush=True)
-        if key != "1k":
+        if not key.startswith("1k"):
             cold = work / "stores" / f"{f.stem}_cold"
             subprocess.run(["rm", "-rf", str(cold)], check=True)
             res["runs"].append(run(f"{key} cold", f, cold, eval_dir, work))
@@ -338,7 +340,17 @@ def main() -> None:
         f = files[f"{n:,}"]
         res["runs"].append(run(f"{n:,} before (today's loader)", f, work / "stores" / "unused", eval_dir, work, before=True))
         print(res["runs"][-1], flush=True)
+    if args.merge:
+        res = merged(json.loads((ROOT / "benchmarks" / "results" / "data_scale.json").read_text()), res)
     write_results("data_scale", report(res), res)
+
+
+def merged(old: dict, new: dict) -> dict:
+    """``new`` over ``old``: conversions and openings by file, runs by label, the newest environment."""
+    labels = {r["label"] for r in new["runs"]}
+    return {"env": new["env"], "conversion": {**old["conversion"], **new["conversion"]}, "open": {**old["open"], **new["open"]},
+            "runs": [r for r in old["runs"] if r["label"] not in labels] + new["runs"],
+            "cut": new["cut"] or old.get("cut", "")}
 
 
 if __name__ == "__main__":
