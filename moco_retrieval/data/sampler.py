@@ -20,7 +20,7 @@ def dist_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-_ROWS_CHUNK = 1 << 20  # rows whose ids and groups the duplicate-free plan holds as Python ints at once
+_ROWS_CHUNK = 1 << 16  # rows whose ids and groups the duplicate-free plan holds as Python ints at once
 
 
 class RetrievalBatchSampler(Sampler[list[int]]):
