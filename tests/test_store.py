@@ -346,6 +346,10 @@ def test_rows_across_record_batches_come_back_in_the_order_asked(tmp_path, monke
     cfg = cfg_for(tmp_path, rich_rows(60))
     store = PairStore(prepare_store(cfg))
     assert len(store.table.to_batches()) == 9
+    monkeypatch.setattr(convert, "CHUNK_CHARS", 100)  # or cut by text volume: fewer than 7 rows a batch here
+    (tmp_path / "cache").rename(tmp_path / "cache_rows")
+    store = PairStore(prepare_store(cfg))
+    assert 9 < len(store.table.to_batches()) < 60 and len(store) == 60
     want = load_training_pairs(cfg).pairs
     rows = np.random.default_rng(0).permutation(60)[:25].tolist() + [3, 3, 59]
     assert store.take(rows) == [want[r] for r in rows]

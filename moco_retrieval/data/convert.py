@@ -35,7 +35,8 @@ from moco_retrieval.progress import log_line, progress_bar
 from .formats import Pair
 from .store import MANIFEST, STORE_VERSION, TABLE, store_schema
 
-CHUNK = 8192  # rows per Arrow record batch
+CHUNK = 8192  # rows per Arrow record batch, at most
+CHUNK_CHARS = 1 << 25  # and at most about this many characters of text (rows with many hard negatives)
 
 
 @dataclass
@@ -171,12 +172,17 @@ def _numbers(rows: list[tuple[int, int, Pair]]) -> dict[str, np.ndarray]:
 
 
 def _chunks(it: Iterator[tuple[int, int, Pair]]) -> Iterator[list[tuple[int, int, Pair]]]:
+    """Rows in chunks of ``CHUNK`` rows or ``CHUNK_CHARS`` characters, whichever comes first (what the
+    converter holds as Python objects at once)."""
     chunk: list = []
+    chars = 0
     for row in it:
         chunk.append(row)
-        if len(chunk) == CHUNK:
+        p = row[2]
+        chars += len(p.query) + len(p.positive) + sum(len(n.text) for n in p.negatives)
+        if len(chunk) == CHUNK or chars >= CHUNK_CHARS:
             yield chunk
-            chunk = []
+            chunk, chars = [], 0
     if chunk:
         yield chunk
 
@@ -251,4 +257,4 @@ def ensure_store(spec: PairSpec, root: Path) -> Path:
     return final
 
 
-__all__ = ["CHUNK", "PairSpec", "file_hash", "store_key", "file_lock", "write_store", "folder_bytes", "ensure_store"]
+__all__ = ["CHUNK", "CHUNK_CHARS", "PairSpec", "file_hash", "store_key", "file_lock", "write_store", "folder_bytes", "ensure_store"]
