@@ -205,7 +205,8 @@ class Sampler(threading.Thread):
                     peak[k] = max(peak[k], v)
 
 
-def run(label: str, file: Path, cache: Path, eval_dir: Path, work: Path, before: bool = False, timeout: float = 1500) -> dict:
+def run(label: str, file: Path, cache: Path, eval_dir: Path, work: Path, before: bool = False, timeout: float = 1500,
+        extra: tuple = ()) -> dict:
     """One 2-rank training command up to its second step: seconds to the first step, peak memory."""
     slug = re.sub(r"[^A-Za-z0-9]+", "_", label)
     overrides = ["+experiment=smoke", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "data=jsonl",
@@ -213,7 +214,7 @@ def run(label: str, file: Path, cache: Path, eval_dir: Path, work: Path, before:
                  "data.max_train_examples=null", "data.max_eval_docs=null", "data.max_eval_queries=null",
                  "data.num_workers=2", "trainer.log_every_n_steps=1", "trainer.max_steps=4",
                  "trainer.val_check_interval=1000", f"run_dir={work}/runs/{slug}/rank${{oc.env:LOCAL_RANK}}",
-                 f"hydra.run.dir={work}/runs/{slug}/hydra"]
+                 f"hydra.run.dir={work}/runs/{slug}/hydra", *extra]
     entry = [str(Path(__file__).resolve()), "worker"] + (["--before"] if before else [])
     cmd = ["nice", "-n", "10", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            *entry, *overrides]
@@ -303,10 +304,11 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
         return worker(sys.argv[2:])
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1_000_000])
+    ap.add_argument("--sizes", type=int, nargs="*", default=[1_000_000])
     ap.add_argument("--before", type=int, nargs="*", default=[1_000_000], help="sizes to run today's loader at")
     ap.add_argument("--negatives", type=int, default=0, help="also a file of --neg-rows rows with this many negatives")
     ap.add_argument("--neg-rows", type=int, default=100_000)
+    ap.add_argument("--train-negatives", type=int, default=0, help="data.n_negatives of the negatives file's runs")
     ap.add_argument("--work", default="/tmp/data_scale")
     ap.add_argument("--cut", default="", help="what was left out, for the report")
     ap.add_argument("--merge", action="store_true", help="add to benchmarks/results/data_scale.json (earlier sizes kept)")
@@ -328,12 +330,17 @@ def main() -> None:
         res["conversion"][key] = convert(f, cache, work)
         res["open"][key] = open_probe(f, cache, work)
         print(key, res["conversion"][key], res["open"][key], flush=True)
-        res["runs"].append(run(f"{key} warm", f, cache, eval_dir, work))
+        extra = (f"data.n_negatives={args.train_negatives}",) if "neg" in key and args.train_negatives else ()
+        if extra:
+            key_runs = f"{key}, {args.train_negatives} per row trained"
+        else:
+            key_runs = key
+        res["runs"].append(run(f"{key_runs} warm", f, cache, eval_dir, work, extra=extra))
         print(res["runs"][-1], flush=True)
         if not key.startswith("1k"):
             cold = work / "stores" / f"{f.stem}_cold"
             subprocess.run(["rm", "-rf", str(cold)], check=True)
-            res["runs"].append(run(f"{key} cold", f, cold, eval_dir, work))
+            res["runs"].append(run(f"{key_runs} cold", f, cold, eval_dir, work, extra=extra))
             print(res["runs"][-1], flush=True)
             subprocess.run(["rm", "-rf", str(cold)], check=True)
     for n in args.before:
