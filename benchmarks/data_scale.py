@@ -279,8 +279,9 @@ def report(res: dict) -> str:
              md_table(["file", "rows", "input MB", "store MB", "conversion rows/s", "prepare command s"],
                       [[k, f"{c['rows']:,}", c["input_mb"], c["store_mb"], f"{c['rows_per_s']:,}", c["command_s"]]
                        for k, c in conv.items()]),
-             "", "Opening the warm store in a fresh process (after its imports): ids + groups mapped; the sampler's "
-             "first epoch planned (rank 0 of 2, batch 64); the Arrow table opened (`import datasets` included); "
+             "", "Opening the warm store in a fresh process (after its imports): fingerprint memo, manifest, ids + "
+             "groups memory-mapped (*open*); the sampler's first epoch planned, rank 0 of 2, batch 64 (its RSS "
+             "includes the id/group pages it reads); the Arrow table memory-mapped (pyarrow's import included); "
              "the first batch's 64 rows read.", "",
              md_table(["file", "open s", "open RSS MB", "sampler plan s", "sampler RSS MB", "table open s",
                        "table RSS MB", "first batch read s"],
@@ -290,13 +291,16 @@ def report(res: dict) -> str:
              "Peaks per rank over the run (sampled every 0.25 s up to step 2 + 1 s). RSS counts the store's "
              "memory-mapped pages a process has touched (page cache: shared by the ranks and workers, "
              "reclaimable); *anon* is the process's own memory; PSS splits shared pages among their users. "
-             "*with workers*: the rank plus its DataLoader workers.", "",
+             "*with workers*: the rank plus its DataLoader workers (their anonymous memory is summed, so pages a "
+             "worker shares with its rank since the fork count twice there; PSS does not).", "",
              md_table(["run", "rank", "first step s", "RSS MB", "anon MB", "PSS MB", "with workers: PSS MB", "anon MB"],
                       [[r["label"], k[-1], r["first_step_s"]] + [r[k].get(m, "-") for m in
                        ("rss_mb", "anon_mb", "pss_mb", "pss_with_workers_mb", "anon_with_workers_mb")]
                        for r in res["runs"] for k in ("rank0", "rank1") if k in r])]
     if res.get("cut"):
         lines += ["", "Not measured: " + res["cut"]]
+    for note in res.get("notes", []):
+        lines += ["", note]
     return "\n".join(lines)
 
 
@@ -313,7 +317,14 @@ def main() -> None:
     ap.add_argument("--cut", default="", help="what was left out, for the report")
     ap.add_argument("--merge", action="store_true", help="add to benchmarks/results/data_scale.json (earlier sizes kept)")
     ap.add_argument("--tag", default="", help="appended to this invocation's 1k reference labels (side by side)")
+    ap.add_argument("--note", action="append", default=[], help="a line for the report (kept in the JSON)")
+    ap.add_argument("--report-only", action="store_true", help="rewrite the report from the JSON (with --note)")
     args = ap.parse_args()
+    if args.report_only:
+        res = json.loads((ROOT / "benchmarks" / "results" / "data_scale.json").read_text())
+        res["notes"] = res.get("notes", []) + args.note
+        write_results("data_scale", report(res), res)
+        return
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     eval_dir = write_eval(work / "eval")
@@ -357,7 +368,7 @@ def merged(old: dict, new: dict) -> dict:
     labels = {r["label"] for r in new["runs"]}
     return {"env": new["env"], "conversion": {**old["conversion"], **new["conversion"]}, "open": {**old["open"], **new["open"]},
             "runs": [r for r in old["runs"] if r["label"] not in labels] + new["runs"],
-            "cut": new["cut"] or old.get("cut", "")}
+            "cut": new["cut"] or old.get("cut", ""), "notes": old.get("notes", []) + new.get("notes", [])}
 
 
 if __name__ == "__main__":
