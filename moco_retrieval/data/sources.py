@@ -306,11 +306,12 @@ def _hf_spec(folder: Path, split: str, columns: Any) -> PairSpec:
                     [t.where for t in tables], "{file}: row {line}", rows, lambda: sum(t.rows for t in tables))
 
 
-def pair_spec(cfg: Any) -> PairSpec:
-    """What to convert for a data config's training pairs (every kind but ``beir``)."""
+def pair_spec(cfg: Any, data_folder: Optional[Path] = None) -> PairSpec:
+    """What to convert for a data config's training pairs (every kind but ``beir``); ``data_folder``:
+    the built Debian folder, when known."""
     kind = _check_kind(cfg)
     if kind == "debian":
-        return _jsonl_spec(debian_folder(cfg) / "train.jsonl")
+        return _jsonl_spec((data_folder or debian_folder(cfg)) / "train.jsonl")
     if kind not in PAIR_KINDS:
         raise DataError(f"data={kind}: its training pairs are not read from a file")
     path = _train_input(cfg, kind)
@@ -334,9 +335,9 @@ class TrainingRows:
         return len(self.rows)
 
 
-def prepare_store(cfg: Any) -> Path:
+def prepare_store(cfg: Any, data_folder: Optional[Path] = None) -> Path:
     """The converted store of a data config's training pairs (converted first when absent)."""
-    return ensure_store(pair_spec(cfg), store_root(cfg))
+    return ensure_store(pair_spec(cfg, data_folder), store_root(cfg))
 
 
 def load_training_rows(cfg: Any) -> TrainingRows:
@@ -347,7 +348,7 @@ def load_training_rows(cfg: Any) -> TrainingRows:
         data = load_training_pairs(cfg)
         return TrainingRows(PairRows(PairList(data.pairs, data.where)))
     folder = debian_folder(cfg) if kind == "debian" else None
-    store = prepare_store(cfg)
+    store = prepare_store(cfg, folder)
     source = PairStore(store)
     keep = subset(len(source), cfg.max_train_examples, [cfg.seed, 1])
     return TrainingRows(PairRows(source, None if keep is None else np.array(keep)), folder, store)
