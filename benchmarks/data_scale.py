@@ -138,6 +138,40 @@ print(json.dumps({"open_s": round(t2 - t1, 3), "open_rss_mb": round(r1 - r0, 1),
 """
 
 
+BATCH_PROBE = r"""
+import json, sys, time
+from moco_retrieval.config import DataConfig, ModelConfig
+from moco_retrieval.data.datamodule import RetrievalDataModule
+from moco_retrieval.data.sources import load
+from moco_retrieval.model.encoder import build_encoder
+enc = build_encoder(ModelConfig(backbone="minilm" if sys.argv[3] == "minilm" else "tiny", path=sys.argv[4] or None))
+cfg = DataConfig(kind="debian", cache_dir=sys.argv[1], batch_size=64, seed=0)
+store = RetrievalDataModule(cfg, tokenize=enc.tokenize)
+train, pool = load(cfg)
+memory = RetrievalDataModule.from_loaded(cfg, train.pairs, pool.eval_set, enc.tokenize)
+n, out = int(sys.argv[2]), {}
+for rnd in range(3):  # interleaved rounds: the machine's load hits both alike
+    for name, dm in (("store", store), ("memory", memory)):
+        it = iter(dm.train_dataloader())
+        next(it)
+        t = time.perf_counter()
+        for _ in range(n):
+            next(it)
+        out.setdefault(name, []).append((time.perf_counter() - t) / n * 1000)
+print(json.dumps({k: round(sorted(v)[1], 2) for k, v in out.items()}))
+"""
+
+
+def debian_batches(work: Path, n: int) -> dict:
+    """ms per training batch (read + collate + MiniLM tokenize, num_workers=0) on the Debian set: the store against
+    the same pairs in memory, median of 3 interleaved rounds of ``n`` batches."""
+    debian = os.environ.get("MOCO_RETRIEVAL_DEBIAN_DIR") or str(ROOT.parent / "shared" / "data" / "debian-bookworm")
+    out = subprocess.run(["nice", "-n", "10", sys.executable, "-c", BATCH_PROBE, str(work / "debian_cache"), str(n), "minilm", ""],
+                         check=True, env=dict(env(work), MOCO_RETRIEVAL_DEBIAN_DIR=debian), capture_output=True,
+                         text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def open_probe(file: Path, cache: Path, work: Path) -> dict:
     out = subprocess.run(["nice", "-n", "10", sys.executable, "-c", OPEN_PROBE, str(file), str(cache)], check=True,
                          env=env(work), capture_output=True, text=True).stdout
@@ -297,6 +331,12 @@ def report(res: dict) -> str:
                       [[r["label"], k[-1], r["first_step_s"]] + [r[k].get(m, "-") for m in
                        ("rss_mb", "anon_mb", "pss_mb", "pss_with_workers_mb", "anon_with_workers_mb")]
                        for r in res["runs"] for k in ("rank0", "rank1") if k in r])]
+    if res.get("debian_batches"):
+        d = res["debian_batches"]
+        lines += ["", "## A training batch on the Debian set", "",
+                  f"Read + collate + tokenize (MiniLM's tokenizer, batch 64, num_workers=0), ms per batch, median of "
+                  f"3 interleaved rounds of {d['batches']} batches: store {d['store']} ms, the same pairs in memory "
+                  f"(today's loader) {d['memory']} ms."]
     if res.get("cut"):
         lines += ["", "Not measured: " + res["cut"]]
     for note in res.get("notes", []):
@@ -319,7 +359,14 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="appended to this invocation's 1k reference labels (side by side)")
     ap.add_argument("--note", action="append", default=[], help="a line for the report (kept in the JSON)")
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from the JSON (with --note)")
+    ap.add_argument("--debian-batches", type=int, default=0,
+                    help="only: ms per batch on the Debian set, store vs in memory (added to the results)")
     args = ap.parse_args()
+    if args.debian_batches:
+        res = json.loads((ROOT / "benchmarks" / "results" / "data_scale.json").read_text())
+        res["debian_batches"] = {"batches": args.debian_batches, **debian_batches(Path(args.work), args.debian_batches)}
+        write_results("data_scale", report(res), res)
+        return
     if args.report_only:
         res = json.loads((ROOT / "benchmarks" / "results" / "data_scale.json").read_text())
         res["notes"] = res.get("notes", []) + args.note
