@@ -353,3 +353,35 @@ def test_rows_across_record_batches_come_back_in_the_order_asked(tmp_path, monke
     want = load_training_pairs(cfg).pairs
     rows = np.random.default_rng(0).permutation(60)[:25].tolist() + [3, 3, 59]
     assert store.take(rows) == [want[r] for r in rows]
+
+
+def test_prepare_command_converts_ahead_and_reports(tmp_path, capsys, monkeypatch):
+    """`python -m moco_retrieval.data prepare` with the run's data overrides: the store training then opens."""
+    from moco_retrieval.data.__main__ import main
+
+    cfg = cfg_for(tmp_path, rich_rows(20))
+    args = ["prepare", "data=jsonl", f"data.train_path={cfg.train_path}", f"data.cache_dir={cfg.cache_dir}"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    store = prepare_store(cfg)
+    assert f"store {store}: 20 rows of {cfg.train_path}" in out
+    assert re.search(r"converted .*train\.jsonl: 20 rows in [\d.]+s \([\d,]+ rows/s\), [\d.]+ MB", err)
+    monkeypatch.setattr(convert, "write_store", lambda *a: pytest.fail("converted again"))
+    dm = RetrievalDataModule(cfg)
+    dm.setup("fit")
+    assert dm.store_dir == store  # training finds it
+    assert main(args + ["data.not_a_key=1"]) == 2 and "not_a_key" in capsys.readouterr().err
+    monkeypatch.undo()
+    Path(cfg.train_path).write_text('{"query": "q"}\n')
+    assert main(args) == 2
+    assert f"{cfg.train_path}:1: missing field 'positive'" in capsys.readouterr().err
+
+
+def test_conversion_progress_lines_give_rows_rate_and_eta(monkeypatch, capsys):
+    """Progress while converting (a log file, not a terminal): rows done of the estimate, rows/s, time left."""
+    from moco_retrieval.progress import LogLineBar
+
+    bar = LogLineBar(100_000, "converting pairs.jsonl", " rows", interval=0.0)
+    bar.update(8192)
+    err = capsys.readouterr().err
+    assert re.search(r"converting pairs\.jsonl: 8,192/100,000 rows \(8%\) [\d.]+/s, [\d.]+ min left", err)
