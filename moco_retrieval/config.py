@@ -273,7 +273,8 @@ class DataConfig(RangeChecked):
     train_split: str = "train"
     eval_split: str = "test"
     # debian: built on first use into cache_dir from the apt lists (or the files below)
-    cache_dir: Optional[str] = None  # built sets and converted stores (pairs/); default: $MOCO_RETRIEVAL_CACHE or ~/.cache/moco_retrieval
+    # built data sets and converted training stores (pairs/)
+    cache_dir: Optional[str] = None  # default: $MOCO_RETRIEVAL_CACHE or ~/.cache/moco_retrieval
     debian_dir: Optional[str] = None  # a folder holding Packages* and Translation-en* files
     batch_size: int = 64
     eval_batch_size: int = 256
