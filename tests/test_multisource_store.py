@@ -181,3 +181,17 @@ def test_prepare_converts_every_source_ahead(tmp_path, capsys, monkeypatch):
     web.write_text('{"query": "q"}\n')
     assert main(args) == 2
     assert f"data.sources[0] (web): {web}:1: missing field 'positive'" in capsys.readouterr().err
+
+
+def test_a_missing_source_is_named_before_any_source_converts(tmp_path, monkeypatch):
+    from moco_retrieval.config import DataConfig, SourceConfig
+    from moco_retrieval.data.datamodule import RetrievalDataModule
+    from moco_retrieval.data.formats import DataError
+
+    web, _ = write_sources(tmp_path)
+    monkeypatch.setattr(convert, "write_store", lambda *a: pytest.fail("converted before the paths were checked"))
+    cfg = DataConfig(kind="jsonl", eval_dir=str(tmp_path / "eval"), batch_size=BATCH, cache_dir=str(tmp_path / "cache"),
+                     sources=[SourceConfig(name="web", train_path=str(web)),
+                              SourceConfig(name="docs", kind="hf", path=str(tmp_path / "nope"))])
+    with pytest.raises(DataError, match=r"data.sources\[1\] \(docs\): .*nope"):
+        RetrievalDataModule(cfg, rank=0, world_size=1).setup("fit")

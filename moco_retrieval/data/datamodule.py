@@ -133,8 +133,9 @@ class RetrievalDataModule(L.LightningDataModule):
 
     def _load(self) -> None:
         if has_sources(self.cfg):  # one row space over every source's store (multisource.py)
+            pool = load_eval_pool(self.cfg)  # (a missing eval_dir before any source converts)
             rows, self.source_offsets = load_source_rows(self.cfg)
-            self._set_data(rows, load_eval_pool(self.cfg).eval_set)
+            self._set_data(rows, pool.eval_set)
             return
         check_paths(self.cfg)  # every required path, before any file is read
         train = load_training_rows(self.cfg)

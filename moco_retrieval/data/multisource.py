@@ -21,7 +21,7 @@ from moco_retrieval.config import SOURCE_MODES
 
 from .formats import DataError
 from .prompts import Prompts, to_prompts
-from .sources import load_training_rows, prepare_store
+from .sources import check_train_paths, load_training_rows, prepare_store
 from .store import ConcatStores, PairRows
 
 # what a source sets for itself; everything else (seed, caps of the pool, cache_dir, ...) is the data config's
@@ -73,12 +73,14 @@ def _each_source(cfg: Any, fn: Any) -> list:
 
 def load_source_rows(cfg: Any) -> tuple[PairRows, np.ndarray]:
     """Every source's (capped) store rows as one row space, and the offsets ``[S + 1]``."""
+    _each_source(cfg, check_train_paths)  # a missing file of the last source, before the first one converts
     joined = ConcatStores(_each_source(cfg, lambda c: load_training_rows(c).rows))
     return PairRows(joined), joined.offsets
 
 
 def prepare_sources(cfg: Any) -> list[Optional[Path]]:
     """Each source's store, converted when absent (``prepare``); None for a ``beir`` source (read from qrels)."""
+    _each_source(cfg, check_train_paths)
     return _each_source(cfg, lambda c: None if c.kind == "beir" else prepare_store(c))
 
 

@@ -365,10 +365,20 @@ def load_eval_pool(cfg: Any, data_folder: Optional[Path] = None) -> EvalPool:
 
 def check_paths(cfg: Any) -> str:
     """The kind of a data config, after checking that the paths both sides need are given and exist."""
+    kind = check_train_paths(cfg)
+    if kind in PAIR_KINDS:
+        _need(cfg, "eval_dir", kind, _EVAL_DIR, file=False)
+    return kind
+
+
+def check_train_paths(cfg: Any) -> str:
+    """The kind of a data config, after checking that its training input is given and exists
+    (``data.sources``: every source's, before the first one is converted)."""
     kind = _check_kind(cfg)
     if kind in PAIR_KINDS:
         _train_input(cfg, kind)
-        _need(cfg, "eval_dir", kind, _EVAL_DIR, file=False)
+    elif kind == "beir":
+        _need(cfg, "dir", kind, _BEIR_DIR, file=False)
     return kind
 
 
@@ -441,6 +451,7 @@ __all__ = [
     "load_training_rows",
     "load_eval_pool",
     "check_paths",
+    "check_train_paths",
     "load",
     "load_documents",
 ]
