@@ -195,3 +195,16 @@ def test_a_missing_source_is_named_before_any_source_converts(tmp_path, monkeypa
                               SourceConfig(name="docs", kind="hf", path=str(tmp_path / "nope"))])
     with pytest.raises(DataError, match=r"data.sources\[1\] \(docs\): .*nope"):
         RetrievalDataModule(cfg, rank=0, world_size=1).setup("fit")
+
+
+def test_the_readmes_two_source_command_composes():
+    """The README's example (the Debian set and the docstrings, 3:1) is a valid strict config."""
+    import shlex
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = text[text.index("**Several sources.**"):]
+    block = block[block.index("```bash"):block.index("```", block.index("```bash") + 7)]
+    (line,) = [ln for ln in block.splitlines() if ln.startswith("python -m moco_retrieval.train")]
+    cfg = compose_train(shlex.split(line)[3:])
+    assert [(s.name, s.kind, s.weight) for s in cfg.data.sources] == [("debian", "debian", 3), ("pydoc", "jsonl", 1)]
+    assert cfg.data.sources[1].train_path == "pydoc/train.jsonl" and cfg.data.sources[1].prompts.query == "docstring: "
