@@ -301,21 +301,24 @@ class MultiSourceBatchSampler(Sampler[list[int]]):
         slots = [((k + 0.5) / c, s) for s, c in enumerate(counts) for k in range(c)]
         return [s for _, s in sorted(slots)]
 
-    def _source_batches(self, s: int, epoch: int, n: int) -> list[list[int]]:
-        """The first ``n`` global batches of source ``s`` in ``epoch`` (rows of the whole set),
-        continuing into new passes when one pass holds fewer."""
+    def _source_batches(self, s: int, epoch: int, n: int) -> np.ndarray:
+        """The first ``n`` global batches of source ``s`` in ``epoch`` (``[n, batch rows]``, rows of
+        the whole set), continuing into new passes when one pass holds fewer. An array, not Python
+        ints: at 10M rows a list of them would be several hundred MB in every rank."""
         src, base = self.sources[s], int(self.offsets[s])
-        out: list[list[int]] = []
-        p = 0
-        while len(out) < n:
+        parts: list[np.ndarray] = []
+        have, p = 0, 0
+        while have < n:
             more = src.global_batches(epoch + p * _PASS_STRIDE)
             if not more:
                 raise ValueError(f"{self.names[s]} makes no full batch in pass {p} of epoch {epoch}")
-            out.extend([base + i for i in g] for g in more[: n - len(out)])
+            take = more[: n - have]
+            parts.append(np.stack(take) + base)
+            have += len(take)
             p += 1
-        return out
+        return np.concatenate(parts) if parts else np.empty((0, self.batch_size * self.world_size), dtype=np.int64)
 
-    def global_plan(self, epoch: int) -> list[tuple[int, list[int]]]:
+    def global_plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
         """``(source, global batch)`` of every step of ``epoch`` (all ranks' rows)."""
         if self._cache is not None and self._cache[0] == epoch:
             return self._cache[1]
@@ -337,7 +340,7 @@ class MultiSourceBatchSampler(Sampler[list[int]]):
     def _weight(self, s: int) -> float:
         return 1.0 if self.weights is None else self.weights[s]
 
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
+    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         """This rank's batches of ``epoch``."""
         b, r = self.batch_size, self.rank
         return [g[r * b : (r + 1) * b] for _, g in self.global_plan(epoch)]
@@ -358,7 +361,7 @@ class MultiSourceBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         epoch, start = self.epoch, self.batches_done
         for batch in self.epoch_batches(epoch)[start:]:
-            yield list(batch)
+            yield batch.tolist()
 
     def set_epoch(self, epoch: int) -> None:
         epoch = int(epoch)
