@@ -208,3 +208,22 @@ def test_the_readmes_two_source_command_composes():
     cfg = compose_train(shlex.split(line)[3:])
     assert [(s.name, s.kind, s.weight) for s in cfg.data.sources] == [("debian", "debian", 3), ("pydoc", "jsonl", 1)]
     assert cfg.data.sources[1].train_path == "pydoc/train.jsonl" and cfg.data.sources[1].prompts.query == "docstring: "
+
+
+def test_workers_read_the_same_batches_from_the_stores(tmp_path):
+    """DataLoader workers (forked after the stores are mapped) give the batches the main process reads."""
+    from moco_retrieval.config import DataConfig, SourceConfig
+    from moco_retrieval.data.datamodule import RetrievalDataModule
+
+    web, ds = write_sources(tmp_path)
+
+    def batches(workers):
+        cfg = DataConfig(kind="jsonl", eval_dir=str(tmp_path / "eval"), batch_size=BATCH, num_workers=workers,
+                         cache_dir=str(tmp_path / "cache"), sources=[SourceConfig(name="web", train_path=str(web)),
+                                                                     SourceConfig(name="docs", kind="hf", path=str(ds))])
+        dm = RetrievalDataModule(cfg, rank=0, world_size=1)
+        return [(b["index"].tolist(), b["source"].tolist(), b["query"]["texts"]) for b in dm.train_dataloader()]
+
+    main = batches(0)
+    assert len(main) == 8 and {s[0] for _, s, _ in main} == {0, 1}
+    assert batches(2) == main
