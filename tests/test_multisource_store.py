@@ -227,3 +227,28 @@ def test_workers_read_the_same_batches_from_the_stores(tmp_path):
     main = batches(0)
     assert len(main) == 8 and {s[0] for _, s, _ in main} == {0, 1}
     assert batches(2) == main
+
+
+def test_each_sources_sampler_reads_its_stores_mapped_ids(tmp_path):
+    """No joined copy of the sources' ids and groups per rank: each source's sampler works on its own
+    store's memory-mapped arrays (pages shared by the ranks of a node)."""
+    import numpy as np
+
+    from moco_retrieval.config import DataConfig, SourceConfig
+    from moco_retrieval.data.datamodule import RetrievalDataModule
+    from moco_retrieval.data.store import Segments
+
+    web, ds = write_sources(tmp_path)
+    cfg = DataConfig(kind="jsonl", eval_dir=str(tmp_path / "eval"), batch_size=BATCH, cache_dir=str(tmp_path / "cache"),
+                     sources=[SourceConfig(name="web", train_path=str(web)), SourceConfig(name="docs", kind="hf", path=str(ds))])
+    dm = RetrievalDataModule(cfg, rank=0, world_size=1)
+    sampler = dm.batch_sampler
+    joined = dm.train_rows.source
+    for s, part in enumerate(joined.sources):
+        for name, got in (("doc_id", sampler.sources[s].doc_ids), ("group", sampler.sources[s].groups)):
+            mapped = part.source.array(name)
+            assert isinstance(mapped, np.memmap) and np.shares_memory(got, mapped), (s, name)
+    assert dm.train_rows.doc_ids.tolist() == [p.doc_id for p in dm.train_pairs]  # the joined column, when asked
+    seg = Segments([np.arange(3), np.arange(10, 14)])
+    assert seg[0:3].tolist() == [0, 1, 2] and seg[4:6].tolist() == [11, 12] and seg[2:5].tolist() == [2, 10, 11]
+    assert len(seg) == 7 and seg[7:7].tolist() == [] and seg[::2].tolist() == [0, 2, 11, 13]

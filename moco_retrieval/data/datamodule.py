@@ -182,9 +182,10 @@ class RetrievalDataModule(L.LightningDataModule):
         cfg = self.cfg
         kw = dict(seed=cfg.seed, shuffle=cfg.shuffle, unique_in_batch=cfg.unique_in_batch, rank=self._rank,
                   world_size=self._world_size)
-        ids, groups = rows.doc_ids, rows.groups
         if self.source_offsets is None:
-            return RetrievalBatchSampler(ids, groups, cfg.batch_size, **kw)
+            return RetrievalBatchSampler(rows.doc_ids, rows.groups, cfg.batch_size, **kw)
+        # each source's sampler slices its own (memory-mapped) ids and groups: no joined copy per rank
+        ids, groups = rows.source.segments("doc_id"), rows.source.segments("group")
         names = [f"data.sources[{i}] ({n})" for i, n in enumerate(source_names(cfg))]
         return MultiSourceBatchSampler(ids, groups, self.source_offsets, cfg.batch_size, weights=source_weights(cfg),
                                        mode=cfg.source_mode, names=names, **kw)

@@ -301,25 +301,24 @@ class MultiSourceBatchSampler(Sampler[list[int]]):
         slots = [((k + 0.5) / c, s) for s, c in enumerate(counts) for k in range(c)]
         return [s for _, s in sorted(slots)]
 
-    def _source_batches(self, s: int, epoch: int, n: int) -> np.ndarray:
-        """The first ``n`` global batches of source ``s`` in ``epoch`` (``[n, batch rows]``, rows of
-        the whole set), continuing into new passes when one pass holds fewer. An array, not Python
-        ints: at 10M rows a list of them would be several hundred MB in every rank."""
-        src, base = self.sources[s], int(self.offsets[s])
-        parts: list[np.ndarray] = []
-        have, p = 0, 0
-        while have < n:
+    def _source_batches(self, s: int, epoch: int, n: int) -> list[np.ndarray]:
+        """The first ``n`` global batches of source ``s`` in ``epoch`` (rows of the source: add
+        ``offsets[s]``), continuing into new passes when one pass holds fewer. Views into the source
+        sampler's plan, no copy: at 10M rows a copy (or Python ints) would be 100s of MB per rank."""
+        src = self.sources[s]
+        out: list[np.ndarray] = []
+        p = 0
+        while len(out) < n:
             more = src.global_batches(epoch + p * _PASS_STRIDE)
             if not more:
                 raise ValueError(f"{self.names[s]} makes no full batch in pass {p} of epoch {epoch}")
-            take = more[: n - have]
-            parts.append(np.stack(take) + base)
-            have += len(take)
+            out.extend(more[: n - len(out)])
             p += 1
-        return np.concatenate(parts) if parts else np.empty((0, self.batch_size * self.world_size), dtype=np.int64)
+        return out
 
     def global_plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
-        """``(source, global batch)`` of every step of ``epoch`` (all ranks' rows)."""
+        """``(source, global batch)`` of every step of ``epoch`` (all ranks' rows, within the source:
+        :meth:`epoch_batches` adds the source's offset)."""
         if self._cache is not None and self._cache[0] == epoch:
             return self._cache[1]
         passes = [len(src.global_batches(epoch)) for src in self.sources]
@@ -341,9 +340,12 @@ class MultiSourceBatchSampler(Sampler[list[int]]):
         return 1.0 if self.weights is None else self.weights[s]
 
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
-        """This rank's batches of ``epoch``."""
+        """This rank's batches of ``epoch`` (rows of the whole set)."""
+        return [self._rank_rows(s, g) for s, g in self.global_plan(epoch)]
+
+    def _rank_rows(self, s: int, g: np.ndarray) -> np.ndarray:
         b, r = self.batch_size, self.rank
-        return [g[r * b : (r + 1) * b] for _, g in self.global_plan(epoch)]
+        return g[r * b : (r + 1) * b] + self.offsets[s]
 
     def batch_sources(self, epoch: int) -> list[int]:
         """The source of each batch of ``epoch``."""
@@ -360,8 +362,8 @@ class MultiSourceBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch, start = self.epoch, self.batches_done
-        for batch in self.epoch_batches(epoch)[start:]:
-            yield batch.tolist()
+        for s, g in self.global_plan(epoch)[start:]:  # each batch's rows made when it is drawn
+            yield self._rank_rows(s, g).tolist()
 
     def set_epoch(self, epoch: int) -> None:
         epoch = int(epoch)

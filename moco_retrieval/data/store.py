@@ -160,17 +160,43 @@ class PairList:
         return [getattr(p, name) for p in self.pairs]
 
 
+class Segments:
+    """Several arrays as one sequence without joining them: a slice within one of them is a view of
+    it (a source's memory-mapped ids stay mapped and shared, as the multi-source sampler slices them
+    per source); any other slice joins the pieces it covers."""
+
+    def __init__(self, parts: Sequence[np.ndarray]):
+        self.parts = list(parts)
+        self.offsets = np.concatenate([[0], np.cumsum([len(p) for p in self.parts])]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            return self.join()[key]
+        a, b, _ = key.indices(len(self))
+        s = int(np.searchsorted(self.offsets, a, side="right")) - 1
+        if s < len(self.parts) and b <= self.offsets[s + 1]:
+            base = int(self.offsets[s])
+            return self.parts[s][a - base : max(a, b) - base]
+        return self.join()[a:b]
+
+    def join(self) -> np.ndarray:
+        return np.concatenate([np.asarray(p) for p in self.parts])
+
+
 class ConcatStores:
     """Several stores (or pair lists) as one, source after source: row ``offsets[s] + i`` is row ``i``
     of source ``s`` (what a multi-source run samples from; the per-source ``offsets`` array is the
-    sampler's). Only the numeric arrays are concatenated (in memory); texts stay in each store."""
+    sampler's). Texts stay in each store; :meth:`array` joins a numeric column (in memory, on each
+    call), :meth:`segments` gives it per source without a copy."""
 
     def __init__(self, sources: Sequence[Any]):
         if not sources:
             raise ValueError("no sources to concatenate")
         self.sources = list(sources)
         self.offsets = np.concatenate([[0], np.cumsum([len(s) for s in self.sources])]).astype(np.int64)
-        self._arrays: dict[str, np.ndarray] = {}
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -178,9 +204,11 @@ class ConcatStores:
     def array(self, name: str) -> np.ndarray:
         if name == "offsets":
             return self.offsets
-        if name not in self._arrays:
-            self._arrays[name] = np.concatenate([np.asarray(s.array(name)) for s in self.sources])
-        return self._arrays[name]
+        return self.segments(name).join()
+
+    def segments(self, name: str) -> Segments:
+        """Column ``name`` of every source, each its own array (a store's: memory-mapped)."""
+        return Segments([s.array(name) for s in self.sources])
 
     def open(self) -> None:
         for s in self.sources:
@@ -276,4 +304,4 @@ class PairRowsDataset(Dataset):
 
 
 __all__ = ["STORE_VERSION", "TABLE", "MANIFEST", "ARRAYS", "store_schema", "read_manifest", "PairStore", "PairList",
-           "ConcatStores", "PairRows", "PairRowsDataset"]
+           "Segments", "ConcatStores", "PairRows", "PairRowsDataset"]
