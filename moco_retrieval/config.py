@@ -357,7 +357,7 @@ class OptimConfig(RangeChecked):
 
 @dataclass
 class ColumnsConfig:
-    """``data=parquet`` / ``data=csv``: the column holding each field of a pair (data/tabular.py)."""
+    """``data=parquet`` / ``data=csv`` / ``data=hf``: the column holding each field of a pair (data/tabular.py)."""
 
     query: str = "query"
     positive: str = "positive"
@@ -386,8 +386,10 @@ class SourceConfig(RangeChecked):
     and weight; every batch is drawn from one source. Unset prompts: ``data.prompts``."""
 
     name: Optional[str] = None  # in messages and the checkpoint (default: its position, "0", "1", ...)
-    kind: str = "jsonl"  # jsonl | parquet | csv | beir | debian
+    kind: str = "jsonl"  # jsonl | parquet | csv | hf | beir | debian
     train_path: Optional[str] = None  # jsonl / parquet / csv
+    path: Optional[str] = None  # hf: a `save_to_disk` folder or a folder of Parquet shards
+    split: Optional[str] = None  # hf: the split (unset: data.split)
     dir: Optional[str] = None  # beir: its qrels/<train_split>.tsv
     train_split: str = "train"
     columns: ColumnsConfig = field(default_factory=ColumnsConfig)
@@ -401,10 +403,12 @@ class SourceConfig(RangeChecked):
 
 @dataclass
 class DataConfig(RangeChecked):
-    kind: str = "debian"  # debian | jsonl | parquet | csv | beir
+    kind: str = "debian"  # debian | jsonl | parquet | csv | hf | beir
     train_path: Optional[str] = None  # jsonl / parquet / csv: training pairs
-    eval_dir: Optional[str] = None  # jsonl / parquet / csv: BEIR-layout evaluation directory
-    columns: ColumnsConfig = field(default_factory=ColumnsConfig)  # parquet / csv column names
+    eval_dir: Optional[str] = None  # jsonl / parquet / csv / hf: BEIR-layout evaluation directory
+    columns: ColumnsConfig = field(default_factory=ColumnsConfig)  # parquet / csv / hf column names
+    path: Optional[str] = None  # hf: a `save_to_disk` folder (Dataset or DatasetDict) or a folder of Parquet shards
+    split: str = "train"  # hf: the split of a DatasetDict (or the subfolder of Parquet shards)
     prompts: PromptsConfig = field(default_factory=PromptsConfig)  # query / document prefixes
     # several training sources (data/multisource.py): they replace train_path; validation stays on
     # this config's pool (eval_dir, or the kind's); source_mode: weighted | round_robin
@@ -414,6 +418,7 @@ class DataConfig(RangeChecked):
     train_split: str = "train"
     eval_split: str = "test"
     # debian: built on first use into cache_dir from the apt lists (or the files below)
+    # built data sets and converted training stores (pairs/)
     cache_dir: Optional[str] = None  # default: $MOCO_RETRIEVAL_CACHE or ~/.cache/moco_retrieval
     debian_dir: Optional[str] = None  # a folder holding Packages* and Translation-en* files
     batch_size: int = 64

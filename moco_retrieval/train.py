@@ -228,12 +228,12 @@ def _train(cfg: TrainConfig, run_dir: Path) -> dict:
 def warm_frozen_features(encoder, dm: RetrievalDataModule) -> int:
     """A frozen backbone's features of every text the run will embed, as its batches hold them
     (with their prompts: the cache is keyed by the text the model sees); returns how many were computed."""
-    pairs, ev = dm.train_pairs, dm.eval_set
+    queries, docs, ev = dm.train_texts("query"), dm.train_texts("positive"), dm.eval_set
     if dm.source_offsets is None:
-        queries, docs = dm.prompts.apply([p.query for p in pairs], "query"), dm.prompts.apply([p.positive for p in pairs], "doc")
+        queries, docs = dm.prompts.apply(queries, "query"), dm.prompts.apply(docs, "doc")
     else:  # each source's rows with its own prompts
-        rows = by_row(source_prompts(dm.cfg), source_of(range(len(pairs)), dm.source_offsets))
-        queries, docs = apply_by_row(rows, [p.query for p in pairs], "query"), apply_by_row(rows, [p.positive for p in pairs], "doc")
+        rows = by_row(source_prompts(dm.cfg), source_of(range(len(queries)), dm.source_offsets))
+        queries, docs = apply_by_row(rows, queries, "query"), apply_by_row(rows, docs, "doc")
     return encoder.warm_features(queries=queries + dm.prompts.apply(list(ev.queries.values()), "query"),
                                  docs=docs + dm.prompts.apply(list(ev.corpus.values()), "doc"))
 

@@ -228,3 +228,30 @@ def test_beir_missing_split_and_dir(tmp_path):
     (d / "queries.jsonl").unlink()
     with pytest.raises(DataError, match=re.escape(f"{d / 'queries.jsonl'}: no such file")):
         read_beir(d, "test")
+
+
+def test_normalize_text_fast_path_agrees_with_the_rule():
+    """ids.normalize_text skips NFC and split/join for text they would not change: same result always."""
+    import random
+    import unicodedata
+
+    from moco_retrieval.data.ids import normalize_text
+
+    chars = [" ", "a", "b", "\t", "\n", "\x0b", "\x0c", "\r", "\x1c", "\x1f", "\x85", "\xa0", "e\u0301", "\u2003", "é", "~"]
+    rng = random.Random(0)
+    for _ in range(20000):
+        t = "".join(rng.choice(chars) for _ in range(rng.randint(0, 8)))
+        assert normalize_text(t) == " ".join(unicodedata.normalize("NFC", t).split()), repr(t)
+
+
+def test_jsonl_errors_and_values_are_those_of_json(tmp_path):
+    """Lines go through orjson when installed; what it refuses (NaN, huge integers) is json's to decide."""
+    from moco_retrieval.data.formats import iter_jsonl
+
+    p = tmp_path / "x.jsonl"
+    p.write_text('{"a": NaN, "b": 123456789012345678901234567890}\n{"a": 1,}\n')
+    it = iter_jsonl(p)
+    _, obj = next(it)
+    assert obj["b"] == 123456789012345678901234567890 and obj["a"] != obj["a"]
+    with pytest.raises(DataError, match=re.escape(f"{p}:2: malformed JSON (Expecting property name enclosed in double quotes: column 9)")):
+        next(it)

@@ -363,3 +363,51 @@ def test_val_dataloader_whole_pool_docs_first(tmp_path):
     assert batches[3]["input_ids"].shape == (5, 3)
     plain = next(iter(RetrievalDataModule(cfg).val_dataloader()))
     assert set(plain) == {"kind", "ids", "texts"}
+
+
+def _reference_unique_batches(ids, groups, order, gb):
+    """The duplicate-free plan as first written (Python lists of the whole set), to pin the streamed one."""
+    batches, pending, stream = [], [], iter(order)
+    while True:
+        batch, used_ids, used_groups = [], set(), set()
+
+        def fits(i):
+            return ids[i] not in used_ids and (groups[i] == -1 or groups[i] not in used_groups)
+
+        def add(i):
+            batch.append(i)
+            used_ids.add(ids[i])
+            if groups[i] != -1:
+                used_groups.add(groups[i])
+
+        still = []
+        for k, i in enumerate(pending):
+            if len(batch) == gb:
+                still.extend(pending[k:])
+                break
+            add(i) if fits(i) else still.append(i)
+        pending = still
+        while len(batch) < gb:
+            i = next(stream, None)
+            if i is None:
+                break
+            add(i) if fits(i) else pending.append(i)
+        if len(batch) < gb:
+            return batches
+        batches.append(batch)
+
+
+def test_streamed_plan_is_the_reference_plan(monkeypatch):
+    """The plan reads ids and groups a chunk at a time (memory at scale): the same batches as reading all."""
+    import numpy as np
+
+    import moco_retrieval.data.sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "_ROWS_CHUNK", 37)  # many chunks, deferred rows across chunk ends
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 60, 700).tolist()
+    groups = np.where(rng.random(700) < 0.5, -1, rng.integers(0, 40, 700)).tolist()
+    for world in (1, 3):
+        s = RetrievalBatchSampler(ids, groups, 4, seed=5, rank=0, world_size=world)
+        want = _reference_unique_batches(ids, groups, s.order(2).tolist(), 4 * world)
+        assert len(want) > 10 and [g.tolist() for g in s.global_batches(2)] == want

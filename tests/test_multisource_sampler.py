@@ -60,7 +60,7 @@ def test_weighted_proportions_and_upsampled_source_repeats():
         assert abs(counts[s] / total - share) <= 1 / total
     # source 2 holds 6 batches a pass but is given half the epoch: it continues into new passes,
     # each a new permutation, and never repeats a row within a batch
-    rows2 = [b for b, s in zip(sampler.epoch_batches(0), sources) if s == 2]
+    rows2 = [b.tolist() for b, s in zip(sampler.epoch_batches(0), sources) if s == 2]
     assert len(rows2) > 6
     assert rows2[:6] != rows2[6:12]
     # the first half of the epoch keeps the proportions too (a seeded shuffle, not blocks of one source)
@@ -83,7 +83,7 @@ def test_round_robin_turns_until_the_smallest_is_used():
     sampler = MultiSourceBatchSampler(ids, groups, off, 10, mode="round_robin", rank=0, world_size=1)
     smallest = min(len(s.global_batches(0)) for s in sampler.sources)
     assert sampler.batch_sources(0) == [0, 1, 2] * smallest
-    rows = [i for b in sampler.epoch_batches(0) for i in b]
+    rows = [i for b in sampler.epoch_batches(0) for i in b.tolist()]
     assert len(rows) == len(set(rows))
 
 
@@ -155,3 +155,22 @@ def test_collate_carries_each_rows_source():
     batch = collate(pairs, source_offsets=[0, 4, 9, 12])
     assert batch["source"].tolist() == [0, 0, 1, 2]
     assert "source" not in collate(pairs)
+
+
+def test_the_epoch_plan_holds_arrays_not_python_ints():
+    """The plan of a large set stays numpy (8 bytes a row), not a Python int (or numpy scalar) per row."""
+    import tracemalloc
+
+    n = 200_000
+    ids = np.arange(n, dtype=np.int64)
+    sampler = MultiSourceBatchSampler(ids, np.full(n, -1, dtype=np.int64), [0, n // 2, n], 64, weights=[3, 1],
+                                      unique_in_batch=False, rank=0, world_size=1)
+    tracemalloc.start()
+    try:
+        plan = sampler.global_plan(0)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(plan) == 2 * (n // 2 // 64) and all(len(g) == 64 for _, g in plan)
+    assert held < 24 * n, f"{held / n:.0f} bytes a row"  # views into the sources' plans; a Python int alone is 28 + 8
+    assert next(iter(sampler)) == plan[0][1].tolist() and type(next(iter(sampler))[0]) is int

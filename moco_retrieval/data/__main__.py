@@ -1,5 +1,9 @@
 """``python -m moco_retrieval.data debian --out DIR [--lists DIR | --translation FILE --packages FILE]``
-``python -m moco_retrieval.data pydoc --out DIR [--stdlib DIR] [--modules a,b.c]``"""
+``python -m moco_retrieval.data pydoc --out DIR [--stdlib DIR] [--modules a,b.c]``
+
+``python -m moco_retrieval.data prepare data=KIND data.KEY=VALUE ...``: convert a run's training pairs
+(each source's, with ``data.sources``) into their store (convert.py) ahead of a cluster job, with the
+same ``data.*`` overrides as the run."""
 from __future__ import annotations
 
 import argparse
@@ -54,6 +58,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--modules", default=None, help="comma-separated dotted module names (default: every module)")
     p.add_argument("--eval-fraction", type=float, default=PYDOC_EVAL_FRACTION,
                    help=f"share of top-level packages held out for evaluation (default {PYDOC_EVAL_FRACTION})")
+    r = sub.add_parser(
+        "prepare",
+        help="convert training pairs into the memory-mapped store a run reads (ahead of a cluster job)",
+        description=(
+            "Convert the training pairs of a data config into the store training opens (Arrow + numpy, keyed by "
+            "the input's content; an existing store of the same content is kept). Takes the training command's "
+            "data overrides, e.g. data=hf data.path=DIR, or data=jsonl data.train_path=FILE."
+        ),
+    )
+    r.add_argument("overrides", nargs="*", help="data=KIND and data.KEY=VALUE overrides, as for training")
     return ap
 
 
@@ -74,8 +88,50 @@ def _build_debian(args: argparse.Namespace) -> dict:
     return build_debian(args.out, tr, pk, eval_fraction=args.eval_fraction, dedup=args.dedup)
 
 
+def _data_config(overrides: Sequence[str]):
+    from hydra import compose, initialize_config_module
+
+    from moco_retrieval.config import DataConfig, register_configs, to_config
+
+    bad = [o for o in overrides if not (o.startswith("data=") or o.startswith("data."))]
+    if bad:
+        raise DataError(f"prepare takes data=KIND and data.KEY=VALUE overrides only, got {' '.join(bad)}")
+    register_configs()
+    with initialize_config_module("moco_retrieval.conf", version_base="1.3"):
+        return to_config(DataConfig, compose("train", overrides=list(overrides)).data)
+
+
+def prepare(overrides: Sequence[str]) -> int:
+    """Convert (or find) the store of the configured training pairs; print where it is."""
+    from .multisource import has_sources, prepare_sources, source_names
+    from .sources import prepare_store
+
+    cfg = _data_config(overrides)
+    if has_sources(cfg):  # every source's store (a beir source reads qrels: nothing to convert)
+        for name, folder in zip(source_names(cfg), prepare_sources(cfg)):
+            _print_store(folder, f"source {name}: ")
+        return 0
+    if cfg.kind == "beir":
+        raise DataError("data=beir: its training pairs come from qrels and need no preparing")
+    _print_store(prepare_store(cfg))
+    return 0
+
+
+def _print_store(folder, prefix: str = "") -> None:
+    from .convert import folder_bytes
+    from .store import read_manifest
+
+    if folder is None:
+        print(f"{prefix}beir: training pairs from qrels, nothing to convert")
+        return
+    m = read_manifest(folder)
+    print(f"{prefix}store {folder}: {m['rows']:,} rows of {m['name']}, {folder_bytes(folder) / 1e6:,.1f} MB")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "prepare":
+        return _reported(prepare, args.overrides)
     t0 = time.time()
     try:
         manifest = _build_pydoc(args) if args.command == "pydoc" else _build_debian(args)
@@ -96,6 +152,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _reported(fn, *args) -> int:
+    """``fn(*args)``; a user error (bad data, a bad override) as one line on stderr, status 2."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from moco_retrieval.errors import UserError
+
+    try:
+        return fn(*args)
+    except (UserError, ValueError, OmegaConfBaseException, HydraException) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 """The Lightning data module: training pairs and the evaluation pool of a data config, served by
 the batch sampler (:mod:`.sampler`) and the collate (:mod:`.collate`).
 
+Training rows come from a store converted once per input content (:mod:`.convert`, :mod:`.store`):
+the sampler works on its memory-mapped ids and groups, and the DataLoader reads each batch's rows
+from its Arrow table, so no process holds the pairs as Python objects.
+
 Loading by ``data.kind``, subsets and caps live in :mod:`.sources`. Batches follow the contract in
 ``docs/design.md``. The training batch sampler shuffles with a seed, shards across ranks itself
 (run Lightning with ``use_distributed_sampler=False``), keeps a document id or a group out of a
@@ -9,8 +13,8 @@ batch twice, and resumes mid-epoch.
 Position in the epoch (resume). :meth:`RetrievalDataModule.state_dict` returns
 ``{"epoch", "batches_done"}`` (with ``data.sources`` also ``"sources"``: names, weights and mode,
 which fix the schedule; a resume under others is refused, see :mod:`.multisource`); Lightning
-stores it in every checkpoint and hands it back to :meth:`RetrievalDataModule.load_state_dict` before the training dataloader is iterated, so the
-resumed epoch yields exactly the batches that were not trained on yet. Under a Lightning fit,
+stores it in every checkpoint and hands it back to :meth:`RetrievalDataModule.load_state_dict`
+before the training dataloader is iterated, so the resumed epoch yields exactly the batches that were not trained on yet. Under a Lightning fit,
 ``batches_done`` is derived from the fit loop (``batch_progress.current.processed``: batches whose
 training step finished, which is right for checkpoints saved in ``on_train_batch_end``, at
 validation and at the end of an epoch), so the lightning module need not call anything. Outside
@@ -24,15 +28,17 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import lightning as L
+import numpy as np
 from torch.utils.data import DataLoader
 
-from .collate import Collator, EvalCollator, EvalItems, PairDataset, Tokenize, select_negatives
+from .collate import Collator, EvalCollator, EvalItems, Tokenize, select_negatives
 from .formats import DataError, EvalSet, Pair
-from .multisource import (check_same_schedule, has_sources, load_sources, schedule_record, source_names,
+from .multisource import (check_same_schedule, has_sources, load_source_rows, schedule_record, source_names,
                           source_prompts, source_weights)
 from .prompts import to_prompts
 from .sampler import MultiSourceBatchSampler, ResumableDataLoader, RetrievalBatchSampler, dist_rank_world
-from .sources import debian_folder, load, load_eval_pool
+from .sources import check_paths, debian_folder, load_eval_pool, load_training_rows
+from .store import PairList, PairRows, PairRowsDataset
 
 
 class RetrievalDataModule(L.LightningDataModule):
@@ -63,12 +69,13 @@ class RetrievalDataModule(L.LightningDataModule):
         self.tokenize = tokenize
         self.n_negatives = int(n_negatives) if n_negatives else None
         self._rank, self._world_size = rank, world_size
-        self._train_pairs: Optional[list[Pair]] = None
+        self._train_rows: Optional[PairRows] = None
         self._eval_set: Optional[EvalSet] = None
         self._sampler: Optional[RetrievalBatchSampler] = None
         self._pending_state: Optional[dict] = None
         self.data_dir: Optional[Path] = None  # the built Debian folder (kind=debian, when loaded here)
         self.source_offsets = None  # data.sources: source s is rows [offsets[s], offsets[s + 1]) (multisource.py)
+        self.store_dir: Optional[Path] = None  # the converted store of the training pairs (one source, when loaded here)
 
     @classmethod
     def from_loaded(
@@ -88,24 +95,34 @@ class RetrievalDataModule(L.LightningDataModule):
         its batch, sampler and worker settings apply. ``where``: each pair's source location, for
         the message about a row without negatives."""
         dm = cls(cfg, tokenize, n_negatives, rank=rank, world_size=world_size)
-        dm._set_data(list(train_pairs), eval_set, list(where) if where is not None else None)
+        dm._set_data(PairRows(PairList(train_pairs, where)), eval_set)
         return dm
 
     # -- loading
     def prepare_data(self) -> None:
-        if self._train_pairs is None and self.cfg.kind == "debian":  # nothing to build once loaded (or given)
+        if self._train_rows is None and self.cfg.kind == "debian":  # nothing to build once loaded (or given)
             debian_folder(self.cfg)
 
     def setup(self, stage: Optional[str] = None) -> None:
-        if self._train_pairs is None:
+        if self._train_rows is None:
             self._load()
 
     @property
-    def train_pairs(self) -> list[Pair]:
-        if self._train_pairs is None:
+    def train_rows(self) -> PairRows:
+        """The training rows: ids, groups and negative counts as arrays, texts read on demand."""
+        if self._train_rows is None:
             self._load()
-        assert self._train_pairs is not None
-        return self._train_pairs
+        assert self._train_rows is not None
+        return self._train_rows
+
+    @property
+    def train_pairs(self) -> list[Pair]:
+        """Every training row as a Pair (small sets and tests; training reads a batch at a time)."""
+        return self.train_rows.pairs()
+
+    def train_texts(self, field: str) -> list[str]:
+        """One text field (``query`` or ``positive``) of every training row, in order."""
+        return self.train_rows.column(field)
 
     @property
     def eval_set(self) -> EvalSet:
@@ -115,20 +132,23 @@ class RetrievalDataModule(L.LightningDataModule):
         return self._eval_set
 
     def _load(self) -> None:
-        if has_sources(self.cfg):
-            (train, self.source_offsets), pool = load_sources(self.cfg), load_eval_pool(self.cfg)
-        else:
-            train, pool = load(self.cfg)
-        self.data_dir = train.folder
-        self._set_data(train.pairs, pool.eval_set, train.where)
+        if has_sources(self.cfg):  # one row space over every source's store (multisource.py)
+            pool = load_eval_pool(self.cfg)  # (a missing eval_dir before any source converts)
+            rows, self.source_offsets = load_source_rows(self.cfg)
+            self._set_data(rows, pool.eval_set)
+            return
+        check_paths(self.cfg)  # every required path, before any file is read
+        train = load_training_rows(self.cfg)
+        self.data_dir, self.store_dir = train.folder, train.store
+        self._set_data(train.rows, load_eval_pool(self.cfg, train.folder).eval_set)
 
-    def _set_data(self, pairs: list[Pair], eval_set: EvalSet, where: Optional[list[str]]) -> None:
-        if where is not None and len(where) != len(pairs):
-            raise ValueError(f"{len(where)} source locations for {len(pairs)} training pairs")
+    def _set_data(self, rows: PairRows, eval_set: EvalSet) -> None:
         if self.n_negatives:
-            for i, p in enumerate(pairs):  # raises on a row without any
-                select_negatives(p, i, self.n_negatives, self.cfg.seed, where=where[i] if where else None)
-        self._train_pairs, self._eval_set = pairs, eval_set
+            empty = np.flatnonzero(rows.negative_counts == 0)
+            if len(empty):  # the first row without negatives, named as select_negatives names it
+                i = int(empty[0])
+                select_negatives(rows.take([i])[0], i, self.n_negatives, self.cfg.seed, where=rows.where(i))
+        self._train_rows, self._eval_set = rows, eval_set
 
     # -- loaders
     @property
@@ -140,9 +160,9 @@ class RetrievalDataModule(L.LightningDataModule):
             if (self._sampler.rank, self._sampler.world_size) != dist_rank_world():
                 self._pending_state, self._sampler = self._sampler.state_dict(), None
         if self._sampler is None:
-            pairs = self.train_pairs
+            rows = self.train_rows
             cfg = self.cfg
-            self._sampler = self._new_sampler(pairs)
+            self._sampler = self._new_sampler(rows)
             if self._pending_state is not None:
                 self._sampler.load_state_dict(self._pending_state)
                 self._pending_state = None
@@ -152,26 +172,28 @@ class RetrievalDataModule(L.LightningDataModule):
                 raise DataError(str(exc)) from None
             if n_batches == 0:
                 raise DataError(
-                    f"data: {len(pairs)} training pairs make no full batch of data.batch_size={cfg.batch_size} "
+                    f"data: {len(rows)} training pairs make no full batch of data.batch_size={cfg.batch_size} "
                     f"x {self._sampler.world_size} rank(s)"
                 )
         return self._sampler
 
-    def _new_sampler(self, pairs: list[Pair]) -> RetrievalBatchSampler | MultiSourceBatchSampler:
+    def _new_sampler(self, rows: PairRows) -> RetrievalBatchSampler | MultiSourceBatchSampler:
         """One source: RetrievalBatchSampler; ``data.sources``: MultiSourceBatchSampler over them."""
         cfg = self.cfg
         kw = dict(seed=cfg.seed, shuffle=cfg.shuffle, unique_in_batch=cfg.unique_in_batch, rank=self._rank,
                   world_size=self._world_size)
-        ids, groups = [p.doc_id for p in pairs], [p.group for p in pairs]
         if self.source_offsets is None:
-            return RetrievalBatchSampler(ids, groups, cfg.batch_size, **kw)
+            return RetrievalBatchSampler(rows.doc_ids, rows.groups, cfg.batch_size, **kw)
+        # each source's sampler slices its own (memory-mapped) ids and groups: no joined copy per rank
+        ids, groups = rows.source.segments("doc_id"), rows.source.segments("group")
         names = [f"data.sources[{i}] ({n})" for i, n in enumerate(source_names(cfg))]
         return MultiSourceBatchSampler(ids, groups, self.source_offsets, cfg.batch_size, weights=source_weights(cfg),
                                        mode=cfg.source_mode, names=names, **kw)
 
     def train_dataloader(self) -> DataLoader:
+        self.train_rows.open()  # mapped before the workers fork: they share the maps
         return ResumableDataLoader(
-            PairDataset(self.train_pairs),
+            PairRowsDataset(self.train_rows),
             batch_sampler=self.batch_sampler,
             collate_fn=Collator(self.tokenize, self.n_negatives, self.cfg.seed, self.source_offsets, self.prompts,
                                 source_prompts(self.cfg) if self.source_offsets is not None else None),

@@ -1,7 +1,9 @@
 """Several training sources in one run (``data.sources``): each read as a data config of its own
-through :func:`.sources.load_training_pairs` (same formats, same located errors, prefixed with the
-source), concatenated in the order given, with ``source_offsets`` (source ``s`` is rows
-``[offsets[s], offsets[s + 1])``) for :class:`.sampler.MultiSourceBatchSampler` and the collate.
+through :func:`.sources.load_training_rows` (its own converted store: same formats, same located
+errors, prefixed with the source), joined in the order given as one row space
+(:class:`.store.ConcatStores`) with ``source_offsets`` (source ``s`` is rows
+``[offsets[s], offsets[s + 1])``) for :class:`.sampler.MultiSourceBatchSampler` and the collate. Only
+the ids, groups and negative counts are in memory (numpy); texts stay in each store.
 
 Each source has its own ``prompts`` (unset: ``data.prompts``) and ``weight`` (every source one, or
 none: batches in proportion to the sources' sizes). Validation stays on the data config's own pool
@@ -9,6 +11,7 @@ none: batches in proportion to the sources' sizes). Validation stays on the data
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
@@ -18,10 +21,11 @@ from moco_retrieval.config import SOURCE_MODES
 
 from .formats import DataError
 from .prompts import Prompts, to_prompts
-from .sources import TrainingPairs, load_training_pairs
+from .sources import check_train_paths, load_training_rows, prepare_store
+from .store import ConcatStores, PairRows
 
 # what a source sets for itself; everything else (seed, caps of the pool, cache_dir, ...) is the data config's
-SOURCE_KEYS = ("kind", "train_path", "dir", "train_split", "columns", "max_train_examples")
+SOURCE_KEYS = ("kind", "train_path", "path", "split", "dir", "train_split", "columns", "max_train_examples")
 
 
 def has_sources(cfg: Any) -> bool:
@@ -55,19 +59,29 @@ def check_sources(cfg: Any) -> None:
         raise DataError("data.sources: the weights are all 0")
 
 
-def load_sources(cfg: Any) -> tuple[TrainingPairs, np.ndarray]:
-    """Every source's training pairs, concatenated, and the offsets ``[S + 1]``."""
+def _each_source(cfg: Any, fn: Any) -> list:
+    """``fn(source's data config)`` for every source, an error prefixed with the source it is about."""
     check_sources(cfg)
-    pairs, where, offsets = [], [], [0]
+    out = []
     for i, name in enumerate(source_names(cfg)):
         try:
-            data = load_training_pairs(source_config(cfg, i))
+            out.append(fn(source_config(cfg, i)))
         except DataError as exc:
             raise DataError(f"data.sources[{i}] ({name}): {exc}") from None
-        pairs.extend(data.pairs)
-        where.extend(data.where)
-        offsets.append(len(pairs))
-    return TrainingPairs(pairs, where), np.asarray(offsets, dtype=np.int64)
+    return out
+
+
+def load_source_rows(cfg: Any) -> tuple[PairRows, np.ndarray]:
+    """Every source's (capped) store rows as one row space, and the offsets ``[S + 1]``."""
+    _each_source(cfg, check_train_paths)  # a missing file of the last source, before the first one converts
+    joined = ConcatStores(_each_source(cfg, lambda c: load_training_rows(c).rows))
+    return PairRows(joined), joined.offsets
+
+
+def prepare_sources(cfg: Any) -> list[Optional[Path]]:
+    """Each source's store, converted when absent (``prepare``); None for a ``beir`` source (read from qrels)."""
+    _each_source(cfg, check_train_paths)
+    return _each_source(cfg, lambda c: None if c.kind == "beir" else prepare_store(c))
 
 
 def source_weights(cfg: Any) -> Optional[list[float]]:
@@ -109,5 +123,6 @@ def check_same_schedule(trained: Optional[dict], now: Optional[dict]) -> None:
                     "resume with the sources it was trained on (or start a new run_dir)")
 
 
-__all__ = ["SOURCE_KEYS", "check_same_schedule", "check_sources", "has_sources", "load_sources", "schedule_record",
+__all__ = ["SOURCE_KEYS", "check_same_schedule", "check_sources", "has_sources", "load_source_rows", "prepare_sources",
+           "schedule_record",
            "source_config", "source_names", "source_prompts", "source_weights"]

@@ -23,6 +23,9 @@ def dist_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+_ROWS_CHUNK = 1 << 16  # rows whose ids and groups the duplicate-free plan holds as Python ints at once
+
+
 class RetrievalBatchSampler(Sampler[list[int]]):
     """Seeded, rank-sharded, duplicate-free, resumable batch sampler.
 
@@ -66,14 +69,16 @@ class RetrievalBatchSampler(Sampler[list[int]]):
             rank, world_size = dist_rank_world()
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in [0, world_size={world_size})")
-        self.doc_ids = [int(x) for x in doc_ids]
-        self.groups = [int(x) for x in groups]
+        # numbers, not Python objects: a memory-mapped store's arrays stay mapped, and nothing here is
+        # copied into DataLoader workers page by page as their garbage collector touches it
+        self.doc_ids = np.asarray(doc_ids, dtype=np.int64)
+        self.groups = np.asarray(groups, dtype=np.int64)
         self.batch_size = int(batch_size)
         self.seed, self.shuffle, self.unique_in_batch = int(seed), bool(shuffle), bool(unique_in_batch)
         self.rank, self.world_size = int(rank), int(world_size)
         self.epoch = 0
         self.batches_done = 0
-        self._cache: Optional[tuple[int, list[list[int]]]] = None
+        self._cache: Optional[tuple[int, list[np.ndarray]]] = None
         # Lightning calls set_epoch on ``dataloader.sampler`` and ``dataloader.batch_sampler.sampler``,
         # not on the batch sampler itself: this attribute routes it here.
         self.sampler = _EpochSetter(self)
@@ -85,61 +90,70 @@ class RetrievalBatchSampler(Sampler[list[int]]):
             return np.arange(n)
         return np.random.default_rng([self.seed, int(epoch)]).permutation(n)
 
-    def global_batches(self, epoch: int) -> list[list[int]]:
-        """All ranks' batches of ``epoch`` (each ``batch_size * world_size`` rows)."""
+    def global_batches(self, epoch: int) -> list[np.ndarray]:
+        """All ranks' batches of ``epoch`` (each ``batch_size * world_size`` rows; views into one array)."""
         if self._cache is not None and self._cache[0] == epoch:
             return self._cache[1]
         gb = self.batch_size * self.world_size
-        order = self.order(epoch).tolist()
+        order = self.order(epoch)
         if not self.unique_in_batch:
-            batches = [order[s : s + gb] for s in range(0, len(order) - gb + 1, gb)]
+            plan = order[: len(order) // gb * gb].reshape(-1, gb)
         else:
-            batches = self._unique_batches(order, gb)
+            plan = self._unique_batches(order, gb)
+        batches = list(plan)
         self._cache = (epoch, batches)
         return batches
 
-    def _unique_batches(self, order: list[int], gb: int) -> list[list[int]]:
-        ids, groups = self.doc_ids, self.groups
-        batches: list[list[int]] = []
-        pending: list[int] = []
-        stream = iter(order)
+    def _rows(self, order: np.ndarray) -> Iterator[tuple[int, int, int]]:
+        """``(row, doc id, group)`` in ``order``, read a chunk at a time (no Python int per row of the
+        whole set at once: at 10M rows that would be about 1 GB in every rank)."""
+        for s in range(0, len(order), _ROWS_CHUNK):
+            idx = order[s : s + _ROWS_CHUNK]
+            yield from zip(idx.tolist(), self.doc_ids[idx].tolist(), self.groups[idx].tolist())
+
+    def _unique_batches(self, order: np.ndarray, gb: int) -> np.ndarray:
+        plan = np.empty((len(order) // gb, gb), dtype=np.int64)
+        done = 0
+        pending: list[tuple[int, int, int]] = []
+        stream = self._rows(order)
         while True:
             batch: list[int] = []
             used_ids: set[int] = set()
             used_groups: set[int] = set()
 
-            def fits(i: int) -> bool:
-                return ids[i] not in used_ids and (groups[i] == NO_GROUP or groups[i] not in used_groups)
+            def fits(row: tuple[int, int, int]) -> bool:
+                return row[1] not in used_ids and (row[2] == NO_GROUP or row[2] not in used_groups)
 
-            def add(i: int) -> None:
-                batch.append(i)
-                used_ids.add(ids[i])
-                if groups[i] != NO_GROUP:
-                    used_groups.add(groups[i])
+            def add(row: tuple[int, int, int]) -> None:
+                batch.append(row[0])
+                used_ids.add(row[1])
+                if row[2] != NO_GROUP:
+                    used_groups.add(row[2])
 
-            still: list[int] = []
-            for k, i in enumerate(pending):
+            still: list[tuple[int, int, int]] = []
+            for k, row in enumerate(pending):
                 if len(batch) == gb:
                     still.extend(pending[k:])
                     break
-                if fits(i):
-                    add(i)
+                if fits(row):
+                    add(row)
                 else:
-                    still.append(i)
+                    still.append(row)
             pending = still
             while len(batch) < gb:
-                i = next(stream, None)
-                if i is None:
+                row = next(stream, None)
+                if row is None:
                     break
-                if fits(i):
-                    add(i)
+                if fits(row):
+                    add(row)
                 else:
-                    pending.append(i)
+                    pending.append(row)
             if len(batch) < gb:
-                return batches  # the stream is exhausted: drop the partial batch and the deferred rows
-            batches.append(batch)
+                return plan[:done]  # the stream is exhausted: drop the partial batch and the deferred rows
+            plan[done] = batch
+            done += 1
 
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
+    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         """This rank's batches of ``epoch``."""
         b, r = self.batch_size, self.rank
         return [g[r * b : (r + 1) * b] for g in self.global_batches(epoch)]
@@ -152,7 +166,7 @@ class RetrievalBatchSampler(Sampler[list[int]]):
         # a generator: epoch and position are read at the first next(), i.e. after set_epoch
         epoch, start = self.epoch, self.batches_done
         for batch in self.epoch_batches(epoch)[start:]:
-            yield list(batch)
+            yield batch.tolist()
 
     def set_epoch(self, epoch: int) -> None:
         epoch = int(epoch)
@@ -287,22 +301,24 @@ class MultiSourceBatchSampler(Sampler[list[int]]):
         slots = [((k + 0.5) / c, s) for s, c in enumerate(counts) for k in range(c)]
         return [s for _, s in sorted(slots)]
 
-    def _source_batches(self, s: int, epoch: int, n: int) -> list[list[int]]:
-        """The first ``n`` global batches of source ``s`` in ``epoch`` (rows of the whole set),
-        continuing into new passes when one pass holds fewer."""
-        src, base = self.sources[s], int(self.offsets[s])
-        out: list[list[int]] = []
+    def _source_batches(self, s: int, epoch: int, n: int) -> list[np.ndarray]:
+        """The first ``n`` global batches of source ``s`` in ``epoch`` (rows of the source: add
+        ``offsets[s]``), continuing into new passes when one pass holds fewer. Views into the source
+        sampler's plan, no copy: at 10M rows a copy (or Python ints) would be 100s of MB per rank."""
+        src = self.sources[s]
+        out: list[np.ndarray] = []
         p = 0
         while len(out) < n:
             more = src.global_batches(epoch + p * _PASS_STRIDE)
             if not more:
                 raise ValueError(f"{self.names[s]} makes no full batch in pass {p} of epoch {epoch}")
-            out.extend([base + i for i in g] for g in more[: n - len(out)])
+            out.extend(more[: n - len(out)])
             p += 1
         return out
 
-    def global_plan(self, epoch: int) -> list[tuple[int, list[int]]]:
-        """``(source, global batch)`` of every step of ``epoch`` (all ranks' rows)."""
+    def global_plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
+        """``(source, global batch)`` of every step of ``epoch`` (all ranks' rows, within the source:
+        :meth:`epoch_batches` adds the source's offset)."""
         if self._cache is not None and self._cache[0] == epoch:
             return self._cache[1]
         passes = [len(src.global_batches(epoch)) for src in self.sources]
@@ -323,10 +339,13 @@ class MultiSourceBatchSampler(Sampler[list[int]]):
     def _weight(self, s: int) -> float:
         return 1.0 if self.weights is None else self.weights[s]
 
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """This rank's batches of ``epoch``."""
+    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        """This rank's batches of ``epoch`` (rows of the whole set)."""
+        return [self._rank_rows(s, g) for s, g in self.global_plan(epoch)]
+
+    def _rank_rows(self, s: int, g: np.ndarray) -> np.ndarray:
         b, r = self.batch_size, self.rank
-        return [g[r * b : (r + 1) * b] for _, g in self.global_plan(epoch)]
+        return g[r * b : (r + 1) * b] + self.offsets[s]
 
     def batch_sources(self, epoch: int) -> list[int]:
         """The source of each batch of ``epoch``."""
@@ -343,8 +362,8 @@ class MultiSourceBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch, start = self.epoch, self.batches_done
-        for batch in self.epoch_batches(epoch)[start:]:
-            yield list(batch)
+        for s, g in self.global_plan(epoch)[start:]:  # each batch's rows made when it is drawn
+            yield self._rank_rows(s, g).tolist()
 
     def set_epoch(self, epoch: int) -> None:
         epoch = int(epoch)

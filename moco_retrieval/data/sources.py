@@ -1,11 +1,17 @@
-"""Loading by ``data.kind`` (debian | jsonl | parquet | csv | beir), with the seeded subsets and caps.
+"""Loading by ``data.kind`` (debian | jsonl | parquet | csv | hf | beir), with the seeded subsets and caps.
 
 The one place that knows which files a data config names:
 
 * ``debian``: :func:`~.debian.ensure_debian_dataset` -> ``train.jsonl`` + ``eval/`` (split ``test``).
 * ``jsonl``, ``parquet``, ``csv``: ``cfg.train_path`` pairs (parquet / csv: tabular.py, columns
   ``cfg.columns``); ``cfg.eval_dir`` BEIR folder, split ``cfg.eval_split``.
+* ``hf``: ``cfg.path`` a ``datasets`` folder (hf_folder.py, split ``cfg.split``, columns ``cfg.columns``);
+  ``cfg.eval_dir`` as above.
 * ``beir``: ``cfg.dir``; train from ``qrels/<train_split>.tsv``, eval from ``qrels/<eval_split>.tsv``.
+
+:func:`load_training_rows` is what training reads: the rows of a store converted once per input
+content (convert.py; every kind but ``beir``, whose pairs come from qrels in memory), capped, with
+only numbers in memory. :func:`load_training_pairs` reads the same rows as Python objects (mining).
 
 :func:`load_training_pairs` reads only the training side (``jsonl`` needs only ``train_path``),
 :func:`load_eval_pool` only the evaluation side (``jsonl`` needs only ``eval_dir``), :func:`load`
@@ -19,11 +25,12 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 from omegaconf import OmegaConf
 
+from .convert import PairSpec, ensure_store
 from .formats import (
     DataError,
     EvalSet,
@@ -33,11 +40,13 @@ from .formats import (
     read_beir_splits,
     read_corpus,
     read_pairs_jsonl,
+    iter_pairs_jsonl_located,
     read_pairs_jsonl_located,
 )
+from .store import PairList, PairRows, PairStore
 
-KINDS = ("debian", "jsonl", "parquet", "csv", "beir")
-PAIR_KINDS = ("jsonl", "parquet", "csv")  # a file of training pairs + a BEIR folder for validation
+KINDS = ("debian", "jsonl", "parquet", "csv", "beir", "hf")
+PAIR_KINDS = ("jsonl", "parquet", "csv", "hf")  # training pairs (a file, or hf's folder) + a BEIR folder for validation
 
 
 @dataclass
@@ -151,6 +160,7 @@ def _need(cfg: Any, key: str, kind: str, what: str, file: bool) -> Path:
 _TRAIN_FILE = "a {} file of training pairs"
 _EVAL_DIR = "a BEIR-layout folder for validation"
 _BEIR_DIR = "a BEIR folder with corpus.jsonl, queries.jsonl, qrels/"
+_HF_DIR = "a datasets save_to_disk folder or a folder of Parquet shards"
 
 
 def debian_folder(cfg: Any) -> Path:
@@ -184,12 +194,24 @@ def _table_pairs(path: Path, kind: str, columns: Any) -> TrainingPairs:
     return TrainingPairs([p for _, p in located], [f"{path}: row {row}" for row, _ in located])
 
 
-def _train_file(cfg: Any, kind: str) -> Path:
+def _hf_pairs(cfg: Any, folder: Path) -> TrainingPairs:
+    from .hf_folder import read_hf_pairs_located
+
+    located = read_hf_pairs_located(folder, cfg.split, _value(cfg, "columns"))
+    return TrainingPairs([p for _, _, p in located], [f"{where}: row {row}" for where, row, _ in located])
+
+
+def _train_input(cfg: Any, kind: str) -> Path:
+    """``data.path`` (hf: a folder) or ``data.train_path`` (a file) of a pair kind."""
+    if kind == "hf":
+        return _need(cfg, "path", kind, _HF_DIR, file=False)
     return _need(cfg, "train_path", kind, _TRAIN_FILE.format(kind.upper() if kind != "parquet" else "Parquet"), file=True)
 
 
 def _pairs_file(cfg: Any, kind: str) -> TrainingPairs:
-    path = _train_file(cfg, kind)
+    path = _train_input(cfg, kind)
+    if kind == "hf":
+        return _hf_pairs(cfg, path)
     return _located_pairs(path) if kind == "jsonl" else _table_pairs(path, kind, _value(cfg, "columns"))
 
 
@@ -235,22 +257,135 @@ def load_training_pairs(cfg: Any) -> TrainingPairs:
     return _finish_pairs(cfg, kind, data)
 
 
-def load_eval_pool(cfg: Any) -> EvalPool:
+# ------------------------------------------------------------------------- stores (training)
+
+
+def store_root(cfg: Any) -> Path:
+    """Where converted stores go: ``cfg.cache_dir`` (default $MOCO_RETRIEVAL_CACHE or
+    ~/.cache/moco_retrieval) / pairs."""
+    from moco_retrieval.config import cache_root
+
+    return Path(_value(cfg, "cache_dir") or cache_root()).expanduser() / "pairs"
+
+
+def _count_lines(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 22), b""))
+
+
+def _jsonl_spec(path: Path) -> PairSpec:
+    return PairSpec(str(path), [path], {"kind": "jsonl"}, [str(path)], "{file}:{line}",
+                    lambda: ((0, line, p) for line, p in iter_pairs_jsonl_located(path)), lambda: _count_lines(path))
+
+
+def _table_spec(path: Path, kind: str, columns: Any) -> PairSpec:
+    from .tabular import STREAMS, column_names
+
+    def count() -> int:
+        if kind == "csv":
+            return max(_count_lines(path) - 1, 0)
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+
+    return PairSpec(str(path), [path], {"kind": kind, "columns": column_names(columns)}, [str(path)], "{file}: row {line}",
+                    lambda: ((0, row, p) for row, p in STREAMS[kind](path, columns)), count)
+
+
+def _hf_spec(folder: Path, split: str, columns: Any) -> PairSpec:
+    from .hf_folder import hf_input_files, hf_tables, iter_table_pairs
+    from .tabular import column_names
+
+    tables = hf_tables(folder, split)
+
+    def rows() -> Iterator[tuple[int, int, Pair]]:
+        for i, t in enumerate(tables):
+            yield from ((i, row, p) for row, p in iter_table_pairs(t, columns))
+
+    return PairSpec(str(folder), hf_input_files(folder, tables), {"kind": "hf", "split": split, "columns": column_names(columns)},
+                    [t.where for t in tables], "{file}: row {line}", rows, lambda: sum(t.rows for t in tables))
+
+
+def pair_spec(cfg: Any, data_folder: Optional[Path] = None) -> PairSpec:
+    """What to convert for a data config's training pairs (every kind but ``beir``); ``data_folder``:
+    the built Debian folder, when known."""
+    kind = _check_kind(cfg)
+    if kind == "debian":
+        return _jsonl_spec((data_folder or debian_folder(cfg)) / "train.jsonl")
+    if kind not in PAIR_KINDS:
+        raise DataError(f"data={kind}: its training pairs are not read from a file")
+    path = _train_input(cfg, kind)
+    if kind == "jsonl":
+        return _jsonl_spec(path)
+    if kind == "hf":
+        return _hf_spec(path, cfg.split, _value(cfg, "columns"))
+    return _table_spec(path, kind, _value(cfg, "columns"))
+
+
+@dataclass
+class TrainingRows:
+    """Training rows (capped) for the data module: a converted store's (or, for ``beir``, in-memory
+    pairs), with the built Debian folder (``kind=debian``) and the store folder when there is one."""
+
+    rows: PairRows
+    folder: Optional[Path] = None
+    store: Optional[Path] = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def prepare_store(cfg: Any, data_folder: Optional[Path] = None) -> Path:
+    """The converted store of a data config's training pairs (converted first when absent)."""
+    return ensure_store(pair_spec(cfg, data_folder), store_root(cfg))
+
+
+def load_training_rows(cfg: Any) -> TrainingRows:
+    """The training rows of a DataConfig, capped by ``max_train_examples`` (the same rows, order and
+    locations as :func:`load_training_pairs`), with only ids, groups and counts in memory."""
+    kind = _check_kind(cfg)
+    if kind == "beir":
+        data = load_training_pairs(cfg)
+        return TrainingRows(PairRows(PairList(data.pairs, data.where)))
+    folder = debian_folder(cfg) if kind == "debian" else None
+    store = prepare_store(cfg, folder)
+    source = PairStore(store)
+    keep = subset(len(source), cfg.max_train_examples, [cfg.seed, 1])
+    return TrainingRows(PairRows(source, None if keep is None else np.array(keep)), folder, store)
+
+
+def load_eval_pool(cfg: Any, data_folder: Optional[Path] = None) -> EvalPool:
     """The evaluation pool of a DataConfig, capped by ``max_eval_queries`` / ``max_eval_docs``,
     without reading training data (``kind=jsonl`` needs only ``eval_dir``; ``kind=beir`` reads only
-    ``qrels/<eval_split>.tsv``)."""
+    ``qrels/<eval_split>.tsv``). ``data_folder``: the built Debian folder, when known."""
     kind = _check_kind(cfg)
-    folder, split = _eval_location(cfg, kind)
+    folder, split = _eval_location(cfg, kind, data_folder)
     return _finish_pool(cfg, kind, folder, split, read_beir(folder, split))
+
+
+def check_paths(cfg: Any) -> str:
+    """The kind of a data config, after checking that the paths both sides need are given and exist."""
+    kind = check_train_paths(cfg)
+    if kind in PAIR_KINDS:
+        _need(cfg, "eval_dir", kind, _EVAL_DIR, file=False)
+    return kind
+
+
+def check_train_paths(cfg: Any) -> str:
+    """The kind of a data config, after checking that its training input is given and exists
+    (``data.sources``: every source's, before the first one is converted)."""
+    kind = _check_kind(cfg)
+    if kind in PAIR_KINDS:
+        _train_input(cfg, kind)
+    elif kind == "beir":
+        _need(cfg, "dir", kind, _BEIR_DIR, file=False)
+    return kind
 
 
 def load(cfg: Any) -> tuple[TrainingPairs, EvalPool]:
     """Both sides (what training needs): :func:`load_training_pairs` and :func:`load_eval_pool`,
     checking every required path before reading anything, and reading a BEIR folder's corpus once."""
-    kind = _check_kind(cfg)
-    if kind in PAIR_KINDS:
-        _train_file(cfg, kind)
-        _need(cfg, "eval_dir", kind, _EVAL_DIR, file=False)
+    kind = check_paths(cfg)
     if kind != "beir":
         train = load_training_pairs(cfg)
         folder, split = _eval_location(cfg, kind, train.folder)
@@ -265,8 +400,8 @@ def load_documents(cfg: Any) -> tuple[dict[str, str], str]:
     """Every document of a data config, uncapped: ``({doc id: text}, description)`` (the search corpus).
 
     ``debian``: the training positives (the package name as id) and the held-out corpus;
-    ``beir``: ``dir``'s corpus.jsonl; ``jsonl`` / ``parquet`` / ``csv``: the training positives of
-    ``train_path`` and/or ``eval_dir``'s corpus (at least one of them)."""
+    ``beir``: ``dir``'s corpus.jsonl; ``jsonl`` / ``parquet`` / ``csv`` / ``hf``: the training positives of
+    ``train_path`` (hf: ``path``) and/or ``eval_dir``'s corpus (at least one of them)."""
     kind = cfg.kind
     docs: dict[str, str] = {}
 
@@ -289,7 +424,7 @@ def load_documents(cfg: Any) -> tuple[dict[str, str], str]:
         p = Path(cfg.dir).expanduser() / "corpus.jsonl"
         return read_corpus(p), str(p)
     if kind in PAIR_KINDS:
-        if _value(cfg, "train_path"):
+        if _value(cfg, "path" if kind == "hf" else "train_path"):
             add_pairs(_pairs_file(cfg, kind).pairs)
         if _value(cfg, "eval_dir"):
             add_corpus(Path(cfg.eval_dir).expanduser() / "corpus.jsonl")
@@ -309,7 +444,14 @@ __all__ = [
     "cap_eval_set",
     "debian_folder",
     "load_training_pairs",
+    "TrainingRows",
+    "store_root",
+    "pair_spec",
+    "prepare_store",
+    "load_training_rows",
     "load_eval_pool",
+    "check_paths",
+    "check_train_paths",
     "load",
     "load_documents",
 ]

@@ -30,7 +30,7 @@ def column_names(columns: Any) -> dict[str, str]:
     return {f: str(getattr(columns, f, None) or f) for f in FIELDS}
 
 
-def _columns_in_file(path: PathLike, header: list[str], names: dict[str, str]) -> dict[str, str]:
+def columns_in_file(path: PathLike, header: list[str], names: dict[str, str]) -> dict[str, str]:
     """The ``{field: column}`` to read: required columns must be there, and so must an optional
     one renamed in the config (a default-named optional column may be absent)."""
     have = set(header)
@@ -41,7 +41,7 @@ def _columns_in_file(path: PathLike, header: list[str], names: dict[str, str]) -
     return {f: c for f, c in names.items() if c in have}
 
 
-def _pair(obj: dict, path: PathLike, row: int, read: dict[str, str]) -> Pair:
+def pair_from_row(obj: dict, path: PathLike, row: int, read: dict[str, str]) -> Pair:
     """formats.pair_from_json on one row, its error re-located to the row and the column."""
     try:
         return pair_from_json(obj, path, row)
@@ -71,24 +71,27 @@ def _csv_value(field: str, value: str, path: PathLike, row: int, column: str) ->
 
 def read_pairs_csv_located(path: PathLike, columns: Any = None) -> list[tuple[int, Pair]]:
     """``(line, pair)`` of every row of a CSV file with a header."""
+    return list(iter_pairs_csv_located(path, columns))
+
+
+def iter_pairs_csv_located(path: PathLike, columns: Any = None) -> Iterator[tuple[int, Pair]]:
+    """:func:`read_pairs_csv_located`, streamed."""
     p = Path(path)
-    out: list[tuple[int, Pair]] = []
     try:
         with open(p, newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
-            read = _columns_in_file(p, list(reader.fieldnames or []), column_names(columns))
+            read = columns_in_file(p, list(reader.fieldnames or []), column_names(columns))
             for record in reader:
                 row = reader.line_num
                 if None in record:
                     raise DataError(f"{p}: row {row}: {len(record) - 1 + len(record[None])} values for "
                                     f"{len(reader.fieldnames)} columns")
                 obj = {f: _csv_value(f, record[c] if record[c] is not None else "", p, row, c) for f, c in read.items()}
-                out.append((row, _pair(obj, p, row, read)))
+                yield row, pair_from_row(obj, p, row, read)
     except UnicodeDecodeError as e:
         raise DataError(f"{p}: not UTF-8 text (byte {e.start})") from None
     except csv.Error as e:
         raise DataError(f"{p}: row {reader.line_num}: {e}") from None
-    return out
 
 
 def _parquet_rows(p: Path, read: dict[str, str]) -> Iterator[dict[str, Any]]:
@@ -113,16 +116,20 @@ def _parquet_schema(p: Path) -> list[str]:
 
 def read_pairs_parquet_located(path: PathLike, columns: Any = None) -> list[tuple[int, Pair]]:
     """``(row, pair)`` of every row of a Parquet file (rows counted from 1)."""
+    return list(iter_pairs_parquet_located(path, columns))
+
+
+def iter_pairs_parquet_located(path: PathLike, columns: Any = None) -> Iterator[tuple[int, Pair]]:
+    """:func:`read_pairs_parquet_located`, streamed."""
     p = Path(path)
-    read = _columns_in_file(p, _parquet_schema(p), column_names(columns))
-    out: list[tuple[int, Pair]] = []
+    read = columns_in_file(p, _parquet_schema(p), column_names(columns))
     for row, record in enumerate(_parquet_rows(p, read), 1):
         obj = {f: record[c] for f, c in read.items() if record[c] is not None}
-        out.append((row, _pair(obj, p, row, read)))
-    return out
+        yield row, pair_from_row(obj, p, row, read)
 
 
 READERS = {"csv": read_pairs_csv_located, "parquet": read_pairs_parquet_located}
+STREAMS = {"csv": iter_pairs_csv_located, "parquet": iter_pairs_parquet_located}
 
 
 def read_pairs_table_located(path: PathLike, kind: str, columns: Optional[Any] = None) -> list[tuple[int, Pair]]:
@@ -130,5 +137,5 @@ def read_pairs_table_located(path: PathLike, kind: str, columns: Optional[Any] =
     return READERS[kind](path, columns)
 
 
-__all__ = ["FIELDS", "READERS", "column_names", "read_pairs_csv_located", "read_pairs_parquet_located",
-           "read_pairs_table_located"]
+__all__ = ["FIELDS", "READERS", "STREAMS", "column_names", "columns_in_file", "pair_from_row", "read_pairs_csv_located",
+           "read_pairs_parquet_located", "iter_pairs_csv_located", "iter_pairs_parquet_located", "read_pairs_table_located"]

@@ -1,0 +1,422 @@
+"""B10: training sets of millions of pairs: the converted store (data/convert.py, data/store.py) against
+today's loader (every pair parsed into Python objects in every rank).
+
+Synthetic pairs of realistic length (queries 8 words, documents 90 words, words of 2-9 letters; hard
+negatives are other rows' documents, as mined negatives are), written as JSONL. Per size:
+
+* conversion: ``python -m moco_retrieval.data prepare`` on one core (OMP_NUM_THREADS=1, nice): rows/s
+  of the conversion itself (manifest), the command's wall time (with the content hash), the store's size;
+* open: in a fresh process, the time to open the warm store (fingerprint memo, manifest, memory maps),
+  to plan the sampler's first epoch, and the RSS those add;
+* runs: ``torchrun --nproc_per_node=2 -m moco_retrieval.train`` (gloo, the tiny model of
+  +experiment=smoke, data.num_workers=2): seconds from the command's start to rank 0's first training
+  step (its ``step 1/`` progress line), and each rank's peak RSS and PSS (sampled every 0.25 s from
+  /proc, the rank alone and with its DataLoader workers); cold (no store: rank 0 converts, rank 1
+  waits) and warm, next to the same run on a 1k-pair file. ``before``: today's loader at the same
+  size (the data module's load patched back to ``sources.load``, i.e. every pair a Python object).
+
+    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/data_scale.py --sizes 1000000 [--before 1000000]
+        [--negatives 30 --neg-rows 100000] [--work /tmp/data_scale]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import ROOT, environment, md_table, write_results  # noqa: E402
+
+WORDS, QUERY_WORDS, DOC_WORDS = 20_000, 8, 90
+STEP1 = re.compile(r"\bstep 1/\d+")
+STEP2 = re.compile(r"\bstep 2/\d+")
+
+
+# ------------------------------------------------------------------------------------------ data
+
+
+def vocabulary(rng: np.random.Generator) -> np.ndarray:
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    return np.array(["".join(rng.choice(letters, rng.integers(2, 10))) for _ in range(WORDS)], dtype=object)
+
+
+def texts(rng: np.random.Generator, vocab: np.ndarray, n: int, words: int) -> list[str]:
+    idx = rng.integers(0, WORDS, size=(n, words))
+    return [" ".join(row) for row in vocab[idx].tolist()]
+
+
+def generate(path: Path, rows: int, negatives: int = 0, seed: int = 0) -> Path:
+    """``rows`` synthetic pairs (each with ``negatives`` other rows' documents), written once."""
+    if path.is_file():
+        return path
+    rng = np.random.default_rng(seed)
+    vocab = vocabulary(rng)
+    tmp = path.with_suffix(".tmp")
+    chunk = 50_000
+    with open(tmp, "w") as f:
+        for start in range(0, rows, chunk):
+            n = min(chunk, rows - start)
+            qs, ds = texts(rng, vocab, n, QUERY_WORDS), texts(rng, vocab, n, DOC_WORDS)
+            for i in range(n):
+                rec = {"query": qs[i], "positive": ds[i]}
+                if negatives:
+                    rec["negatives"] = [ds[j] for j in rng.integers(0, n, negatives) if j != i] or [ds[(i + 1) % n]]
+                f.write(json.dumps(rec) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def write_eval(d: Path, n: int = 200) -> Path:
+    if (d / "qrels" / "test.tsv").is_file():
+        return d
+    rng = np.random.default_rng(1)
+    vocab = vocabulary(rng)
+    docs, queries = texts(rng, vocab, n, DOC_WORDS), texts(rng, vocab, n, QUERY_WORDS)
+    (d / "qrels").mkdir(parents=True, exist_ok=True)
+    (d / "corpus.jsonl").write_text("".join(json.dumps({"_id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(docs)))
+    (d / "queries.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": t}) + "\n" for i, t in enumerate(queries)))
+    (d / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n" for i in range(n)))
+    return d
+
+
+def env(work: Path) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled",
+                MOCO_RETRIEVAL_CACHE=str(work / "cache"), PYTHONPATH=str(ROOT))
+
+
+# ------------------------------------------------------------------------------------ conversion
+
+
+def du(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def convert(file: Path, cache: Path, work: Path) -> dict:
+    """``prepare`` in a fresh process; the conversion's own rows/s and the command's wall time."""
+    t0 = time.monotonic()
+    subprocess.run(["nice", "-n", "10", sys.executable, "-m", "moco_retrieval.data", "prepare", "data=jsonl",
+                    f"data.train_path={file}", f"data.cache_dir={cache}"], check=True, env=env(work), capture_output=True)
+    wall = time.monotonic() - t0
+    stores = [p.parent for p in (cache / "pairs").glob("*/manifest.json")]
+    m = json.loads((stores[0] / "manifest.json").read_text())
+    return {"rows": m["rows"], "convert_s": m["converted_s"], "rows_per_s": m["rows_per_s"], "command_s": round(wall, 1),
+            "input_mb": round(file.stat().st_size / 1e6, 1), "store_mb": round(du(stores[0]) / 1e6, 1)}
+
+
+OPEN_PROBE = r"""
+import json, resource, sys, time
+t0 = time.monotonic()
+from moco_retrieval.config import DataConfig
+from moco_retrieval.data.sampler import RetrievalBatchSampler
+from moco_retrieval.data.sources import load_training_rows
+def rss(): return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024
+r0, t1 = rss(), time.monotonic()
+cfg = DataConfig(kind="jsonl", train_path=sys.argv[1], cache_dir=sys.argv[2], batch_size=64)
+rows = load_training_rows(cfg).rows
+ids, groups = rows.doc_ids, rows.groups
+t2, r1 = time.monotonic(), rss()
+s = RetrievalBatchSampler(ids, groups, 64, rank=0, world_size=2)
+first = next(iter(s))
+t3, r2 = time.monotonic(), rss()
+from moco_retrieval.data.store import PairRowsDataset
+rows.open()
+t4, r3 = time.monotonic(), rss()
+batch = PairRowsDataset(rows).__getitems__(first)
+t5 = time.monotonic()
+print(json.dumps({"open_s": round(t2 - t1, 3), "open_rss_mb": round(r1 - r0, 1), "sampler_plan_s": round(t3 - t2, 2),
+                  "sampler_rss_mb": round(r2 - r1, 1), "table_open_s": round(t4 - t3, 2), "table_rss_mb": round(r3 - r2, 1),
+                  "first_batch_read_s": round(t5 - t4, 4)}))
+"""
+
+
+BATCH_PROBE = r"""
+import json, sys, time
+from moco_retrieval.config import DataConfig, ModelConfig
+from moco_retrieval.data.datamodule import RetrievalDataModule
+from moco_retrieval.data.sources import load
+from moco_retrieval.model.encoder import build_encoder
+enc = build_encoder(ModelConfig(backbone="minilm" if sys.argv[3] == "minilm" else "tiny", path=sys.argv[4] or None))
+cfg = DataConfig(kind="debian", cache_dir=sys.argv[1], batch_size=64, seed=0)
+store = RetrievalDataModule(cfg, tokenize=enc.tokenize)
+train, pool = load(cfg)
+memory = RetrievalDataModule.from_loaded(cfg, train.pairs, pool.eval_set, enc.tokenize)
+n, out = int(sys.argv[2]), {}
+for rnd in range(3):  # interleaved rounds: the machine's load hits both alike
+    for name, dm in (("store", store), ("memory", memory)):
+        it = iter(dm.train_dataloader())
+        next(it)
+        t = time.perf_counter()
+        for _ in range(n):
+            next(it)
+        out.setdefault(name, []).append((time.perf_counter() - t) / n * 1000)
+print(json.dumps({k: round(sorted(v)[1], 2) for k, v in out.items()}))
+"""
+
+
+def debian_batches(work: Path, n: int) -> dict:
+    """ms per training batch (read + collate + MiniLM tokenize, num_workers=0) on the Debian set: the store against
+    the same pairs in memory, median of 3 interleaved rounds of ``n`` batches."""
+    debian = os.environ.get("MOCO_RETRIEVAL_DEBIAN_DIR") or str(ROOT.parent / "shared" / "data" / "debian-bookworm")
+    out = subprocess.run(["nice", "-n", "10", sys.executable, "-c", BATCH_PROBE, str(work / "debian_cache"), str(n), "minilm", ""],
+                         check=True, env=dict(env(work), MOCO_RETRIEVAL_DEBIAN_DIR=debian), capture_output=True,
+                         text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def open_probe(file: Path, cache: Path, work: Path) -> dict:
+    out = subprocess.run(["nice", "-n", "10", sys.executable, "-c", OPEN_PROBE, str(file), str(cache)], check=True,
+                         env=env(work), capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------------------ runs
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def local_rank(pid: int):
+    try:
+        for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            if item.startswith(b"LOCAL_RANK="):
+                return int(item.split(b"=", 1)[1])
+    except OSError:
+        return None
+    return None
+
+
+def memory_mb(pid: int) -> tuple[float, float, float]:
+    """(RSS, its anonymous part, PSS) of one process in MB (0 when it is gone). RSS also counts the
+    pages of memory-mapped files (the store) a process touched: page cache, shared and reclaimable;
+    the anonymous part is the process's own memory."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        rss = int(status.split("VmRSS:")[1].split()[0])
+        anon = int(status.split("RssAnon:")[1].split()[0])
+        pss = int(Path(f"/proc/{pid}/smaps_rollup").read_text().split("\nPss:")[1].split()[0])
+        return rss / 1024, anon / 1024, pss / 1024
+    except (OSError, IndexError, ValueError):
+        return 0.0, 0.0, 0.0
+
+
+class Sampler(threading.Thread):
+    """Each rank's peak RSS / PSS, alone and with its DataLoader workers, every 0.25 s."""
+
+    def __init__(self, root_pid: int):
+        super().__init__(daemon=True)
+        self.root, self.stop, self.peak = root_pid, threading.Event(), {}
+
+    def run(self) -> None:
+        while not self.stop.wait(0.25):
+            for pid in children(self.root):  # torchrun's children are the ranks, theirs the DataLoader workers
+                r = local_rank(pid)
+                if r is None:
+                    continue
+                rss, anon, pss = memory_mb(pid)
+                workers = [memory_mb(w) for w in children(pid)]
+                now = {"rss_mb": rss, "anon_mb": anon, "pss_mb": pss, "workers": len(workers),
+                       "pss_with_workers_mb": pss + sum(w[2] for w in workers),
+                       "anon_with_workers_mb": anon + sum(w[1] for w in workers)}
+                peak = self.peak.setdefault(f"rank{r}", dict.fromkeys(now, 0.0))
+                for k, v in now.items():
+                    peak[k] = max(peak[k], v)
+
+
+def run(label: str, file: Path, cache: Path, eval_dir: Path, work: Path, before: bool = False, timeout: float = 1500,
+        extra: tuple = ()) -> dict:
+    """One 2-rank training command up to its second step: seconds to the first step, peak memory."""
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", label)
+    overrides = ["+experiment=smoke", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "data=jsonl",
+                 f"data.train_path={file}", f"data.eval_dir={eval_dir}", f"data.cache_dir={cache}",
+                 "data.max_train_examples=null", "data.max_eval_docs=null", "data.max_eval_queries=null",
+                 "data.num_workers=2", "trainer.log_every_n_steps=1", "trainer.max_steps=4",
+                 "trainer.val_check_interval=1000", f"run_dir={work}/runs/{slug}/rank${{oc.env:LOCAL_RANK}}",
+                 f"hydra.run.dir={work}/runs/{slug}/hydra", *extra]
+    entry = [str(Path(__file__).resolve()), "worker"] + (["--before"] if before else [])
+    cmd = ["nice", "-n", "10", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           *entry, *overrides]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env(work), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    mem = Sampler(proc.pid)
+    mem.start()
+    first, lines = None, []
+    timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    timer.start()
+    for line in proc.stdout:
+        lines.append(line)
+        if first is None and STEP1.search(line):
+            first = time.monotonic() - t0
+        if STEP2.search(line):
+            time.sleep(1.0)  # a last memory sample with the workers busy
+            os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait()
+    timer.cancel()
+    mem.stop.set()
+    mem.join()
+    log = work / "runs" / f"{slug}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("".join(lines))
+    if first is None:
+        raise RuntimeError(f"{label}: no first step; see {log}")
+    return {"label": label, "first_step_s": round(first, 1), **{k: {kk: round(vv) for kk, vv in v.items()}
+                                                               for k, v in sorted(mem.peak.items())}}
+
+
+def worker(argv: list[str]) -> None:
+    """torchrun's entry: moco_retrieval.train's main; ``--before`` restores today's loader."""
+    if argv and argv[0] == "--before":
+        argv = argv[1:]
+        from moco_retrieval.data.datamodule import RetrievalDataModule
+        from moco_retrieval.data.sources import load
+        from moco_retrieval.data.store import PairList, PairRows
+
+        def load_today(self) -> None:  # every pair a Python object, in every rank
+            train, pool = load(self.cfg)
+            self.data_dir = train.folder
+            self._set_data(PairRows(PairList(train.pairs, train.where)), pool.eval_set)
+
+        RetrievalDataModule._load = load_today
+    from moco_retrieval.train import main
+
+    sys.argv = [sys.argv[0], *argv]
+    main()
+
+
+# --------------------------------------------------------------------------------------- report
+
+
+def report(res: dict) -> str:
+    conv = res["conversion"]
+    lines = ["# B10: data at scale (converted store vs today's loader)", "",
+             "Synthetic pairs (queries 8 words, documents 90; negatives are other rows' documents), JSONL. "
+             f"Machine: {res['env']['cpu_count']} shared cores, other jobs running; OMP_NUM_THREADS=1, nice 10. "
+             "See benchmarks/data_scale.py for how each number is taken.", "",
+             "## Conversion (one core) and opening the warm store", "",
+             md_table(["file", "rows", "input MB", "store MB", "conversion rows/s", "prepare command s"],
+                      [[k, f"{c['rows']:,}", c["input_mb"], c["store_mb"], f"{c['rows_per_s']:,}", c["command_s"]]
+                       for k, c in conv.items()]),
+             "", "Opening the warm store in a fresh process (after its imports): fingerprint memo, manifest, ids + "
+             "groups memory-mapped (*open*); the sampler's first epoch planned, rank 0 of 2, batch 64 (its RSS "
+             "includes the id/group pages it reads); the Arrow table memory-mapped (pyarrow's import included); "
+             "the first batch's 64 rows read.", "",
+             md_table(["file", "open s", "open RSS MB", "sampler plan s", "sampler RSS MB", "table open s",
+                       "table RSS MB", "first batch read s"],
+                      [[k] + [o[m] for m in ("open_s", "open_rss_mb", "sampler_plan_s", "sampler_rss_mb", "table_open_s",
+                                             "table_rss_mb", "first_batch_read_s")] for k, o in res["open"].items()]),
+             "", "## 2 gloo ranks, data.num_workers=2, tiny model: command start to the first training step", "",
+             "Peaks per rank over the run (sampled every 0.25 s up to step 2 + 1 s). RSS counts the store's "
+             "memory-mapped pages a process has touched (page cache: shared by the ranks and workers, "
+             "reclaimable); *anon* is the process's own memory; PSS splits shared pages among their users. "
+             "*with workers*: the rank plus its DataLoader workers (their anonymous memory is summed, so pages a "
+             "worker shares with its rank since the fork count twice there; PSS does not).", "",
+             md_table(["run", "rank", "first step s", "RSS MB", "anon MB", "PSS MB", "with workers: PSS MB", "anon MB"],
+                      [[r["label"], k[-1], r["first_step_s"]] + [r[k].get(m, "-") for m in
+                       ("rss_mb", "anon_mb", "pss_mb", "pss_with_workers_mb", "anon_with_workers_mb")]
+                       for r in res["runs"] for k in ("rank0", "rank1") if k in r])]
+    if res.get("debian_batches"):
+        d = res["debian_batches"]
+        lines += ["", "## A training batch on the Debian set", "",
+                  f"Read + collate + tokenize (MiniLM's tokenizer, batch 64, num_workers=0), ms per batch, median of "
+                  f"3 interleaved rounds of {d['batches']} batches: store {d['store']} ms, the same pairs in memory "
+                  f"(today's loader) {d['memory']} ms."]
+    if res.get("cut"):
+        lines += ["", "Not measured: " + res["cut"]]
+    for note in res.get("notes", []):
+        lines += ["", note]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        return worker(sys.argv[2:])
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", type=int, nargs="*", default=[1_000_000])
+    ap.add_argument("--before", type=int, nargs="*", default=[1_000_000], help="sizes to run today's loader at")
+    ap.add_argument("--negatives", type=int, default=0, help="also a file of --neg-rows rows with this many negatives")
+    ap.add_argument("--neg-rows", type=int, default=100_000)
+    ap.add_argument("--train-negatives", type=int, default=0, help="data.n_negatives of the negatives file's runs")
+    ap.add_argument("--work", default="/tmp/data_scale")
+    ap.add_argument("--cut", default="", help="what was left out, for the report")
+    ap.add_argument("--merge", action="store_true", help="add to benchmarks/results/data_scale.json (earlier sizes kept)")
+    ap.add_argument("--tag", default="", help="appended to this invocation's 1k reference labels (side by side)")
+    ap.add_argument("--note", action="append", default=[], help="a line for the report (kept in the JSON)")
+    ap.add_argument("--report-only", action="store_true", help="rewrite the report from the JSON (with --note)")
+    ap.add_argument("--debian-batches", type=int, default=0,
+                    help="only: ms per batch on the Debian set, store vs in memory (added to the results)")
+    args = ap.parse_args()
+    if args.debian_batches:
+        res = json.loads((ROOT / "benchmarks" / "results" / "data_scale.json").read_text())
+        res["debian_batches"] = {"batches": args.debian_batches, **debian_batches(Path(args.work), args.debian_batches)}
+        write_results("data_scale", report(res), res)
+        return
+    if args.report_only:
+        res = json.loads((ROOT / "benchmarks" / "results" / "data_scale.json").read_text())
+        res["notes"] = res.get("notes", []) + args.note
+        write_results("data_scale", report(res), res)
+        return
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    eval_dir = write_eval(work / "eval")
+    files = {f"1k{args.tag}": generate(work / "pairs_1k.jsonl", 1000)}
+    files.update({f"{n:,}": generate(work / f"pairs_{n}.jsonl", n) for n in args.sizes})
+    if args.negatives:
+        files[f"{args.neg_rows:,} x {args.negatives} neg"] = generate(work / f"pairs_{args.neg_rows}x{args.negatives}.jsonl",
+                                                                       args.neg_rows, args.negatives)
+    res = {"env": environment(), "conversion": {}, "open": {}, "runs": [], "cut": args.cut}
+    for key, f in files.items():
+        cache = work / "stores" / f.stem
+        if cache.exists():
+            subprocess.run(["rm", "-rf", str(cache)], check=True)
+        res["conversion"][key] = convert(f, cache, work)
+        res["open"][key] = open_probe(f, cache, work)
+        print(key, res["conversion"][key], res["open"][key], flush=True)
+        extra = (f"data.n_negatives={args.train_negatives}",) if "neg" in key and args.train_negatives else ()
+        if extra:
+            key_runs = f"{key}, {args.train_negatives} per row trained"
+        else:
+            key_runs = key
+        res["runs"].append(run(f"{key_runs} warm", f, cache, eval_dir, work, extra=extra))
+        print(res["runs"][-1], flush=True)
+        if not key.startswith("1k"):
+            cold = work / "stores" / f"{f.stem}_cold"
+            subprocess.run(["rm", "-rf", str(cold)], check=True)
+            res["runs"].append(run(f"{key_runs} cold", f, cold, eval_dir, work, extra=extra))
+            print(res["runs"][-1], flush=True)
+            subprocess.run(["rm", "-rf", str(cold)], check=True)
+    for n in args.before:
+        f = files[f"{n:,}"]
+        res["runs"].append(run(f"{n:,} before (today's loader)", f, work / "stores" / "unused", eval_dir, work, before=True))
+        print(res["runs"][-1], flush=True)
+    if args.merge:
+        res = merged(json.loads((ROOT / "benchmarks" / "results" / "data_scale.json").read_text()), res)
+    write_results("data_scale", report(res), res)
+
+
+def merged(old: dict, new: dict) -> dict:
+    """``new`` over ``old``: conversions and openings by file, runs by label, the newest environment."""
+    labels = {r["label"] for r in new["runs"]}
+    return {"env": new["env"], "conversion": {**old["conversion"], **new["conversion"]}, "open": {**old["open"], **new["open"]},
+            "runs": [r for r in old["runs"] if r["label"] not in labels] + new["runs"],
+            "cut": new["cut"] or old.get("cut", ""), "notes": old.get("notes", []) + new.get("notes", [])}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""Converting training pairs once into a store (:mod:`.store`), keyed by the input's content.
+
+:func:`ensure_store` is the one entry point: it returns the store folder of a :class:`PairSpec`,
+converting the input first when no store of that content exists. The key is the sha256 of the
+input files' bytes plus how they are read (kind, columns, split, store version): a changed file is
+converted again, an unchanged one never. A file's content hash is remembered by its
+``(path, size, mtime, inode)`` so that a warm start does not read gigabytes again.
+
+Rows are streamed through the readers of today's formats (formats.iter_pairs_jsonl_located,
+tabular, hf_folder), so a bad row stops the conversion with the same ``FILE:LINE: ...`` message,
+before any model loads. Conversion writes into a temporary folder renamed into place at the end
+(atomic: a killed conversion leaves no half store), under a file lock: the first process of a node
+converts, the others wait for the lock and open what it wrote (the lock needs no process group,
+so it also holds before one exists, and for `python -m moco_retrieval.data prepare` run beside a job).
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from moco_retrieval.progress import log_line, progress_bar
+
+from .formats import Pair
+from .store import MANIFEST, STORE_VERSION, TABLE, store_schema
+
+CHUNK = 8192  # rows per Arrow record batch, at most
+CHUNK_CHARS = 1 << 25  # and at most about this many characters of text (rows with many hard negatives)
+
+
+@dataclass
+class PairSpec:
+    """One input to convert: ``rows()`` yields ``(file index, line or row, Pair)``; ``files`` are
+    the location names of the file indices (for messages), ``location`` formats one row's
+    (``{file}``, ``{line}``); ``inputs`` are the files whose bytes key the store, ``options`` how they
+    are read; ``count()`` estimates the rows (for the progress ETA)."""
+
+    name: str
+    inputs: list[Path]
+    options: dict
+    files: list[str]
+    location: str
+    rows: Callable[[], Iterator[tuple[int, int, Pair]]]
+    count: Callable[[], int] = field(default=lambda: 0)
+
+
+# --------------------------------------------------------------------------------- fingerprints
+
+
+def file_hash(path: Path, memo_dir: Path) -> str:
+    """sha256 of ``path``'s bytes, remembered under its (real path, size, mtime, inode)."""
+    st = path.stat()
+    stamp = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    memo = memo_dir / hashlib.sha256(stamp.encode()).hexdigest()
+    if memo.is_file():
+        return memo.read_text().strip()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    digest = h.hexdigest()
+    memo_dir.mkdir(parents=True, exist_ok=True)
+    _write_atomic(memo, digest)
+    return digest
+
+
+def store_key(spec: PairSpec, memo_dir: Path) -> str:
+    """The store's name: what is read (content hashes) and how (options, store version)."""
+    what = {"version": STORE_VERSION, "options": spec.options, "inputs": [file_hash(p, memo_dir) for p in spec.inputs]}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# ---------------------------------------------------------------------------------------- lock
+
+
+@contextmanager
+def file_lock(path: Path, waiting: str) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path``; ``waiting`` is logged when another process holds it."""
+    with open(path, "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log_line(waiting, file=sys.stderr)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        except OSError:  # a file system without flock (some network mounts): the rename below still decides
+            yield
+            return
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+# -------------------------------------------------------------------------------------- writing
+
+
+class _Columns:
+    """One record batch's worth of rows, as flat columns."""
+
+    def __init__(self) -> None:
+        self.query: list = []
+        self.positive: list = []
+        self.query_id: list = []
+        self.positive_score: list = []
+        self.neg_offsets = [0]
+        self.neg_text: list = []
+        self.neg_id: list = []
+        self.neg_group: list = []
+        self.neg_score: list = []
+
+    def add(self, p: Pair) -> None:
+        self.query.append(p.query)
+        self.positive.append(p.positive)
+        self.query_id.append(p.query_id)
+        self.positive_score.append(p.positive_score)
+        for n in p.negatives:
+            self.neg_text.append(n.text)
+            self.neg_id.append(n.doc_id)
+            self.neg_group.append(n.group)
+            self.neg_score.append(n.score)
+        self.neg_offsets.append(len(self.neg_text))
+
+    def record_batch(self, schema):
+        import pyarrow as pa
+
+        neg_type = schema.field("negatives").type.value_type
+        negs = pa.StructArray.from_arrays(
+            [pa.array(self.neg_text, pa.string()), pa.array(self.neg_id, pa.int64()),
+             pa.array(self.neg_group, pa.int64()), pa.array(self.neg_score, pa.float64())],
+            fields=list(neg_type),
+        )
+        return pa.RecordBatch.from_arrays(
+            [pa.array(self.query, pa.string()), pa.array(self.positive, pa.string()), pa.array(self.query_id, pa.string()),
+             pa.array(self.positive_score, pa.float64()),
+             pa.ListArray.from_arrays(pa.array(self.neg_offsets, pa.int32()), negs)],
+            schema=schema,
+        )
+
+
+def _numbers(rows: list[tuple[int, int, Pair]]) -> dict[str, np.ndarray]:
+    return {
+        "doc_id": np.array([p.doc_id for _, _, p in rows], dtype=np.int64),
+        "group": np.array([p.group for _, _, p in rows], dtype=np.int64),
+        "n_neg": np.array([len(p.negatives) for _, _, p in rows], dtype=np.int32),
+        "file": np.array([f for f, _, _ in rows], dtype=np.int32),
+        "line": np.array([line for _, line, _ in rows], dtype=np.int64),
+    }
+
+
+def _chunks(it: Iterator[tuple[int, int, Pair]]) -> Iterator[list[tuple[int, int, Pair]]]:
+    """Rows in chunks of ``CHUNK`` rows or ``CHUNK_CHARS`` characters, whichever comes first (what the
+    converter holds as Python objects at once)."""
+    chunk: list = []
+    chars = 0
+    for row in it:
+        chunk.append(row)
+        p = row[2]
+        chars += len(p.query) + len(p.positive) + sum(len(n.text) for n in p.negatives)
+        if len(chunk) == CHUNK or chars >= CHUNK_CHARS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def write_store(spec: PairSpec, folder: Path) -> dict:
+    """Stream ``spec``'s rows into ``folder`` (Arrow table + numpy arrays + manifest); the manifest."""
+    import pyarrow as pa
+
+    from .formats import DataError
+
+    schema, t0 = store_schema(), time.monotonic()
+    parts: dict[str, list[np.ndarray]] = {}
+    n = 0
+    bar = progress_bar(spec.count(), f"converting {spec.name}", " rows")
+    with pa.OSFile(str(folder / TABLE), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for chunk in _chunks(spec.rows()):
+            cols = _Columns()
+            for _, _, p in chunk:
+                cols.add(p)
+            writer.write_batch(cols.record_batch(schema))
+            for k, v in _numbers(chunk).items():
+                parts.setdefault(k, []).append(v)
+            n += len(chunk)
+            bar.update(len(chunk))
+    bar.close()
+    if n == 0:
+        raise DataError(f"{spec.name}: no training pairs")
+    for k, v in parts.items():
+        np.save(folder / f"{k}.npy", np.concatenate(v))
+    np.save(folder / "offsets.npy", np.array([0, n], dtype=np.int64))
+    seconds = time.monotonic() - t0
+    manifest = {"version": STORE_VERSION, "rows": n, "name": spec.name, "files": spec.files, "location": spec.location,
+                "options": spec.options, "converted_s": round(seconds, 3), "rows_per_s": round(n / max(seconds, 1e-9))}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished store into place; another process's identical store already there wins."""
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not (final / MANIFEST).is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in Path(folder).iterdir() if p.is_file())
+
+
+def ensure_store(spec: PairSpec, root: Path) -> Path:
+    """The store of ``spec`` under ``root`` (``root/<key>``), converted first when absent (once: the
+    first process converts under a lock, the others wait and open its result)."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / store_key(spec, root / "fingerprints")
+    if (final / MANIFEST).is_file():
+        return final
+    with file_lock(root / f"{final.name}.lock", f"waiting for another process converting {spec.name} into {final}"):
+        if (final / MANIFEST).is_file():
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would keep the store from the node's other users
+        try:
+            m = write_store(spec, tmp)
+            _publish(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    log_line(f"converted {spec.name}: {m['rows']:,} rows in {m['converted_s']:.1f}s ({m['rows_per_s']:,} rows/s), "
+             f"{folder_bytes(final) / 1e6:,.1f} MB in {final}", file=sys.stderr)
+    return final
+
+
+__all__ = ["CHUNK", "CHUNK_CHARS", "PairSpec", "file_hash", "store_key", "file_lock", "write_store", "folder_bytes", "ensure_store"]
