@@ -26,7 +26,35 @@ def dist_rank_world() -> tuple[int, int]:
 _ROWS_CHUNK = 1 << 16  # rows whose ids and groups the duplicate-free plan holds as Python ints at once
 
 
-class RetrievalBatchSampler(Sampler[list[int]]):
+class EpochPosition:
+    """A batch sampler's resumable position: the epoch and the batches of it already trained.
+    ``state_dict()`` is ``{"epoch", "batches_done"}``; ``set_epoch(e)`` with a new epoch restarts
+    at batch 0. Both samplers below keep it; their batches are a function of (seed, epoch) alone,
+    so the position is all a resume needs."""
+
+    epoch: int = 0
+    batches_done: int = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        epoch = int(epoch)
+        if epoch != self.epoch:
+            self.epoch, self.batches_done = epoch, 0
+
+    def advance(self, n: int = 1) -> None:
+        """Count ``n`` more batches of the current epoch as trained (hand-written loops)."""
+        self.batches_done += int(n)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batches_done": self.batches_done}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = int(state.get("epoch", 0))
+        self.batches_done = int(state.get("batches_done", 0))
+        if self.batches_done < 0:
+            raise ValueError(f"batches_done must be >= 0, got {self.batches_done}")
+
+
+class RetrievalBatchSampler(EpochPosition, Sampler[list[int]]):
     """Seeded, rank-sharded, duplicate-free, resumable batch sampler.
 
     Each epoch: a permutation of the rows from ``(seed, epoch)`` (identity when ``shuffle`` is
@@ -168,24 +196,6 @@ class RetrievalBatchSampler(Sampler[list[int]]):
         for batch in self.epoch_batches(epoch)[start:]:
             yield batch.tolist()
 
-    def set_epoch(self, epoch: int) -> None:
-        epoch = int(epoch)
-        if epoch != self.epoch:
-            self.epoch, self.batches_done = epoch, 0
-
-    def advance(self, n: int = 1) -> None:
-        """Count ``n`` more batches of the current epoch as trained (hand-written loops)."""
-        self.batches_done += int(n)
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batches_done": self.batches_done}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch = int(state.get("epoch", 0))
-        self.batches_done = int(state.get("batches_done", 0))
-        if self.batches_done < 0:
-            raise ValueError(f"batches_done must be >= 0, got {self.batches_done}")
-
 
 _PASS_STRIDE = 1 << 32  # a source's pass p of epoch e is its sampler's "epoch" e + p * _PASS_STRIDE
 _SCHEDULE_STREAM = 0x5EED5  # keeps the schedule's random stream apart from the sources' ([seed, epoch])
@@ -224,7 +234,7 @@ def source_of(rows: Sequence[int], source_offsets: Sequence[int]) -> np.ndarray:
     return np.searchsorted(np.asarray(source_offsets), np.asarray(rows, dtype=np.int64), side="right") - 1
 
 
-class MultiSourceBatchSampler(Sampler[list[int]]):
+class MultiSourceBatchSampler(EpochPosition, Sampler[list[int]]):
     """Batches from several sources, every global batch from one source (its in-batch negatives are
     of one kind). Source ``s`` is rows ``[source_offsets[s], source_offsets[s + 1])``.
 
@@ -364,23 +374,6 @@ class MultiSourceBatchSampler(Sampler[list[int]]):
         epoch, start = self.epoch, self.batches_done
         for s, g in self.global_plan(epoch)[start:]:  # each batch's rows made when it is drawn
             yield self._rank_rows(s, g).tolist()
-
-    def set_epoch(self, epoch: int) -> None:
-        epoch = int(epoch)
-        if epoch != self.epoch:
-            self.epoch, self.batches_done = epoch, 0
-
-    def advance(self, n: int = 1) -> None:
-        self.batches_done += int(n)
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batches_done": self.batches_done}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch = int(state.get("epoch", 0))
-        self.batches_done = int(state.get("batches_done", 0))
-        if self.batches_done < 0:
-            raise ValueError(f"batches_done must be >= 0, got {self.batches_done}")
 
 
 class _EpochSetter:
