@@ -48,26 +48,29 @@ EVAL_CORPUS = "eval"
 FULL_CORPUS_HINT = "corpus=eval searches only the held-out pool (faster); the index is saved, later searches load it"
 
 
-def load_corpus(corpus: Optional[str], data: Any) -> tuple[dict[str, str], str]:
-    """``({doc id: text}, description)`` from ``corpus`` (a file or folder, or ``eval``: the data
-    group's held-out pool) or, when None, every document of the data group."""
-    from moco_retrieval.data.formats import DataError, read_corpus
-    from moco_retrieval.data.sources import load_documents
+def load_corpus(corpus: Optional[str], data: Any) -> tuple[Any, str]:
+    """``(corpus view, description)`` from ``corpus`` (a file or folder, or ``eval``: the data
+    group's held-out pool) or, when None, every document of the data group. A corpus.jsonl (given,
+    or ``data=beir``'s) is a memory-mapped store converted once per content (data/corpus_store.py);
+    the others are in memory behind the same interface (``len``, ``doc_ids``, ``texts(rows)``, ``text(id)``)."""
+    from moco_retrieval.data.corpus_store import CorpusDict, corpus_store
+    from moco_retrieval.data.formats import DataError
+    from moco_retrieval.data.sources import corpus_root, load_document_corpus
 
     if corpus == EVAL_CORPUS:  # the held-out pool of the data group: ~3k documents, not ~40k
         from moco_retrieval.data.sources import load_eval_pool
 
         pool = load_eval_pool(data)
         d = pool.description
-        return pool.eval_set.corpus, f"the held-out pool of data={d['kind']} ({d['dir']}, {d['documents']:,} documents)"
+        return CorpusDict(pool.eval_set.corpus), f"the held-out pool of data={d['kind']} ({d['dir']}, {d['documents']:,} documents)"
     if corpus:
         p = Path(corpus).expanduser()
         if p.is_dir():
             p = p / "corpus.jsonl"
         if not p.is_file():
             raise DataError(f"corpus={corpus}: expected a corpus.jsonl file or a BEIR folder holding one")
-        return read_corpus(p), str(p)
-    return load_documents(data)
+        return corpus_store(p, corpus_root(data)), str(p)
+    return load_document_corpus(data)
 
 
 # --------------------------------------------------------------------------- index
@@ -85,7 +88,7 @@ def _model_identity(cfg: Any) -> dict:
     return {"base": OmegaConf.to_container(OmegaConf.structured(to_config(ModelConfig, cfg.model)))}
 
 
-def _corpus_digest(doc_ids: list[str], texts: list[str]) -> str:
+def _corpus_digest(doc_ids: list[str], texts: Iterable[str]) -> str:
     h = hashlib.sha256()
     for d, t in zip(doc_ids, texts):
         h.update(d.encode())
@@ -129,7 +132,7 @@ class SearchIndex:
 
 def build_or_load_index(
     encoder: Any,
-    corpus: dict[str, str],
+    corpus: Any,
     eval_cfg: Any,
     index_dir: Path,
     model_identity: dict,
@@ -141,16 +144,21 @@ def build_or_load_index(
     hint: str = "",
 ) -> tuple[SearchIndex, bool]:
     """The index of ``corpus`` under ``encoder``: loaded from ``index_dir`` when it was built from
-    the same model, corpus and index settings, else built and saved there. ``(index, built)``."""
-    from moco_retrieval.evaluation.encode import encode_texts
-    from moco_retrieval.evaluation.forecast import announce_encoding
+    the same model, corpus and index settings, else built and saved there. ``(index, built)``.
+    ``corpus``: a corpus view (data/corpus_store.py) or ``{doc id: text}``; its texts are read a
+    batch at a time."""
+    from itertools import chain
+
+    from moco_retrieval.data.corpus_store import as_corpus, iter_texts
+    from moco_retrieval.evaluation.encode import encode_corpus
+    from moco_retrieval.evaluation.forecast import announce_corpus
     from moco_retrieval.evaluation.index import build_index_from_config
 
-    doc_ids = list(corpus)
-    texts = [corpus[d] for d in doc_ids]
+    corpus = as_corpus(corpus)
+    doc_ids = list(corpus.doc_ids)
     meta = {
         "model": model_identity,
-        "corpus_sha256": _corpus_digest(doc_ids, texts),
+        "corpus_sha256": _corpus_digest(doc_ids, chain.from_iterable(iter_texts(corpus))),
         "documents": len(doc_ids),
         "index": {k: getattr(eval_cfg, k) for k in ("index", "nlist", "pq_m", "hnsw_m")},
     }
@@ -158,9 +166,9 @@ def build_or_load_index(
         found = SearchIndex.load(index_dir, eval_cfg)
         if found is not None and {k: found.meta.get(k) for k in meta} == meta:
             return found, False
-    announce_encoding(encoder, [(texts, "doc")], what, batch_size, hint)
+    announce_corpus(encoder, corpus, what, batch_size, hint)
     t0 = time.perf_counter()
-    emb = encode_texts(encoder, texts, "doc", batch_size, show_progress=progress)
+    emb = encode_corpus(encoder, corpus, batch_size, show_progress=progress)
     meta["encode_seconds"] = round(time.perf_counter() - t0, 3)
     meta["dim"] = int(emb.shape[1])
     meta["normalize"] = bool(getattr(encoder, "normalize", True))
@@ -228,7 +236,7 @@ def run_search(cfg: Any, out=None) -> list[dict]:
         emb = encode_texts(enc, [q], "query", show_progress=False)
         hits = index.search(emb, cfg.k)[0]
         answer = {"query": q, "results": [
-            {"rank": r, "doc_id": d, "score": round(s, 4), "text": corpus.get(d, "")} for r, (d, s) in enumerate(hits, 1)
+            {"rank": r, "doc_id": d, "score": round(s, 4), "text": corpus.text(d)} for r, (d, s) in enumerate(hits, 1)
         ]}
         answers.append(answer)
         if cfg.format == "json":

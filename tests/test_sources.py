@@ -96,7 +96,8 @@ def test_load_documents(tmp_path):
     assert len(beir) == 12 and where == str(Path(cfg.eval_dir) / "corpus.jsonl")
     from moco_retrieval.search import load_corpus
 
-    assert load_corpus(None, cfg) == (docs, desc) and load_corpus(cfg.eval_dir, cfg)[0] == only_eval
+    got, got_desc = load_corpus(None, cfg)
+    assert (got.to_dict(), got_desc) == (docs, desc) and load_corpus(cfg.eval_dir, cfg)[0].to_dict() == only_eval
 
 
 def test_datamodule_from_loaded_data_yields_the_same_batches(tmp_path):

@@ -26,7 +26,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -75,7 +75,7 @@ def file_hash(path: Path, memo_dir: Path) -> str:
     return digest
 
 
-def store_key(spec: PairSpec, memo_dir: Path) -> str:
+def store_key(spec: Any, memo_dir: Path) -> str:
     """The store's name: what is read (content hashes) and how (options, store version)."""
     what = {"version": STORE_VERSION, "options": spec.options, "inputs": [file_hash(p, memo_dir) for p in spec.inputs]}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
@@ -234,9 +234,11 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in Path(folder).iterdir() if p.is_file())
 
 
-def ensure_store(spec: PairSpec, root: Path) -> Path:
-    """The store of ``spec`` under ``root`` (``root/<key>``), converted first when absent (once: the
-    first process converts under a lock, the others wait and open its result)."""
+def ensure_store(spec: Any, root: Path, write: Optional[Callable[[Any, Path], dict]] = None) -> Path:
+    """The store of ``spec`` under ``root`` (``root/<key>``), converted first by ``write`` (default :func:`write_store`) when absent
+    (once: the first process converts under a lock, the others wait and open its result). ``spec``:
+    a :class:`PairSpec`, or any spec with its ``name``, ``inputs`` and ``options`` that ``write``
+    turns into a folder and a manifest (``rows``, ``converted_s``, ``rows_per_s``): corpus_store.py."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / store_key(spec, root / "fingerprints")
     if (final / MANIFEST).is_file():
@@ -247,7 +249,7 @@ def ensure_store(spec: PairSpec, root: Path) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would keep the store from the node's other users
         try:
-            m = write_store(spec, tmp)
+            m = (write or write_store)(spec, tmp)
             _publish(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -355,9 +355,10 @@ def _check_id_token(did: str, path: Path, line: int) -> str:
     return did
 
 
-def _read_corpus(path: Path) -> tuple[dict[str, str], dict[str, int]]:
-    corpus: dict[str, str] = {}
-    groups: dict[str, int] = {}
+def iter_corpus_located(path: PathLike) -> Iterator[tuple[int, str, str, Optional[int]]]:
+    """A BEIR ``corpus.jsonl``, validated as it streams: ``(line, _id, document text, group or None)``
+    (only the ids are kept, to find duplicates)."""
+    path = Path(path)
     first_line: dict[str, int] = {}
     for line, obj in iter_jsonl(path, "corpus documents {'_id', 'title', 'text'}"):
         did = _check_id_token(_id_str(obj, "_id", path, line, required=True), path, line)
@@ -370,12 +371,20 @@ def _read_corpus(path: Path) -> tuple[dict[str, str], dict[str, int]]:
         doc = beir_doc_text(title, text)
         if not doc:
             raise _error(path, line, f"document {did!r} has an empty 'title' and 'text' (expected some text)")
-        if did in corpus:
+        if did in first_line:
             raise _error(path, line, f"duplicate _id {did!r} (first on line {first_line[did]}); expected unique ids")
         first_line[did] = line
+        group = None if obj.get("group") is None else _hashed_id(obj["group"], "group", path, line, True)
+        yield line, did, doc, group
+
+
+def _read_corpus(path: Path) -> tuple[dict[str, str], dict[str, int]]:
+    corpus: dict[str, str] = {}
+    groups: dict[str, int] = {}
+    for _, did, doc, group in iter_corpus_located(path):
         corpus[did] = doc
-        if obj.get("group") is not None:
-            groups[did] = _hashed_id(obj["group"], "group", path, line, True)
+        if group is not None:
+            groups[did] = group
     return corpus, groups
 
 
@@ -543,6 +552,7 @@ __all__ = [
     "write_pairs_jsonl",
     "beir_doc_text",
     "read_corpus",
+    "iter_corpus_located",
     "read_beir",
     "read_beir_splits",
     "beir_train_pairs",

@@ -268,6 +268,11 @@ def store_root(cfg: Any) -> Path:
     return Path(_value(cfg, "cache_dir") or cache_root()).expanduser() / "pairs"
 
 
+def corpus_root(cfg: Any) -> Path:
+    """Where converted corpora go (corpus_store.py): beside the training stores, under corpora/."""
+    return store_root(cfg).parent / "corpora"
+
+
 def _count_lines(path: Path) -> int:
     with open(path, "rb") as f:
         return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 22), b""))
@@ -396,6 +401,19 @@ def load(cfg: Any) -> tuple[TrainingPairs, EvalPool]:
     return train, _finish_pool(cfg, kind, d, cfg.eval_split, splits[cfg.eval_split])
 
 
+def load_document_corpus(cfg: Any) -> tuple[Any, str]:
+    """:func:`load_documents` as a corpus view (corpus_store.py): ``beir``'s corpus.jsonl as a
+    memory-mapped store (converted once per content), the other kinds' documents in a CorpusDict."""
+    from .corpus_store import CorpusDict, corpus_store
+
+    if cfg.kind == "beir" and _value(cfg, "dir"):
+        p = Path(cfg.dir).expanduser() / "corpus.jsonl"
+        if p.is_file():
+            return corpus_store(p, corpus_root(cfg)), str(p)
+    docs, desc = load_documents(cfg)
+    return CorpusDict(docs), desc
+
+
 def load_documents(cfg: Any) -> tuple[dict[str, str], str]:
     """Every document of a data config, uncapped: ``({doc id: text}, description)`` (the search corpus).
 
@@ -454,4 +472,6 @@ __all__ = [
     "check_train_paths",
     "load",
     "load_documents",
+    "load_document_corpus",
+    "corpus_root",
 ]

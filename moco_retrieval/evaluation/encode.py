@@ -96,6 +96,33 @@ def encode_texts(
     texts = getattr(encoder, "prompts", NO_PROMPTS).apply(texts, kind)
     n = len(texts)
     order = sorted(range(n), key=lambda i: -len(texts[i])) if sort_by_length else list(range(n))
+    return _encode_in_order(encoder, n, order, lambda idx: [texts[i] for i in idx], kind, batch_size, show_progress,
+                            description, out)
+
+
+def encode_corpus(
+    encoder: Any,
+    corpus: Any,
+    batch_size: int = 256,
+    show_progress: bool = True,
+    *,
+    description: str | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """:func:`encode_texts` of every document of ``corpus`` (data/corpus_store.py: a CorpusStore or
+    CorpusDict), reading one batch's texts at a time. The batches are those of :func:`encode_texts`
+    (longest first, from the corpus's length array; a prompt adds the same length to every text, and
+    both sorts are stable), so the embeddings are the same, without every text in memory at once."""
+    prompts = getattr(encoder, "prompts", NO_PROMPTS)
+    order = np.argsort(-np.asarray(corpus.lengths), kind="stable")
+    return _encode_in_order(encoder, len(corpus), order, lambda idx: prompts.apply(corpus.texts(idx), "doc"), "doc",
+                            batch_size, show_progress, description, out)
+
+
+def _encode_in_order(encoder: Any, n: int, order: Sequence[int], fetch: Any, kind: str, batch_size: int,
+                     show_progress: bool, description: str | None, out: np.ndarray | None) -> np.ndarray:
+    """Encode ``n`` texts ``batch_size`` at a time in ``order``; ``fetch(indices)`` gives a batch's texts
+    (prompted); row ``i`` of the result is text ``i``."""
     needs_tokens = bool(getattr(encoder, "needs_tokens", False))
     device = _module_device(encoder)
     was_training = getattr(encoder, "training", None)
@@ -114,7 +141,7 @@ def encode_texts(
         with torch.no_grad():
             for start in range(0, n, batch_size):
                 idx = order[start : start + batch_size]
-                batch = [texts[i] for i in idx]
+                batch = fetch(idx)
                 side: dict[str, Any] = {"texts": batch}
                 if needs_tokens:
                     side.update(encoder.tokenize(batch, kind))
@@ -294,4 +321,4 @@ def evaluate_encoder(
     return result
 
 
-__all__ = ["EvalResult", "embedding_file", "encode_texts", "encode_texts_sharded", "evaluate_embeddings", "evaluate_encoder"]
+__all__ = ["EvalResult", "embedding_file", "encode_texts", "encode_corpus", "encode_texts_sharded", "evaluate_embeddings", "evaluate_encoder"]

@@ -7,6 +7,8 @@ import sys
 import time
 from typing import Any, Sequence
 
+import numpy as np
+
 from moco_retrieval.progress import log_line
 
 SAMPLE = 64  # texts timed; spread over the length order, so long and short ones count
@@ -24,14 +26,34 @@ def sample_for_timing(texts: Sequence[str], n: int = SAMPLE) -> list[str]:
 
 def estimate_seconds(encoder: Any, texts: Sequence[str], kind: str, batch_size: int) -> float:
     """Seconds to encode ``texts`` as ``kind``, from timing a length-spread sample of them."""
+    return _scaled_seconds(encoder, sample_for_timing(texts), len(texts), kind, batch_size)
+
+
+def _scaled_seconds(encoder: Any, sample: list[str], n: int, kind: str, batch_size: int) -> float:
     from moco_retrieval.evaluation.encode import encode_texts
 
-    sample = sample_for_timing(texts)
     if not sample:
         return 0.0
     t0 = time.perf_counter()
     encode_texts(encoder, sample, kind, min(batch_size, len(sample)), show_progress=False)
-    return (time.perf_counter() - t0) * len(texts) / len(sample)
+    return (time.perf_counter() - t0) * n / len(sample)
+
+
+def corpus_timing_sample(corpus: Any, n: int = SAMPLE) -> list[str]:
+    """:func:`sample_for_timing` of a corpus view (data/corpus_store.py), chosen from its length array
+    (the same texts: both sorts are stable), reading only the ``n`` texts chosen."""
+    lengths = np.asarray(corpus.lengths)
+    if len(lengths) <= n:
+        return corpus.texts(range(len(lengths)))
+    ordered = np.argsort(lengths, kind="stable")
+    step = len(ordered) / n
+    return corpus.texts([int(ordered[int(i * step)]) for i in range(n)])
+
+
+def announce_corpus(encoder: Any, corpus: Any, what: str, batch_size: int, hint: str = "") -> float:
+    """:func:`announce_encoding` of every document of a corpus view, without reading every text."""
+    seconds = _scaled_seconds(encoder, corpus_timing_sample(corpus), len(corpus), "doc", batch_size)
+    return _announce(encoder, seconds, f"{len(corpus):,} documents", what, hint)
 
 
 def device_of(encoder: Any) -> str:
@@ -45,6 +67,10 @@ def announce_encoding(encoder: Any, jobs: list[tuple[Sequence[str], str]], what:
     long (``jobs``: ``(texts, kind)`` pairs); ``hint`` (a smaller choice) when it is long."""
     seconds = sum(estimate_seconds(encoder, texts, kind, batch_size) for texts, kind in jobs)
     counts = " + ".join(f"{len(t):,} {'queries' if k == 'query' else 'documents'}" for t, k in jobs)
+    return _announce(encoder, seconds, counts, what, hint)
+
+
+def _announce(encoder: Any, seconds: float, counts: str, what: str, hint: str) -> float:
     msg = f"encoding {counts} ({what}) on {device_of(encoder)}: about {_duration(seconds)}"
     if seconds >= QUIET_BELOW_S and hint:
         msg += f"; {hint}"
@@ -56,4 +82,4 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
-__all__ = ["sample_for_timing", "estimate_seconds", "announce_encoding"]
+__all__ = ["sample_for_timing", "estimate_seconds", "announce_encoding", "corpus_timing_sample", "announce_corpus"]

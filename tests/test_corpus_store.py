@@ -1,0 +1,173 @@
+"""Corpora as memory-mapped stores (data/corpus_store.py): the same documents, ids and errors as
+today's dict reader, converted once per content, and search giving the same index and answers."""
+from __future__ import annotations
+
+import io
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moco_retrieval.data import corpus_store as cs
+from moco_retrieval.data.formats import DataError, EvalSet, read_beir, read_corpus, write_beir
+from moco_retrieval.data.ids import stable_id
+from moco_retrieval.data.prompts import Prompts
+
+WORDS = ("file system network server image audio video text editor library python tool command line "
+         "package manager compress archive backup font color terminal shell mail web browser").split()
+
+
+def write_corpus_file(path: Path, n: int = 50, seed: int = 0) -> dict[str, str]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        row = {"_id": f"doc-{i:03d}", "title": rng.choice(["", "Title", "Q?"]),
+               "text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30)))}
+        if i % 3 == 0:
+            row["group"] = f"g{i % 4}"
+        rows.append(row)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return read_corpus(path)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(cs, "CHUNK", 7)  # several record batches in a small corpus
+
+
+def test_store_holds_what_read_corpus_reads(tmp_path, small_chunks):
+    path = tmp_path / "c" / "corpus.jsonl"
+    docs = write_corpus_file(path)
+    store = cs.corpus_store(path, tmp_path / "cache")
+    assert len(store) == 50 and store.doc_ids == list(docs)
+    assert store.to_dict() == docs
+    assert store.ids.tolist() == [stable_id(d) for d in docs]
+    assert len(store._open() or store._batches) == 8  # 50 rows in batches of 7
+    rows = [49, 0, 13, 7, 6, 13]
+    assert store.texts(rows) == [list(docs.values())[r] for r in rows]  # the order asked, across batches
+    assert store.text("doc-031") == docs["doc-031"] and store.text("nope", "-") == "-"
+    groups = read_beir_groups(path)
+    assert {d: int(g) for d, g in zip(store.doc_ids, store.array("group")) if g != -1} == groups
+    assert store.lengths.tolist() == [len(t) for t in docs.values()]
+
+
+def read_beir_groups(path: Path) -> dict[str, int]:
+    from moco_retrieval.data.formats import iter_corpus_located
+
+    return {d: g for _, d, _, g in iter_corpus_located(path) if g is not None}
+
+
+def test_changed_corpus_is_converted_again_unchanged_one_reused(tmp_path, monkeypatch):
+    path = tmp_path / "corpus.jsonl"
+    write_corpus_file(path, 20)
+    first = cs.corpus_store(path, tmp_path / "cache").folder
+
+    def no_conversion(spec, folder):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(cs, "write_corpus", no_conversion)
+    assert cs.corpus_store(path, tmp_path / "cache").folder == first  # unchanged: reused
+    monkeypatch.undo()
+    docs = write_corpus_file(path, 21, seed=1)  # changed content
+    second = cs.corpus_store(path, tmp_path / "cache")
+    assert second.folder != first and second.to_dict() == docs
+
+
+BAD = {
+    "duplicate": '{"_id": "a", "text": "x"}\n{"_id": "b", "text": "y"}\n{"_id": "a", "text": "z"}\n',
+    "malformed": '{"_id": "a", "text": "x"}\n{"_id": "b", "text": \n',
+    "no_text": '{"_id": "a", "text": "x"}\n{"_id": "b", "title": ""}\n',
+    "space_in_id": '{"_id": "a b", "text": "x"}\n',
+    "empty": "\n",
+    "bad_group": '{"_id": "a", "text": "x", "group": [1]}\n',
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_located_errors_read_exactly_as_today(tmp_path, case):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text(BAD[case])
+    with pytest.raises(DataError) as today:
+        read_corpus(path)
+    with pytest.raises(DataError) as stored:
+        cs.corpus_store(path, tmp_path / "cache")
+    assert str(stored.value) == str(today.value) and str(path) in str(stored.value)
+    assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == ["fingerprints"]
+
+
+@pytest.fixture(scope="module")
+def tiny_encoder(tmp_path_factory):
+    from moco_retrieval.config import ModelConfig
+    from moco_retrieval.model.encoder import build_encoder
+    from moco_retrieval.model.tiny import build_tiny_bert
+
+    return build_encoder(ModelConfig(backbone="tiny", path=str(build_tiny_bert(tmp_path_factory.mktemp("t") / "bert"))))
+
+
+@pytest.mark.parametrize("prompted", [False, True])
+def test_encode_corpus_gives_encode_texts_embeddings(tmp_path, small_chunks, tiny_encoder, prompted):
+    from moco_retrieval.evaluation.encode import encode_corpus, encode_texts
+    from moco_retrieval.evaluation.forecast import corpus_timing_sample, sample_for_timing
+
+    path = tmp_path / "corpus.jsonl"
+    docs = write_corpus_file(path, 90)
+    store = cs.corpus_store(path, tmp_path / "cache")
+    tiny_encoder.prompts = Prompts(doc="passage: ") if prompted else Prompts()
+    today = encode_texts(tiny_encoder, list(docs.values()), "doc", 8, show_progress=False)
+    assert np.array_equal(encode_corpus(tiny_encoder, store, 8, show_progress=False), today)  # bit for bit
+    assert corpus_timing_sample(store, 16) == sample_for_timing(list(docs.values()), 16)
+    tiny_encoder.prompts = Prompts()
+
+
+def test_search_index_from_the_store_is_todays(tmp_path, small_chunks, tiny_encoder):
+    from moco_retrieval.config import EvalConfig
+    from moco_retrieval.search import build_or_load_index
+
+    path = tmp_path / "corpus.jsonl"
+    docs = write_corpus_file(path, 60)
+    store = cs.corpus_store(path, tmp_path / "cache")
+    cfg = EvalConfig(index="flat")
+    today, _ = build_or_load_index(tiny_encoder, docs, cfg, tmp_path / "a", {"m": 1}, progress=False)
+    stored, _ = build_or_load_index(tiny_encoder, store, cfg, tmp_path / "b", {"m": 1}, progress=False)
+    assert stored.doc_ids == today.doc_ids
+    assert {k: v for k, v in stored.meta.items() if k != "encode_seconds"} == \
+        {k: v for k, v in today.meta.items() if k != "encode_seconds"}  # same corpus digest: same saved index key
+    from moco_retrieval.evaluation.encode import encode_texts
+
+    q = encode_texts(tiny_encoder, ["python shell", "image font"], "query", show_progress=False)
+    assert stored.search(q, 5) == today.search(q, 5)
+
+
+def test_search_command_reads_a_corpus_file_through_the_store(tmp_path, tiny_encoder, monkeypatch):
+    """`search corpus=FILE` answers as before (same hits and texts) without reading the corpus into a dict."""
+    from hydra import compose, initialize_config_module
+
+    from moco_retrieval.data import formats
+    from moco_retrieval.model.tiny import build_tiny_bert
+    from moco_retrieval.search import run_search
+
+    docs = write_corpus_file(tmp_path / "beir" / "corpus.jsonl", 40)
+    tiny = build_tiny_bert(tmp_path / "bert")
+    overrides = ["model=tiny", f"model.path={tiny}", f"corpus={tmp_path / 'beir'}", f"index_dir={tmp_path / 'index'}",
+                 "query=python shell", "k=4", "format=json", "progress=false", "device=cpu",
+                 f"data.cache_dir={tmp_path / 'cache'}"]
+    with initialize_config_module(config_module="moco_retrieval.conf", version_base="1.3"):
+        cfg = compose(config_name="search", overrides=overrides)
+    monkeypatch.setattr(formats, "_read_corpus", lambda p: (_ for _ in ()).throw(AssertionError("read into a dict")))
+    answers = run_search(cfg, out=io.StringIO())
+    hits = answers[0]["results"]
+    assert len(hits) == 4 and all(h["text"] == docs[h["doc_id"]] for h in hits)
+    assert list((tmp_path / "cache" / "corpora").glob("*/manifest.json"))
+    # today's path: the same corpus as a dict, same model, gives the same hits
+    from moco_retrieval.config import EvalConfig, to_config
+    from moco_retrieval.evaluation.encode import encode_texts
+    from moco_retrieval.model.loading import load_encoder
+    from moco_retrieval.search import build_or_load_index
+
+    enc, _ = load_encoder(checkpoint=None, model_dir=None, model=cfg.model, encoder=cfg.encoder, prompts=cfg.data.prompts)
+    idx, _ = build_or_load_index(enc, docs, to_config(EvalConfig, cfg.eval), tmp_path / "dict_index", {}, progress=False)
+    ref = idx.search(encode_texts(enc, ["python shell"], "query", show_progress=False), 4)[0]
+    assert [(h["doc_id"], h["score"]) for h in hits] == [(d, round(s, 4)) for d, s in ref]
