@@ -41,10 +41,11 @@ logging.getLogger("faiss.loader").setLevel(logging.WARNING)
 
 
 def load_eval_set(data: Any) -> tuple[Any, dict]:
-    """The evaluation pool of a data config, without reading training data: ``(EvalSet, description)``."""
-    from moco_retrieval.data.sources import load_eval_pool
+    """The evaluation pool of a data config, without reading training data: ``(EvalSet, description)``;
+    its corpus is a memory-mapped store (data/corpus_store.py), encoded a batch of texts at a time."""
+    from moco_retrieval.data.sources import load_eval_pool_mapped
 
-    pool = load_eval_pool(data)
+    pool = load_eval_pool_mapped(data)
     return pool.eval_set, pool.description
 
 
@@ -84,7 +85,8 @@ def _unique(name: str, taken: set[str]) -> str:
 def run_evaluate(cfg: Any, out_dir: str | Path) -> dict[str, Path]:
     """Evaluate the configured model(s) on the pool and write the report files into ``out_dir``."""
     from moco_retrieval.evaluation.encode import evaluate_encoder
-    from moco_retrieval.evaluation.forecast import announce_encoding
+    from moco_retrieval.data.corpus_store import as_corpus
+    from moco_retrieval.evaluation.forecast import announce_corpus
     from moco_retrieval.evaluation.report import write_report
 
     evalset, dataset = load_eval_set(cfg.data)
@@ -106,8 +108,8 @@ def run_evaluate(cfg: Any, out_dir: str | Path) -> dict[str, Path]:
         enc, desc = load_encoder(model=base_model, encoder=which, prompts=cfg.data.prompts, **kwargs)
         name = _unique(_model_name(kwargs, desc, given), taken)
         enc.to(device)
-        announce_encoding(enc, [(list(evalset.corpus.values()), "doc"), (list(evalset.queries.values()), "query")],
-                          f"the pool, model {name}", batch_size)
+        announce_corpus(enc, as_corpus(evalset.corpus), f"the pool, model {name}", batch_size,
+                        queries=list(evalset.queries.values()))
         res = evaluate_encoder(enc, evalset, eval_cfg, batch_size, show_progress=bool(cfg.progress),
                                dims=desc.get("matryoshka_dims") or ())
         desc["parameters"] = int(sum(p.numel() for p in enc.parameters()))

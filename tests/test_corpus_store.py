@@ -171,3 +171,72 @@ def test_search_command_reads_a_corpus_file_through_the_store(tmp_path, tiny_enc
     idx, _ = build_or_load_index(enc, docs, to_config(EvalConfig, cfg.eval), tmp_path / "dict_index", {}, progress=False)
     ref = idx.search(encode_texts(enc, ["python shell"], "query", show_progress=False), 4)[0]
     assert [(h["doc_id"], h["score"]) for h in hits] == [(d, round(s, 4)) for d, s in ref]
+
+
+# --------------------------------------------------------------------------- evaluate
+
+
+def write_beir_folder(folder: Path, n: int = 40) -> None:
+    rng = random.Random(3)
+    corpus, queries, qrels = {}, {}, {}
+    for i in range(n):
+        words = rng.sample(WORDS, rng.randint(2, 9))
+        corpus[f"doc-{i:02d}"] = " ".join(words)
+        if i % 2 == 0:
+            queries[f"q-{i:02d}"] = " ".join(words[:2])
+            qrels[f"q-{i:02d}"] = {f"doc-{i:02d}": 1, f"doc-{(i + 1) % n:02d}": 0}
+    write_beir(folder, EvalSet(corpus=corpus, queries=queries, qrels=qrels), "test")
+
+
+@pytest.mark.parametrize("caps", [[], ["data.max_eval_docs=15", "data.max_eval_queries=8"]])
+def test_evaluate_from_the_store_writes_todays_metrics_and_run_file(tmp_path, monkeypatch, caps):
+    """evaluate on a BEIR folder through the corpus store: eval.json's metrics and run.trec are those of
+    today's dict path (load_eval_pool), byte for byte; the store path reads no corpus into a dict."""
+    from hydra import compose, initialize_config_module
+
+    from moco_retrieval.data import formats, sources
+    from moco_retrieval.evaluate import run_evaluate
+    from moco_retrieval.model.tiny import build_tiny_bert
+
+    beir = tmp_path / "beir"
+    write_beir_folder(beir)
+    tiny = build_tiny_bert(tmp_path / "bert")
+    with initialize_config_module(config_module="moco_retrieval.conf", version_base="1.3"):
+        cfg = compose(config_name="evaluate", overrides=[
+            "model=tiny", f"model.path={tiny}", "data=beir", f"data.dir={beir}", f"data.cache_dir={tmp_path / 'cache'}",
+            "progress=false", "device=cpu", "plots=false", "eval.top_k=10", "data.eval_batch_size=4", *caps])
+
+    def outputs(out: Path) -> tuple:
+        run_evaluate(cfg, out)
+        data = json.loads((out / "eval.json").read_text())
+        return data["metrics"], data["dataset"], (out / "run.trec").read_bytes()
+
+    real_read_corpus = formats._read_corpus
+    monkeypatch.setattr(formats, "_read_corpus", lambda p: (_ for _ in ()).throw(AssertionError("read into a dict")))
+    stored = outputs(tmp_path / "store")
+    assert list((tmp_path / "cache" / "corpora").glob("*/manifest.json"))
+    monkeypatch.setattr(formats, "_read_corpus", real_read_corpus)
+    monkeypatch.setattr(sources, "load_eval_pool_mapped", sources.load_eval_pool)  # today's path
+    today = outputs(tmp_path / "dict")
+    assert stored == today
+    assert stored[1]["documents"] == (15 if caps else 40)
+
+
+def test_eval_pool_errors_read_as_today(tmp_path):
+    """A located error in corpus.jsonl, and a qrels id missing from the corpus, read exactly as today."""
+    from moco_retrieval.config import DataConfig
+    from moco_retrieval.data.sources import load_eval_pool, load_eval_pool_mapped
+
+    beir = tmp_path / "beir"
+    write_beir_folder(beir, 10)
+    cfg = DataConfig(kind="beir", dir=str(beir), cache_dir=str(tmp_path / "cache"))
+    assert load_eval_pool_mapped(cfg).eval_set.queries == load_eval_pool(cfg).eval_set.queries
+    lines = (beir / "corpus.jsonl").read_text().splitlines()
+    for corpus_lines in (lines[:4] + ['{"_id": "x", "text": 3}'] + lines[4:], lines[1:]):  # bad row; doc-00 missing
+        (beir / "corpus.jsonl").write_text("\n".join(corpus_lines) + "\n")
+        with pytest.raises(DataError) as today:
+            load_eval_pool(cfg)
+        with pytest.raises(DataError) as stored:
+            load_eval_pool_mapped(cfg)
+        assert str(stored.value) == str(today.value)
+    assert "is not in" in str(today.value) and "corpus.jsonl" in str(today.value)

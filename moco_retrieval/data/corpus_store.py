@@ -184,6 +184,24 @@ class CorpusStore:
         row = self.row_of(doc_id)
         return default if row is None else self.texts([row])[0]
 
+    def __contains__(self, doc_id: object) -> bool:
+        return isinstance(doc_id, str) and self.row_of(doc_id) is not None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.doc_ids)
+
+    def groups(self) -> dict[str, int]:
+        """``{doc id: group}`` of the documents given one (ids and numbers only)."""
+        if not self.manifest["has_groups"]:
+            return {}
+        g = np.asarray(self.array("group"))
+        return {self.doc_ids[int(i)]: int(g[i]) for i in np.flatnonzero(g != NO_GROUP)}
+
+    def select(self, keep: Any) -> dict[str, str]:
+        """``{doc id: text}`` of the documents in ``keep``, in file order (a capped pool)."""
+        rows = [i for i, d in enumerate(self.doc_ids) if d in keep]
+        return dict(zip((self.doc_ids[i] for i in rows), self.texts(rows)))
+
     def to_dict(self) -> dict[str, str]:
         """Every document as ``{doc id: text}`` (small corpora and tests only)."""
         return dict(zip(self.doc_ids, self.texts(range(len(self)))))
@@ -224,6 +242,16 @@ def iter_texts(corpus: Any, size: int = CHUNK) -> Iterator[list[str]]:
         yield corpus.texts(range(start, min(start + size, len(corpus))))
 
 
+def store_reader(root: Path) -> Any:
+    """A ``corpus_reader`` for formats.read_beir: corpus.jsonl as a store under ``root``, and its groups."""
+
+    def read(path: Path) -> tuple[CorpusStore, dict[str, int]]:
+        store = corpus_store(path, root)
+        return store, store.groups()
+
+    return read
+
+
 def corpus_store(path: Path, root: Path) -> CorpusStore:
     """The store of the ``corpus.jsonl`` at ``path`` under ``root``, converted on first use (a changed
     file again; an unchanged one never)."""
@@ -231,4 +259,4 @@ def corpus_store(path: Path, root: Path) -> CorpusStore:
 
 
 __all__ = ["CORPUS_VERSION", "CorpusSpec", "write_corpus", "CorpusStore", "CorpusDict", "as_corpus", "iter_texts",
-           "corpus_store"]
+           "corpus_store", "store_reader"]

@@ -407,7 +407,7 @@ def _read_queries(path: Path) -> dict[str, str]:
 
 
 def _read_qrels(
-    path: Path, corpus: dict[str, str], queries: dict[str, str], corpus_path: Path, queries_path: Path
+    path: Path, corpus: Any, queries: dict[str, str], corpus_path: Path, queries_path: Path
 ) -> dict[str, dict[str, int]]:
     if not path.is_file():
         avail = sorted(p.stem for p in path.parent.glob("*.tsv")) if path.parent.is_dir() else []
@@ -460,18 +460,21 @@ def _read_qrels(
     return qrels
 
 
-def read_beir(directory: PathLike, split: str = "test") -> EvalSet:
-    """Read a BEIR directory for one split (see the module docstring)."""
-    return read_beir_splits(directory, [split])[split]
+def read_beir(directory: PathLike, split: str = "test", corpus_reader: Any = None) -> EvalSet:
+    """Read a BEIR directory for one split (see the module docstring; ``corpus_reader``: as in
+    :func:`read_beir_splits`)."""
+    return read_beir_splits(directory, [split], corpus_reader)[split]
 
 
-def read_beir_splits(directory: PathLike, splits: Iterable[str]) -> dict[str, EvalSet]:
-    """Read several splits of one BEIR directory, reading (and sharing) the corpus once."""
+def read_beir_splits(directory: PathLike, splits: Iterable[str], corpus_reader: Any = None) -> dict[str, EvalSet]:
+    """Read several splits of one BEIR directory, reading (and sharing) the corpus once.
+    ``corpus_reader(path) -> (corpus, {doc id: group})``: how corpus.jsonl is read (default: into a
+    dict; corpus_store.read_corpus_store: a memory-mapped store with ``len``, ``in`` and ``doc_ids``)."""
     d = Path(directory)
     if not d.is_dir():
         raise _error(d, None, "no such directory (expected a BEIR folder with corpus.jsonl, queries.jsonl, qrels/)")
     corpus_path, queries_path = d / "corpus.jsonl", d / "queries.jsonl"
-    corpus, groups = _read_corpus(corpus_path)
+    corpus, groups = (corpus_reader or _read_corpus)(corpus_path)
     queries = _read_queries(queries_path)
     out: dict[str, EvalSet] = {}
     for split in splits:

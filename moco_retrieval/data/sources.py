@@ -119,7 +119,8 @@ def cap_eval_set(
         else:
             pick = subset(len(others), room, [seed, 3])
             chosen = relevant | (set(others) if pick is None else {others[i] for i in pick})
-        corpus = {d: t for d, t in ev.corpus.items() if d in chosen}
+        corpus = ev.corpus.select(chosen) if hasattr(ev.corpus, "select") else \
+            {d: t for d, t in ev.corpus.items() if d in chosen}  # a store: only the kept texts are read
         qrels = {q: {d: s for d, s in rel.items() if d in corpus} for q, rel in qrels.items()}
     groups = None if ev.doc_groups is None else {d: g for d, g in ev.doc_groups.items() if d in corpus}
     return EvalSet(corpus=corpus, queries={q: ev.queries[q] for q in qids}, qrels=qrels, doc_groups=groups)
@@ -368,6 +369,17 @@ def load_eval_pool(cfg: Any, data_folder: Optional[Path] = None) -> EvalPool:
     return _finish_pool(cfg, kind, folder, split, read_beir(folder, split))
 
 
+def load_eval_pool_mapped(cfg: Any, data_folder: Optional[Path] = None) -> EvalPool:
+    """:func:`load_eval_pool` with the corpus a memory-mapped store (corpus_store.py, converted once
+    per content) instead of a dict: the same pool, errors and caps (a capped pool keeps only its
+    documents' texts, in memory). ``evaluate`` reads this; training's validation the dict."""
+    from .corpus_store import store_reader
+
+    kind = _check_kind(cfg)
+    folder, split = _eval_location(cfg, kind, data_folder)
+    return _finish_pool(cfg, kind, folder, split, read_beir(folder, split, store_reader(corpus_root(cfg))))
+
+
 def check_paths(cfg: Any) -> str:
     """The kind of a data config, after checking that the paths both sides need are given and exist."""
     kind = check_train_paths(cfg)
@@ -468,6 +480,7 @@ __all__ = [
     "prepare_store",
     "load_training_rows",
     "load_eval_pool",
+    "load_eval_pool_mapped",
     "check_paths",
     "check_train_paths",
     "load",

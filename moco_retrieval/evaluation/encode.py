@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from moco_retrieval.data.corpus_store import as_corpus
 from moco_retrieval.data.prompts import NO_PROMPTS
 from moco_retrieval.distributed import all_gather_rows, rank, shard_range, world_size
 
@@ -275,6 +276,14 @@ def _np32(x: Any) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(x, dtype=np.float32))
 
 
+def _encode_docs(encoder: Any, corpus: Any, batch_size: int, show_progress: bool, out: np.ndarray | None) -> np.ndarray:
+    """One process: :func:`encode_corpus` (a batch of texts at a time); several: each rank's block
+    through :func:`encode_texts_sharded` (which takes the texts as a list)."""
+    if world_size() == 1:
+        return encode_corpus(encoder, corpus, batch_size, show_progress, out=out)
+    return encode_texts_sharded(encoder, corpus.texts(range(len(corpus))), "doc", batch_size, show_progress, out=out)
+
+
 def evaluate_encoder(
     encoder: Any,
     evalset: Any,
@@ -285,7 +294,8 @@ def evaluate_encoder(
     doc_out: np.ndarray | None = None,
     dims: Sequence[int] = (),
 ) -> EvalResult:
-    """Encode ``evalset.corpus`` and ``evalset.queries`` with ``encoder`` and evaluate.
+    """Encode ``evalset.corpus`` (a dict or a corpus store: data/corpus_store.py) and
+    ``evalset.queries`` with ``encoder`` and evaluate.
 
     Under a process group each rank encodes 1/N of each and the blocks are gathered
     (:func:`encode_texts_sharded`); every rank gets the same result. ``doc_out``: where the
@@ -293,11 +303,11 @@ def evaluate_encoder(
     ``encode_docs``, ``encode_queries`` and ``encode`` (their sum) next to ``index`` and
     ``search``: evaluation time is mostly encoding.
     """
-    doc_ids = list(evalset.corpus.keys())
+    corpus = as_corpus(evalset.corpus)
+    doc_ids = list(corpus.doc_ids)
     query_ids = list(evalset.queries.keys())
     t0 = time.perf_counter()
-    doc_emb = encode_texts_sharded(encoder, [evalset.corpus[d] for d in doc_ids], "doc", batch_size, show_progress,
-                                   out=doc_out)
+    doc_emb = _encode_docs(encoder, corpus, batch_size, show_progress, doc_out)
     t_docs = time.perf_counter() - t0
     t0 = time.perf_counter()
     query_emb = encode_texts_sharded(encoder, [evalset.queries[q] for q in query_ids], "query", batch_size, show_progress)

@@ -50,10 +50,16 @@ def corpus_timing_sample(corpus: Any, n: int = SAMPLE) -> list[str]:
     return corpus.texts([int(ordered[int(i * step)]) for i in range(n)])
 
 
-def announce_corpus(encoder: Any, corpus: Any, what: str, batch_size: int, hint: str = "") -> float:
-    """:func:`announce_encoding` of every document of a corpus view, without reading every text."""
+def announce_corpus(encoder: Any, corpus: Any, what: str, batch_size: int, hint: str = "",
+                    queries: Sequence[str] | None = None) -> float:
+    """:func:`announce_encoding` of every document of a corpus view (and ``queries``, when given),
+    without reading every text."""
     seconds = _scaled_seconds(encoder, corpus_timing_sample(corpus), len(corpus), "doc", batch_size)
-    return _announce(encoder, seconds, f"{len(corpus):,} documents", what, hint)
+    counts = f"{len(corpus):,} documents"
+    if queries is not None:
+        seconds += estimate_seconds(encoder, queries, "query", batch_size)
+        counts += f" + {len(queries):,} queries"
+    return _announce(encoder, seconds, counts, what, hint)
 
 
 def device_of(encoder: Any) -> str:
