@@ -53,16 +53,16 @@ def load_corpus(corpus: Optional[str], data: Any) -> tuple[Any, str]:
     group's held-out pool) or, when None, every document of the data group. A corpus.jsonl (given,
     or ``data=beir``'s) is a memory-mapped store converted once per content (data/corpus_store.py);
     the others are in memory behind the same interface (``len``, ``doc_ids``, ``texts(rows)``, ``text(id)``)."""
-    from moco_retrieval.data.corpus_store import CorpusDict, corpus_store
+    from moco_retrieval.data.corpus_store import as_corpus, corpus_store
     from moco_retrieval.data.formats import DataError
     from moco_retrieval.data.sources import corpus_root, load_document_corpus
 
     if corpus == EVAL_CORPUS:  # the held-out pool of the data group: ~3k documents, not ~40k
-        from moco_retrieval.data.sources import load_eval_pool
+        from moco_retrieval.data.sources import load_eval_pool_mapped
 
-        pool = load_eval_pool(data)
+        pool = load_eval_pool_mapped(data)
         d = pool.description
-        return CorpusDict(pool.eval_set.corpus), f"the held-out pool of data={d['kind']} ({d['dir']}, {d['documents']:,} documents)"
+        return as_corpus(pool.eval_set.corpus), f"the held-out pool of data={d['kind']} ({d['dir']}, {d['documents']:,} documents)"
     if corpus:
         p = Path(corpus).expanduser()
         if p.is_dir():
