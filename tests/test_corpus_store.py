@@ -243,3 +243,16 @@ def test_eval_pool_errors_read_as_today(tmp_path):
             load_eval_pool_mapped(cfg)
         assert str(stored.value) == str(today.value)
     assert "is not in" in str(today.value) and "corpus.jsonl" in str(today.value)
+
+
+def test_search_default_corpus_of_data_beir_is_the_store(tmp_path):
+    from moco_retrieval.config import DataConfig
+    from moco_retrieval.search import load_corpus
+
+    beir = tmp_path / "beir"
+    write_beir_folder(beir, 12)
+    corpus, desc = load_corpus(None, DataConfig(kind="beir", dir=str(beir), cache_dir=str(tmp_path / "cache")))
+    assert isinstance(corpus, cs.CorpusStore) and desc == str(beir / "corpus.jsonl")
+    assert corpus.to_dict() == read_corpus(beir / "corpus.jsonl")
+    pool, _ = load_corpus("eval", DataConfig(kind="beir", dir=str(beir), cache_dir=str(tmp_path / "cache")))
+    assert pool.folder == corpus.folder  # the held-out pool (uncapped) opens the same store
