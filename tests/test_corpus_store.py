@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from moco_retrieval.data import corpus_store as cs
-from moco_retrieval.data.formats import DataError, EvalSet, read_beir, read_corpus, write_beir
+from moco_retrieval.data.formats import DataError, EvalSet, read_corpus, write_beir
 from moco_retrieval.data.ids import stable_id
 from moco_retrieval.data.prompts import Prompts
 
