@@ -1,0 +1,77 @@
+"""A run's history across attempts: the command that resumes it, printed at its start;
+``ckpt_path=last`` without ``run_dir`` (the newest run of the same experiment); one merged
+``RUN/metrics.csv`` over every attempt (metrics_history.py)."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moco_retrieval.metrics_history import RECORD, merged_metrics, write_merged_metrics
+
+TINY = ["+experiment=smoke", "data.max_train_examples=32", "data.max_eval_queries=16", "data.max_eval_docs=32",
+        "trainer.log_every_n_steps=1", "trainer.val_check_interval=null"]
+
+
+def train_cli(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "moco_retrieval.train", *overrides], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def rows_of(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_the_main_job_without_run_dir_prints_its_resume_command_and_ckpt_path_last_finds_it(tmp_path, debian_dir):
+    first = train_cli(tmp_path, *TINY)  # one epoch: 2 steps
+    assert first.returncode == 0, first.stderr[-3000:]
+    runs = [p.parent.parent for p in tmp_path.glob("outputs/*/*/checkpoints/last.ckpt")]
+    assert len(runs) == 1
+    run = runs[0].resolve()
+    said = re.search(r"to resume this run: (python -m moco_retrieval\.train .*)", first.stderr)
+    assert said and f"run_dir={run}" in said.group(1) and said.group(1).endswith("ckpt_path=last")
+
+    # as the README's main job: no run_dir, only ckpt_path=last: the newest smoke run, named
+    again = train_cli(tmp_path, *TINY, "trainer.max_epochs=2", "ckpt_path=last")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming the newest run of experiment smoke: {run}" in again.stderr
+    rows = rows_of(run / "metrics.csv")  # one file over both attempts, in step order
+    steps = [int(r["step"]) for r in rows]
+    assert steps == sorted(steps) and {r["attempt"] for r in rows} == {"1", "2"}
+    assert max(int(r["step"]) for r in rows if r["attempt"] == "1") <= 2 < max(steps)
+    assert json.loads((run / "metrics.json").read_text())["attempts"] == 2
+
+    # another experiment has no run to resume: refused, naming what to give
+    other = train_cli(tmp_path, "+experiment=frozen_inbatch", "ckpt_path=last")
+    assert other.returncode == 2
+    assert "no run of experiment frozen_inbatch" in other.stderr and "run_dir=DIR" in other.stderr
+
+
+def _attempt(folder: Path, resumed_from: int | None, steps: range) -> None:
+    folder.mkdir(parents=True)
+    with open(folder / "metrics.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["epoch", "step", "train/loss"])
+        w.writerows([0, s, 1.0 / (s + 1)] for s in steps)
+    if resumed_from is not None:
+        (folder / RECORD).write_text(json.dumps({"resumed_from_step": resumed_from}))
+
+
+def test_merged_metrics_drop_the_steps_a_later_attempt_redid(tmp_path):
+    _attempt(tmp_path / "csv", 0, range(0, 10))  # stopped at 9; the last checkpoint was of step 6
+    _attempt(tmp_path / "csv" / "resume-1", 6, range(7, 12))  # stopped at 11, checkpoint of 11
+    _attempt(tmp_path / "csv" / "resume-2", 11, range(12, 15))
+    columns, rows = merged_metrics(tmp_path)
+    assert columns[0] == "attempt"
+    assert [(r["attempt"], int(r["step"])) for r in rows] == \
+        [(1, s) for s in range(0, 7)] + [(2, s) for s in range(7, 12)] + [(3, s) for s in range(12, 15)]
+    out = write_merged_metrics(tmp_path)
+    assert out == tmp_path / "metrics.csv" and len(rows_of(out)) == 15
