@@ -48,6 +48,8 @@ def test_the_main_job_without_run_dir_prints_its_resume_command_and_ckpt_path_la
     assert steps == sorted(steps) and {r["attempt"] for r in rows} == {"1", "2"}
     assert max(int(r["step"]) for r in rows if r["attempt"] == "1") <= 2 < max(steps)
     assert json.loads((run / "metrics.json").read_text())["attempts"] == 2
+    validated = [r for r in rows if r.get("val/recall@1")]  # each validation says what pool it measured
+    assert validated and all((float(r["val/pool_queries"]), float(r["val/pool_docs"])) == (16, 32) for r in validated)
 
     # another experiment has no run to resume: refused, naming what to give
     other = train_cli(tmp_path, "+experiment=frozen_inbatch", "ckpt_path=last")
@@ -75,3 +77,22 @@ def test_merged_metrics_drop_the_steps_a_later_attempt_redid(tmp_path):
         [(1, s) for s in range(0, 7)] + [(2, s) for s in range(7, 12)] + [(3, s) for s in range(12, 15)]
     out = write_merged_metrics(tmp_path)
     assert out == tmp_path / "metrics.csv" and len(rows_of(out)) == 15
+
+
+def test_the_model_card_says_what_pool_its_numbers_were_measured_on(tmp_path):
+    from moco_retrieval.model_card import model_card, validation_at
+
+    run = tmp_path / "run"
+    (run / "csv").mkdir(parents=True)
+    (run / "csv" / "metrics.csv").write_text("step,val/recall@1\n5,0.9\n")  # the attempt thrown away
+    (run / "metrics.csv").write_text("attempt,step,val/recall@1,val/pool_queries,val/pool_docs\n"
+                                     "1,5,0.25,64,256\n2,5,0.266,64,256\n")
+    metrics = validation_at(run, 5, "best-5.ckpt")
+    assert metrics == {"recall@1": 0.266, "pool_queries": 64.0, "pool_docs": 256.0}
+    capped = {"data": {"kind": "debian", "max_eval_queries": 64, "max_eval_docs": 256, "batch_size": 16}}
+    card = model_card({"dim": 8, "global_step": 5}, {"pooling": "mean"}, "query", capped, metrics, "out")
+    assert "64 queries against 256 documents, capped by `data.max_eval_queries=64`, `data.max_eval_docs=256`" in card
+    assert "not the full held-out set" in card and "model_dir=out data.max_eval_queries=null" in card
+    full = model_card({"dim": 8, "global_step": 5}, {"pooling": "mean"}, "query", {"data": {"kind": "debian"}},
+                      metrics, "out")
+    assert "on the full held-out pool: 64 queries against 256 documents" in full
