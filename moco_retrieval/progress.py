@@ -10,6 +10,7 @@ import time
 from typing import Any, Optional
 
 from lightning.pytorch.callbacks import Callback, ProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 
 # Before the first validation has been timed, one is taken to cost the time of this many
 # training steps per (pool texts / batch size): forward-only encoding of the pool against
@@ -24,8 +25,13 @@ def stamp() -> str:
 
 
 def log_line(message: str, file: Any = None) -> None:
-    """``message`` as one time-stamped line (stdout unless ``file``)."""
-    print(f"{stamp()} {message}", file=file or sys.stdout, flush=True)
+    """``message`` as one time-stamped line (stdout unless ``file``); on a terminal, on a line of its
+    own above tqdm's bars (tqdm.write clears them first, then draws them again below it)."""
+    from tqdm import tqdm
+
+    out = file or sys.stdout
+    tqdm.write(f"{stamp()} {message}", file=out)
+    out.flush()
 
 
 def validations_left(step: int, total: int, interval: Optional[int]) -> int:
@@ -118,9 +124,24 @@ class LogLineProgress(ProgressBar):
         self._end_validation()
 
 
+class ResumableBar(TQDMProgressBar):
+    """Lightning's terminal bar, right after a resume too: a run resumed mid-epoch gets no
+    ``on_train_epoch_start``, so Lightning's bar would show no total and no ETA (``17/?``) and its
+    rate would count the batches done before the resume as if done now."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # this epoch's batches before this attempt
+        bar = self.train_progress_bar
+        bar.reset(total=convert_inf(self.total_train_batches))
+        bar.initial = bar.n = bar.last_print_n = done
+        bar.set_description(f"Epoch {trainer.current_epoch}")
+        bar.refresh()
+
+
 def progress_callback(every: int = 10) -> Callback:
     """A TQDM bar on a terminal, log lines otherwise."""
-    return TQDMProgressBar() if sys.stderr.isatty() else LogLineProgress(every)
+    return ResumableBar() if sys.stderr.isatty() else LogLineProgress(every)
 
 
 class LogLineBar:
