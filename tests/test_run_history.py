@@ -51,10 +51,19 @@ def test_the_main_job_without_run_dir_prints_its_resume_command_and_ckpt_path_la
     validated = [r for r in rows if r.get("val/recall@1")]  # each validation says what pool it measured
     assert validated and all((float(r["val/pool_queries"]), float(r["val/pool_docs"])) == (16, 32) for r in validated)
 
-    # another experiment has no run to resume: refused, naming what to give
+    # another experiment has no run to resume: refused, naming what to give, leaving no folder behind
+    folders = sorted(tmp_path.glob("outputs/*/*"))
     other = train_cli(tmp_path, "+experiment=frozen_inbatch", "ckpt_path=last")
     assert other.returncode == 2
     assert "no run of experiment frozen_inbatch" in other.stderr and "run_dir=DIR" in other.stderr
+    assert sorted(tmp_path.glob("outputs/*/*")) == folders
+    assert not list(tmp_path.glob("outputs/**/*.log"))  # no empty train.log: the output is the console's
+
+
+def test_a_start_refused_for_bad_input_leaves_no_hydra_folder(tmp_path):
+    bad = train_cli(tmp_path, "+experiment=smoke", "objective.queue_dtype=int8")
+    assert bad.returncode == 2 and "objective.queue_dtype" in bad.stderr
+    assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("*"))
 
 
 def _attempt(folder: Path, resumed_from: int | None, steps: range) -> None:
