@@ -29,6 +29,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from moco_retrieval.command_help import asks_for_help, help_text
 from moco_retrieval.config import check_known_keys, register_configs, unknown_key
 from moco_retrieval.errors import USER_ERROR_STATUS, report, reports_user_errors
 
@@ -48,6 +49,9 @@ def command(name: str) -> Callable[[Task], Callable[..., Any]]:
         def main(cfg_passthrough: Optional[DictConfig] = None) -> Any:
             if cfg_passthrough is not None:
                 return run_task(cfg_passthrough)
+            if asks_for_help(sys.argv[1:]):
+                print(help_text(name, sys.modules[task.__module__].__doc__))
+                return None
             guard = _ComposeErrors()
 
             @functools.wraps(task)  # (Hydra names the job and its log file after the task's module)

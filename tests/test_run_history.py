@@ -105,3 +105,20 @@ def test_the_model_card_says_what_pool_its_numbers_were_measured_on(tmp_path):
     full = model_card({"dim": 8, "global_step": 5}, {"pooling": "mean"}, "query", {"data": {"kind": "debian"}},
                       metrics, "out")
     assert "on the full held-out pool: 64 queries against 256 documents" in full
+
+
+@pytest.mark.parametrize("name", ["train", "evaluate"])
+def test_help_says_what_the_command_does_without_the_schemas(tmp_path, name):
+    out = subprocess.run([sys.executable, "-m", f"moco_retrieval.{name}", "--help"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    assert "_schema" not in text and "powered by Hydra" not in text
+    assert f"python -m moco_retrieval.{name}" in text and "data: beir, csv, debian, jsonl, parquet" in text
+    if name == "train":
+        assert "objective: feature_memory, icol, inbatch, moco, two_queue" in text
+        assert "+experiment=NAME" in text and "smoke" in text and "ckpt_path=null" in text
+        assert "checkpoints/last.ckpt" in text  # what it does and writes, from the module's docstring
+    else:
+        assert "checkpoint=null" in text and "model_dir=EXPORTED_DIR" in text
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "evaluations").exists()
