@@ -85,6 +85,11 @@ def _settings(cfg: dict, skip: tuple = ("name",)) -> str:
     return ", ".join(f"`{k}={v}`" for k, v in cfg.items() if k not in skip)
 
 
+def _unused_warmup(optim: dict) -> str:
+    """The warmup setting training did not use: ``warmup_steps`` wins when set (lightning_module)."""
+    return "warmup_ratio" if optim.get("warmup_steps") else "warmup_steps"
+
+
 def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Optional[dict], out_name: str) -> str:
     """The README.md text: YAML front matter for the Hugging Face hub, then the card."""
     backbone = str(desc.get("backbone") or model_cfg.get("backbone") or "")
@@ -116,7 +121,7 @@ def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Op
         text = OBJECTIVES[name].description if name in OBJECTIVES else name
         lines.append(f"- Objective: {text} (`objective={name}`); {_settings(objective)}")
     if record.get("optim"):
-        lines.append(f"- Optimizer: AdamW, {_settings(record['optim'])}")
+        lines.append(f"- Optimizer: AdamW, {_settings(record['optim'], skip=('name', _unused_warmup(record['optim'])))}")
     if record.get("data"):
         lines.append(f"- Data: {_data_line(record['data'])}")
     if desc.get("prompts"):  # encode_query / encode_document put them before the texts

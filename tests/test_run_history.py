@@ -122,3 +122,16 @@ def test_help_says_what_the_command_does_without_the_schemas(tmp_path, name):
     else:
         assert "checkpoint=null" in text and "model_dir=EXPORTED_DIR" in text
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "evaluations").exists()
+
+
+def test_the_model_card_lists_only_the_warmup_setting_that_was_used():
+    from moco_retrieval.model_card import model_card
+
+    def optimizer_line(optim):
+        card = model_card({"dim": 8}, {"pooling": "mean"}, "query", {"optim": optim}, None, "out")
+        return next(line for line in card.splitlines() if line.startswith("- Optimizer"))
+
+    steps = optimizer_line({"lr": 1e-3, "warmup_steps": 2, "warmup_ratio": 0.1})
+    assert "`warmup_steps=2`" in steps and "warmup_ratio" not in steps
+    ratio = optimizer_line({"lr": 1e-3, "warmup_steps": 0, "warmup_ratio": 0.1})
+    assert "`warmup_ratio=0.1`" in ratio and "warmup_steps" not in ratio
