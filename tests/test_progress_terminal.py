@@ -31,6 +31,7 @@ class BarProbe(Callback):
     def on_train_batch_end(self, *args):
         if len(self.seen) == 1:
             self._look()
+            self.postfix = self.bar.train_progress_bar.postfix
 
 
 def trainer(tmp_path, callbacks, bar=False):
@@ -52,6 +53,7 @@ def test_the_bar_after_a_resume_mid_epoch_has_its_total_and_counts_only_new_batc
     (n0, total0, initial0), (n1, total1, _) = probe.seen
     assert total0 == total1 == 6  # not "3/?"
     assert n0 == initial0 == 3 and n1 == 4  # the rate counts from the resumed batch: (n - initial) / elapsed
+    assert re.search(r"eta=[\d.]+min incl\. validations", probe.postfix or ""), probe.postfix  # the run's, validations in
 
 
 def test_a_log_line_is_not_glued_to_the_bar(capsys):
