@@ -4,7 +4,9 @@ Composes the config (strict, ranges checked: see config.py), takes the run direc
 (run_lock.py), checks the checkpoint to resume from, reads and checks the data, then builds the
 Lightning module -> trainer, fits, runs a final validation and writes into the run directory:
 ``checkpoints/last.ckpt`` and ``checkpoints/best-*.ckpt`` (by val/recall@1), ``metrics.json``
-(final validation metrics, flat keys; the run's training and validation seconds over all its attempts: run_clock.py), ``config.yaml`` (resolved) and the loggers' files.
+(final validation metrics, flat keys; the run's training and validation seconds over all its attempts: run_clock.py), ``config.yaml`` (resolved), ``metrics.csv`` (every attempt's logged metrics in step order: metrics_history.py) and
+the loggers' files. It prints, at its start, the command that resumes it; ``ckpt_path=last`` without ``run_dir``
+resumes the newest run of the same experiment among Hydra's folders (latest_run.py).
 
 Preemption (see preemption.py): on SIGTERM, SIGUSR1 or Ctrl-C (SIGINT) the run finishes the current
 step, writes ``checkpoints/last.ckpt`` atomically, prints the command that resumes it and exits with
