@@ -292,10 +292,10 @@ def resume_command(run_dir: Path) -> str:
 def chosen_run_dir(cfg: DictConfig) -> Path:
     """``run_dir``, else Hydra's new folder; with ``ckpt_path=last`` and no ``run_dir``, the newest
     run of the same experiment among Hydra's folders (latest_run.py), said on stderr."""
+    if cfg.run_dir:  # (before Hydra's config: main(cfg) runs without Hydra too)
+        return Path(cfg.run_dir)
     hydra = HydraConfig.get()
     own = Path(hydra.runtime.output_dir)
-    if cfg.run_dir:
-        return Path(cfg.run_dir)
     if cfg.ckpt_path != "last":
         return own
     experiment = hydra.runtime.choices.get("experiment")
