@@ -7,7 +7,9 @@ with the project's promises kept around it:
 * a known error (errors.UserError) ends the command with one message and status 2
   (errors.reports_user_errors);
 * so does an error of Hydra's own composition (an unknown key or group option, a bad override, a
-  missing config), which Hydra would print and end with status 1.
+  missing config), which Hydra would print and end with status 1;
+* a start refused that way leaves no Hydra folder behind (``outputs/DATE/TIME`` holding only
+  ``.hydra/``): :func:`remove_unused_output_dir`.
 
 ``HYDRA_FULL_ERROR=1`` shows the traceback of either, as before. ``main(cfg)`` with a composed config
 runs the task at once (as ``hydra.main``'s function does); ``main.__wrapped__`` is the checked task.
@@ -16,14 +18,18 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import sys
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from moco_retrieval.command_help import asks_for_help, help_text
 from moco_retrieval.config import check_known_keys, register_configs, unknown_key
 from moco_retrieval.errors import USER_ERROR_STATUS, report, reports_user_errors
 
@@ -43,12 +49,20 @@ def command(name: str) -> Callable[[Task], Callable[..., Any]]:
         def main(cfg_passthrough: Optional[DictConfig] = None) -> Any:
             if cfg_passthrough is not None:
                 return run_task(cfg_passthrough)
+            if asks_for_help(sys.argv[1:]):
+                print(help_text(name, sys.modules[task.__module__].__doc__))
+                return None
             guard = _ComposeErrors()
 
             @functools.wraps(task)  # (Hydra names the job and its log file after the task's module)
             def hydra_task(cfg: DictConfig) -> Any:
                 guard.task_starts()
-                return run_task(cfg)
+                try:
+                    return run_task(cfg)
+                except SystemExit as stop:
+                    if stop.code == USER_ERROR_STATUS:
+                        remove_unused_output_dir()
+                    raise
 
             try:
                 with guard:
@@ -63,6 +77,27 @@ def command(name: str) -> Callable[[Task], Callable[..., Any]]:
         return main
 
     return decorate
+
+
+def remove_unused_output_dir() -> Optional[Path]:
+    """After a start refused for bad input: Hydra's new folder (``outputs/DATE/TIME``), when it holds
+    nothing but Hydra's own ``.hydra/`` record (and empty log files), and its date folder when that
+    was its only run. A folder holding anything else, or the working directory, is kept."""
+    try:
+        folder = Path(HydraConfig.get().runtime.output_dir).resolve()
+    except ValueError:  # not started by Hydra
+        return None
+    if not folder.is_dir() or folder == Path.cwd().resolve() or not (folder / ".hydra").is_dir():
+        return None
+    if not all(p.name == ".hydra" or (p.suffix == ".log" and p.is_file() and p.stat().st_size == 0)
+               for p in folder.iterdir()):
+        return None
+    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        folder.parent.rmdir()  # (only when empty)
+    except OSError:
+        pass
+    return folder
 
 
 def _strict(task: Task) -> Task:

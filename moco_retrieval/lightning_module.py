@@ -287,6 +287,8 @@ class RetrievalModule(L.LightningModule):
         logged.update({f"val/dim{d}/{k}": float(v) for d, m in result.metrics_by_dim.items() for k, v in m.items()})
         logged.update({f"val/{k}": float(v) for k, v in result.geometry.items() if isinstance(v, (int, float))})
         logged.update({f"val/{k}": v for k, v in self.objective.stats(self.global_step).items()})
+        # what these numbers were measured on (a capped pool is easier than the full held-out set)
+        logged.update({"val/pool_queries": float(len(query_ids)), "val/pool_docs": float(len(doc_ids))})
         # identical on every rank (each holds the whole pool's embeddings), so no reduction is needed
         logged["step"] = float(self.global_step)  # the steps completed, as in best-STEP.ckpt
         self.log_dict(logged, sync_dist=False)

@@ -3,7 +3,7 @@ as sentence-transformers' own trainer fills it: base model, objective and its se
 steps, the held-out metrics of the exported step, and how to load it.
 
 What a checkpoint does not hold is read from its run directory (``RUN/checkpoints/X.ckpt``):
-``config.yaml`` (data) and ``csv/**/metrics.csv`` (the validation of the exported step, else
+``config.yaml`` (data) and ``metrics.csv`` (metrics_history.py; the validation of the exported step, else
 ``metrics.json`` for ``last.ckpt``). Whatever is missing is left out, never guessed.
 """
 from __future__ import annotations
@@ -28,13 +28,16 @@ def run_dir_of(checkpoint: str | Path) -> Optional[Path]:
 
 
 def validation_at(run_dir: Path, step: int, checkpoint_name: str) -> Optional[dict[str, float]]:
-    """The held-out metrics logged at ``step`` in the run's CSV logs; for ``last.ckpt`` the run's
-    final ``metrics.json`` when the CSV has none."""
-    for path in sorted(run_dir.glob("csv/**/metrics.csv")):
+    """The held-out metrics logged at ``step`` in the run's merged ``metrics.csv`` (else its CSV
+    logs: a run from before the merged file); for ``last.ckpt`` the run's final ``metrics.json``
+    when the CSV has none. Of several validations of the step (a resumed attempt redoes it), the last."""
+    merged = run_dir / "metrics.csv"
+    for path in [merged] if merged.is_file() else sorted(run_dir.glob("csv/**/metrics.csv")):
         with open(path, newline="", encoding="utf-8") as f:
-            for row in csv.DictReader(f):
-                if row.get("val/recall@1") and row.get("step") and int(float(row["step"])) == step:
-                    return {k[4:]: float(v) for k, v in row.items() if k.startswith("val/") and v}
+            found = [row for row in csv.DictReader(f)
+                     if row.get("val/recall@1") and row.get("step") and int(float(row["step"])) == step]
+        if found:
+            return {k[4:]: float(v) for k, v in found[-1].items() if k.startswith("val/") and v}
     final = run_dir / "metrics.json"
     if checkpoint_name == "last.ckpt" and final.is_file():
         return {k[4:]: float(v) for k, v in json.loads(final.read_text(encoding="utf-8")).items() if k.startswith("val/")}
@@ -82,6 +85,11 @@ def _settings(cfg: dict, skip: tuple = ("name",)) -> str:
     return ", ".join(f"`{k}={v}`" for k, v in cfg.items() if k not in skip)
 
 
+def _unused_warmup(optim: dict) -> str:
+    """The warmup setting training did not use: ``warmup_steps`` wins when set (lightning_module)."""
+    return "warmup_ratio" if optim.get("warmup_steps") else "warmup_steps"
+
+
 def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Optional[dict], out_name: str) -> str:
     """The README.md text: YAML front matter for the Hugging Face hub, then the card."""
     backbone = str(desc.get("backbone") or model_cfg.get("backbone") or "")
@@ -113,7 +121,7 @@ def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Op
         text = OBJECTIVES[name].description if name in OBJECTIVES else name
         lines.append(f"- Objective: {text} (`objective={name}`); {_settings(objective)}")
     if record.get("optim"):
-        lines.append(f"- Optimizer: AdamW, {_settings(record['optim'])}")
+        lines.append(f"- Optimizer: AdamW, {_settings(record['optim'], skip=('name', _unused_warmup(record['optim'])))}")
     if record.get("data"):
         lines.append(f"- Data: {_data_line(record['data'])}")
     if desc.get("prompts"):  # encode_query / encode_document put them before the texts
@@ -127,7 +135,8 @@ def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Op
                   "| " + " | ".join(shown) + " | mean unrelated cosine |",
                   "|" + "---|" * (len(shown) + 1),
                   "| " + " | ".join(f"{metrics[k]:.4f}" for k in shown)
-                  + f" | {metrics.get('unrelated_cos_mean', float('nan')):+.3f} |", ""]
+                  + f" | {metrics.get('unrelated_cos_mean', float('nan')):+.3f} |", "",
+                  _pool_line(metrics, record.get("data") or {}, out_name), ""]
     lines += _matryoshka_lines(objective.get("matryoshka_dims") or desc.get("matryoshka_dims"), metrics, out_name)
     lines += ["## Usage", "", "```python", "from sentence_transformers import SentenceTransformer", "",
               f'model = SentenceTransformer("{out_name}")',
@@ -137,6 +146,23 @@ def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Op
               "`encode_query` / `encode_document` truncate as in training; the moco-retrieval commands "
               f"also read this folder: `python -m moco_retrieval.evaluate model_dir={out_name}`.", ""]
     return "\n".join(lines)
+
+
+def _pool_line(metrics: dict, data: dict, out_name: str) -> str:
+    """What the held-out numbers were measured on: the pool's size as validated, and whether the
+    run capped it (``data.max_eval_queries`` / ``data.max_eval_docs``: fewer distractors, higher numbers)."""
+    size = (f"{int(metrics['pool_queries']):,} queries against {int(metrics['pool_docs']):,} documents"
+            if "pool_queries" in metrics and "pool_docs" in metrics else "a pool whose size the run did not record")
+    caps = {k: data.get(k) for k in ("max_eval_queries", "max_eval_docs") if data.get(k)}
+    if caps:
+        given = ", ".join(f"`data.{k}={v}`" for k, v in caps.items())
+        return (f"Measured during training on the validation pool: {size}, capped by {given}; not the full held-out "
+                "set, where the same model scores lower (more documents compete). "
+                f"`python -m moco_retrieval.evaluate model_dir={out_name} data.max_eval_queries=null "
+                "data.max_eval_docs=null` measures the full pool.")
+    if not data:
+        return f"Measured during training on the validation pool: {size} (the run's data settings were not found)."
+    return f"Measured during training on the full held-out pool: {size}."
 
 
 def _matryoshka_lines(dims: Optional[list], metrics: Optional[dict], out_name: str) -> list[str]:

@@ -10,6 +10,7 @@ import time
 from typing import Any, Optional
 
 from lightning.pytorch.callbacks import Callback, ProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 
 # Before the first validation has been timed, one is taken to cost the time of this many
 # training steps per (pool texts / batch size): forward-only encoding of the pool against
@@ -24,8 +25,13 @@ def stamp() -> str:
 
 
 def log_line(message: str, file: Any = None) -> None:
-    """``message`` as one time-stamped line (stdout unless ``file``)."""
-    print(f"{stamp()} {message}", file=file or sys.stdout, flush=True)
+    """``message`` as one time-stamped line (stdout unless ``file``); on a terminal, on a line of its
+    own above tqdm's bars (tqdm.write clears them first, then draws them again below it)."""
+    from tqdm import tqdm
+
+    out = file or sys.stdout
+    tqdm.write(f"{stamp()} {message}", file=out)
+    out.flush()
 
 
 def validations_left(step: int, total: int, interval: Optional[int]) -> int:
@@ -94,13 +100,19 @@ class LogLineProgress(ProgressBar):
         n_val = validations_left(step, total, interval)
         return (total - step) / rate + n_val * self.validation_seconds(trainer, 1.0 / rate)
 
+    def training_rate(self, trainer) -> float:
+        """Optimizer steps per second of this attempt since the epoch's start, validations left out."""
+        if self._t0 is None:
+            return 0.0
+        training_time = time.monotonic() - self._t0 - self._val_in_window
+        return (trainer.global_step - self._step0) / max(training_time, 1e-9)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
         if not self._enabled or not trainer.is_global_zero or step % self.every or self._t0 is None:
             return
         total = trainer.estimated_stepping_batches
-        training_time = time.monotonic() - self._t0 - self._val_in_window
-        rate = (step - self._step0) / max(training_time, 1e-9)
+        rate = self.training_rate(trainer)
         eta = self.eta_seconds(trainer, step, total, rate)
         metrics = " ".join(f"{k}={float(v):.4f}" for k, v in trainer.progress_bar_metrics.items() if k != "v_num")
         log_line(f"epoch {trainer.current_epoch} step {step}/{total} ({100 * step / max(total, 1):.0f}%) "
@@ -110,7 +122,7 @@ class LogLineProgress(ProgressBar):
         if trainer.sanity_checking:
             return
         self._val_t0 = time.monotonic()
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and self._enabled:
             log_line(f"validating at step {trainer.global_step} on the held-out pool")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -118,9 +130,52 @@ class LogLineProgress(ProgressBar):
         self._end_validation()
 
 
+class ResumableBar(TQDMProgressBar):
+    """Lightning's terminal bar, right after a resume too: a run resumed mid-epoch gets no
+    ``on_train_epoch_start``, so Lightning's bar would show no total and no ETA (``17/?``) and its
+    rate would count the batches done before the resume as if done now. Its ``eta`` field is the
+    whole run's, validations included (the bar's own time counts this epoch's batches only),
+    from a :class:`LogLineProgress` kept silent as its clock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = LogLineProgress()
+        self.clock.disable()
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        items = super().get_metrics(trainer, pl_module)
+        rate = self.clock.training_rate(trainer)
+        if rate > 0 and trainer.training:
+            eta = self.clock.eta_seconds(trainer, trainer.global_step, trainer.estimated_stepping_batches, rate)
+            items["eta"] = f"{eta / 60:.1f}min incl. validations"
+        return items
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        self.clock.on_train_epoch_start(trainer, pl_module)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        super().on_validation_start(trainer, pl_module)
+        self.clock.on_validation_start(trainer, pl_module)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        self.clock.on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        self.clock.on_train_start(trainer, pl_module)
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # this epoch's batches before this attempt
+        bar = self.train_progress_bar
+        bar.reset(total=convert_inf(self.total_train_batches))
+        bar.initial = bar.n = bar.last_print_n = done
+        bar.set_description(f"Epoch {trainer.current_epoch}")
+        bar.refresh()
+
+
 def progress_callback(every: int = 10) -> Callback:
     """A TQDM bar on a terminal, log lines otherwise."""
-    return TQDMProgressBar() if sys.stderr.isatty() else LogLineProgress(every)
+    return ResumableBar() if sys.stderr.isatty() else LogLineProgress(every)
 
 
 class LogLineBar:

@@ -4,7 +4,9 @@ Composes the config (strict, ranges checked: see config.py), takes the run direc
 (run_lock.py), checks the checkpoint to resume from, reads and checks the data, then builds the
 Lightning module -> trainer, fits, runs a final validation and writes into the run directory:
 ``checkpoints/last.ckpt`` and ``checkpoints/best-*.ckpt`` (by val/recall@1), ``metrics.json``
-(final validation metrics, flat keys; the run's training and validation seconds over all its attempts: run_clock.py), ``config.yaml`` (resolved) and the loggers' files.
+(final validation metrics, flat keys; the run's training and validation seconds over all its attempts: run_clock.py), ``config.yaml`` (resolved), ``metrics.csv`` (every attempt's logged metrics in step order: metrics_history.py) and
+the loggers' files. It prints, at its start, the command that resumes it; ``ckpt_path=last`` without ``run_dir``
+resumes the newest run of the same experiment among Hydra's folders (latest_run.py).
 
 Preemption (see preemption.py): on SIGTERM, SIGUSR1 or Ctrl-C (SIGINT) the run finishes the current
 step, writes ``checkpoints/last.ckpt`` atomically, prints the command that resumes it and exits with
@@ -49,9 +51,11 @@ from moco_retrieval.data.multisource import source_prompts
 from moco_retrieval.data.prompts import apply_by_row, by_row, to_prompts
 from moco_retrieval.data.sampler import source_of
 from moco_retrieval.finite_guard import FiniteGuard
+from moco_retrieval.latest_run import latest_run
 from moco_retrieval.evaluation.callback import ValidationReport
 from moco_retrieval.lightning_module import RetrievalModule
 from moco_retrieval.loggers import build_loggers, finish_loggers, log_config
+from moco_retrieval.metrics_history import RecordAttempt, flush_and_merge
 from moco_retrieval.preemption import Preempted, PreemptionCheckpoint, sigterm_exit_status
 from moco_retrieval.progress import progress_callback
 from moco_retrieval.resume_check import RecordTraining, check_resumable
@@ -150,7 +154,7 @@ def build(cfg: TrainConfig, run_dir: Path, dm: Optional[RetrievalDataModule] = N
                              enable_version_counter=False)
     callbacks = [checkpoints, latest] + ([progress_callback(cfg.trainer.log_every_n_steps)] if cfg.trainer.enable_progress_bar else [])
     callbacks.append(ValidationReport(run_dir / "plots", cfg.eval.sample_queries, cfg.logger.log_tables))
-    callbacks.append(RunClock())
+    callbacks += [RunClock(), RecordAttempt()]
     # what the checkpoint trains with (a resume that changes it is refused), its paths after a move
     callbacks += [RecordTraining(cfg), RebaseCheckpointPaths(run_dir / "checkpoints")]
     loggers = build_loggers(cfg.logger, run_dir, resume=resuming)
@@ -212,6 +216,9 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
 
 def _train(cfg: TrainConfig, run_dir: Path) -> dict:
     ckpt_path = prepare_run_dir(cfg, run_dir)
+    if is_rank_zero():
+        print(f"[moco_retrieval] run directory {run_dir}; to resume this run: {resume_command(run_dir)}",
+              file=sys.stderr, flush=True)
     # the data is read and checked first: bad input stops the run before the model and the loggers start
     dm = RetrievalDataModule(cfg.data, n_negatives=cfg.data.n_negatives)
     dm.setup("fit")
@@ -244,6 +251,7 @@ def _fit(module: RetrievalModule, dm: RetrievalDataModule, trainer: L.Trainer, c
         trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
     except Preempted:  # checkpoint written on every rank's behalf; the status says "requeue me"
         if trainer.is_global_zero:
+            flush_and_merge(trainer.loggers, run_dir)
             print(f"[moco_retrieval] to resume: {resume_command(run_dir)}", file=sys.stderr, flush=True)
         finish_loggers(trainer.loggers)
         distributed.teardown()
@@ -255,6 +263,7 @@ def _fit(module: RetrievalModule, dm: RetrievalDataModule, trainer: L.Trainer, c
     metrics.update({k: round(v, 1) for k, v in clock.seconds().items()}, attempts=clock.attempts)
     if trainer.is_global_zero:
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        flush_and_merge(trainer.loggers, run_dir)
         print(f"final validation: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()) if "@" in k))
         print(clock.summary())
         print(f"run directory: {run_dir}")
@@ -280,9 +289,26 @@ def resume_command(run_dir: Path) -> str:
     return f"python -m moco_retrieval.train {args}"
 
 
+def chosen_run_dir(cfg: DictConfig) -> Path:
+    """``run_dir``, else Hydra's new folder; with ``ckpt_path=last`` and no ``run_dir``, the newest
+    run of the same experiment among Hydra's folders (latest_run.py), said on stderr."""
+    if cfg.run_dir:  # (before Hydra's config: main(cfg) runs without Hydra too)
+        return Path(cfg.run_dir)
+    hydra = HydraConfig.get()
+    own = Path(hydra.runtime.output_dir)
+    if cfg.ckpt_path != "last":
+        return own
+    experiment = hydra.runtime.choices.get("experiment")
+    found = latest_run(own.resolve().parents[1], experiment, exclude=own)
+    if is_rank_zero():
+        print(f"[moco_retrieval] ckpt_path=last without run_dir: resuming the newest run of experiment "
+              f"{experiment or '(none)'}: {found}", file=sys.stderr, flush=True)
+    return found
+
+
 @command("train")
 def main(cfg: DictConfig) -> None:
-    run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir)
+    run_dir = chosen_run_dir(cfg)
     with sigterm_exit_status():  # a SIGTERM Lightning handles itself exits 143 too, not 0
         train(OmegaConf.to_object(cfg), run_dir)
 

@@ -276,3 +276,18 @@ def test_real_snapshot(tmp_path):
     assert not train_groups & set(ev.doc_groups.values())  # no source on both sides
     assert len({p.doc_id for p in train} | {stable_id(d) for d in ev.corpus}) == c["pairs"]
     assert len({p.query.casefold() for p in train}) == len(train)
+
+
+def test_cli_reads_the_env_lists_and_its_error_names_lists(tmp_path, monkeypatch, capsys):
+    """`python -m moco_retrieval.data debian --out DIR` as the README writes it: the apt lists of
+    $MOCO_RETRIEVAL_DEBIAN_DIR, as training reads them; a folder without them names --lists."""
+    lists = tmp_path / "lists"
+    write_control(lists)
+    monkeypatch.setenv("MOCO_RETRIEVAL_DEBIAN_DIR", str(lists))
+    assert cli_main(["debian", "--out", str(tmp_path / "o")]) == 0
+    assert (tmp_path / "o" / "train.jsonl").is_file()
+    capsys.readouterr()
+    monkeypatch.setenv("MOCO_RETRIEVAL_DEBIAN_DIR", str(tmp_path / "nowhere"))
+    assert cli_main(["debian", "--out", str(tmp_path / "o2")]) == 2
+    err = capsys.readouterr().err
+    assert "--lists DIR" in err and "MOCO_RETRIEVAL_DEBIAN_DIR" in err and "nowhere" in err

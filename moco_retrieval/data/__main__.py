@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Optional, Sequence
@@ -16,6 +17,7 @@ from .debian import (
     DEDUP_MODES,
     DEFAULT_EVAL_FRACTION,
     DEFAULT_LISTS_DIR,
+    ENV_DEBIAN_DIR,
     MIN_EVAL_DOCS,
     build_debian,
     find_index_files,
@@ -36,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     d.add_argument("--out", required=True, help="output folder (created; a previous build there is replaced)")
-    d.add_argument("--lists", default=None, help=f"folder with apt lists (default {DEFAULT_LISTS_DIR})")
+    d.add_argument("--lists", default=None,
+                   help=f"folder with apt lists (default ${ENV_DEBIAN_DIR}, else {DEFAULT_LISTS_DIR})")
     d.add_argument("--translation", action="append", default=None, help="a Translation-en file (repeatable)")
     d.add_argument("--packages", action="append", default=None, help="a Packages file (repeatable)")
     d.add_argument(
@@ -84,7 +87,7 @@ def _build_debian(args: argparse.Namespace) -> dict:
             raise DataError("--translation and --packages go together (one or more of each)")
         tr, pk = args.translation, args.packages
     else:
-        tr, pk = find_index_files(args.lists or DEFAULT_LISTS_DIR)
+        tr, pk = _lists_files(args.lists)
     return build_debian(args.out, tr, pk, eval_fraction=args.eval_fraction, dedup=args.dedup)
 
 
@@ -126,6 +129,18 @@ def _print_store(folder, prefix: str = "") -> None:
         return
     m = read_manifest(folder)
     print(f"{prefix}store {folder}: {m['rows']:,} rows of {m['name']}, {folder_bytes(folder) / 1e6:,.1f} MB")
+
+
+def _lists_files(lists: Optional[str]) -> tuple[list, list]:
+    """The index files of ``--lists``, else of ``$MOCO_RETRIEVAL_DEBIAN_DIR`` (as training reads
+    it), else of apt's own lists; the error names the folder used and how to give another."""
+    env = os.environ.get(ENV_DEBIAN_DIR) or None
+    where, label = (lists, "--lists") if lists else (env, f"${ENV_DEBIAN_DIR}") if env else (DEFAULT_LISTS_DIR, "the default")
+    try:
+        return find_index_files(where)
+    except DataError as exc:
+        raise DataError(f"{exc}. Used {label} ({where}); give the apt lists with --lists DIR "
+                        f"(or ${ENV_DEBIAN_DIR}=DIR)") from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

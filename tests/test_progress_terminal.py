@@ -1,0 +1,69 @@
+"""The terminal bar (progress.ResumableBar) after a resume, and log lines beside tqdm's bars."""
+from __future__ import annotations
+
+import io
+import re
+import signal
+
+import lightning as L
+import pytest
+from lightning.pytorch.callbacks import Callback
+
+from moco_retrieval.preemption import Preempted, PreemptionCheckpoint
+from moco_retrieval.progress import ResumableBar, log_line
+from synthetic import SyntheticData
+from test_resume import SignalAt, make_module, tiny_dir  # noqa: F401 (tiny_dir: a fixture)
+
+
+class BarProbe(Callback):
+    """What the bar shows when training starts and after the first batch."""
+
+    def __init__(self, bar):
+        self.bar, self.seen = bar, []
+
+    def _look(self):
+        b = self.bar.train_progress_bar
+        self.seen.append((b.n, b.total, b.initial))
+
+    def on_train_start(self, trainer, pl_module):
+        self._look()
+
+    def on_train_batch_end(self, *args):
+        if len(self.seen) == 1:
+            self._look()
+            self.postfix = self.bar.train_progress_bar.postfix
+
+
+def trainer(tmp_path, callbacks, bar=False):
+    return L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=bar,
+                     enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                     limit_val_batches=0, default_root_dir=str(tmp_path), callbacks=callbacks)
+
+
+def test_the_bar_after_a_resume_mid_epoch_has_its_total_and_counts_only_new_batches(tiny_dir, tmp_path):
+    module = make_module(tiny_dir)
+    data = SyntheticData(module.encoder.tokenize, batch_size=4, batches=6)
+    with pytest.raises(Preempted):
+        trainer(tmp_path, [PreemptionCheckpoint(tmp_path / "last.ckpt"), SignalAt(signal.SIGTERM, 2)]).fit(module, data)
+    bar = ResumableBar()
+    probe = BarProbe(bar)
+    module = make_module(tiny_dir)
+    trainer(tmp_path, [bar, probe], bar=True).fit(module, SyntheticData(module.encoder.tokenize, batch_size=4, batches=6),
+                                                  ckpt_path=str(tmp_path / "last.ckpt"))
+    (n0, total0, initial0), (n1, total1, _) = probe.seen
+    assert total0 == total1 == 6  # not "3/?"
+    assert n0 == initial0 == 3 and n1 == 4  # the rate counts from the resumed batch: (n - initial) / elapsed
+    assert re.search(r"eta=[\d.]+min incl\. validations", probe.postfix or ""), probe.postfix  # the run's, validations in
+
+
+def test_a_log_line_is_not_glued_to_the_bar(capsys):
+    from tqdm import tqdm
+
+    out = io.StringIO()
+    bar = tqdm(total=10, file=out, ascii=True)
+    bar.update(3)
+    log_line("validation at step 3: recall@1 0.5", file=out)
+    bar.close()
+    text = out.getvalue()
+    line = re.search(r"(.)\d{4}-\d\d-\d\d \d\d:\d\d:\d\d validation at step 3", text, re.S)
+    assert line and line.group(1) in "\r\n", repr(text)
