@@ -28,6 +28,7 @@ from moco_retrieval.progress import progress_bar
 
 from .convert import CHUNK, ensure_store
 from .ids import NO_GROUP, stable_id
+from .store import MappedFolder
 
 CORPUS_VERSION = 1
 TABLE = "corpus.arrow"
@@ -102,28 +103,17 @@ def write_corpus(spec: CorpusSpec, folder: Path) -> dict:
     return manifest
 
 
-class CorpusStore:
+class CorpusStore(MappedFolder):
     """A converted corpus, memory-mapped: ``len``, ``doc_ids`` (strings, in file order), ``ids``
     (their int64 ``stable_id``), ``texts(rows)`` (the texts of a batch of rows, one read per record
     batch), ``text(doc_id)``; no text is held beyond the batch asked for."""
 
-    def __init__(self, folder: Path):
-        self.folder = Path(folder)
-        self.manifest = json.loads((self.folder / MANIFEST).read_text())
-        self._table: Any = None
-        self._batches: list = []
-        self._starts = np.zeros(1, dtype=np.int64)
+    TABLE_FILE = TABLE
+
+    def _unmap(self) -> None:
+        super()._unmap()
         self._doc_ids: Optional[list[str]] = None
         self._sorted: Optional[tuple[np.ndarray, np.ndarray]] = None
-        self._arrays: dict[str, np.ndarray] = {}
-
-    def __len__(self) -> int:
-        return int(self.manifest["rows"])
-
-    def array(self, name: str) -> np.ndarray:
-        if name not in self._arrays:
-            self._arrays[name] = np.load(self.folder / f"{name}.npy", mmap_mode="r")
-        return self._arrays[name]
 
     @property
     def ids(self) -> np.ndarray:
@@ -133,37 +123,16 @@ class CorpusStore:
     def lengths(self) -> np.ndarray:
         return self.array("length")
 
-    def _open(self) -> None:
-        if self._table is None:
-            import pyarrow as pa
-
-            self._table = pa.ipc.open_stream(pa.memory_map(str(self.folder / TABLE))).read_all()
-            self._batches = self._table.to_batches()
-            self._starts = np.cumsum([0] + [len(b) for b in self._batches])
-
     @property
     def doc_ids(self) -> list[str]:
         """Every document id, in file order (ids only: the texts stay on disk)."""
         if self._doc_ids is None:
-            self._open()
-            self._doc_ids = self._table.column("doc_id").to_pylist()
+            self._doc_ids = self.table.column("doc_id").to_pylist()
         return self._doc_ids
 
     def texts(self, rows: Sequence[int]) -> list[str]:
-        """The texts at ``rows``, in the order asked (taken from each record batch they fall in: a
-        take on the whole table would first concatenate its chunks)."""
-        import pyarrow as pa
-
-        self._open()
-        rows = np.asarray(rows, dtype=np.int64)
-        batch_of = np.searchsorted(self._starts, rows, side="right") - 1
-        out: list = [None] * len(rows)
-        for b in np.unique(batch_of):
-            at = np.flatnonzero(batch_of == b)
-            taken = self._batches[int(b)].column(1).take(pa.array(rows[at] - self._starts[b]))
-            for k, text in zip(at.tolist(), taken.to_pylist()):
-                out[k] = text
-        return out
+        """The texts at ``rows``, in the order asked."""
+        return self.gather(rows, column="text")
 
     def row_of(self, doc_id: str) -> Optional[int]:
         """The row of ``doc_id`` (None: not in the corpus), by its int id (a sorted copy of ``ids``)."""

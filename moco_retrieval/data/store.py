@@ -45,13 +45,20 @@ def read_manifest(folder: Path) -> dict:
     return json.loads((Path(folder) / MANIFEST).read_text())
 
 
-class PairStore:
-    """A converted store, opened lazily (texts through ``datasets``, numbers through numpy memory
-    maps); pickled as its folder, so DataLoader workers open their own maps."""
+class MappedFolder:
+    """A converted folder, opened lazily: its manifest, its numpy arrays (memory-mapped) and its Arrow
+    table (``TABLE_FILE``, memory-mapped through pyarrow: the stream ``datasets.Dataset.from_file``
+    opens too, without importing ``datasets`` in every rank and worker). Pickled as its folder, so
+    DataLoader workers open their own maps. The pair store and the corpus store are both one."""
+
+    TABLE_FILE = TABLE
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self.manifest = read_manifest(self.folder)
+        self._unmap()
+
+    def _unmap(self) -> None:
         self._arrays: dict[str, np.ndarray] = {}
         self._table: Any = None
         self._batches: list = []
@@ -67,15 +74,43 @@ class PairStore:
 
     @property
     def table(self) -> Any:
-        """The Arrow table, memory-mapped (pyarrow: the stream ``datasets.Dataset.from_file`` opens too,
-        without importing ``datasets`` in every rank and worker; benchmarks/results/data_scale.md)."""
         if self._table is None:
             import pyarrow as pa
 
-            self._table = pa.ipc.open_stream(pa.memory_map(str(self.folder / TABLE))).read_all()
+            self._table = pa.ipc.open_stream(pa.memory_map(str(self.folder / self.TABLE_FILE))).read_all()
             self._batches = self._table.to_batches()
             self._batch_starts = np.cumsum([0] + [len(b) for b in self._batches])
         return self._table
+
+    def gather(self, rows: Sequence[int], column: Optional[str] = None) -> list:
+        """The records (dicts), or one column's values, at ``rows`` in the order asked, taken from each
+        record batch they fall in (a take on the whole table would first concatenate its chunks: the
+        whole file in memory, in every worker)."""
+        import pyarrow as pa
+
+        _ = self.table
+        rows = np.asarray(rows, dtype=np.int64)
+        batch_of = np.searchsorted(self._batch_starts, rows, side="right") - 1
+        out: list = [None] * len(rows)
+        for b in np.unique(batch_of):
+            at = np.flatnonzero(batch_of == b)
+            batch = self._batches[int(b)]
+            source = batch if column is None else batch.column(batch.schema.get_field_index(column))
+            for k, value in zip(at.tolist(), source.take(pa.array(rows[at] - self._batch_starts[b])).to_pylist()):
+                out[k] = value
+        return out
+
+    def __getstate__(self) -> dict:
+        return {"folder": self.folder, "manifest": self.manifest}
+
+    def __setstate__(self, state: dict) -> None:
+        self.folder, self.manifest = state["folder"], state["manifest"]
+        self._unmap()
+
+
+class PairStore(MappedFolder):
+    """A converted pair store: the pairs of a batch's rows as :class:`Pair` objects, ids and groups
+    from the memory-mapped arrays."""
 
     def open(self) -> None:
         """Map the table and the arrays now (e.g. before DataLoader workers fork, so that they share
@@ -91,42 +126,18 @@ class PairStore:
     def take(self, rows: Sequence[int]) -> list[Pair]:
         """The pairs at ``rows`` (one read of the table for all of them)."""
         rows = np.asarray(rows, dtype=np.int64)
-        records = self._gather(rows)
+        records = self.gather(rows)
         ids, groups = self.array("doc_id")[rows], self.array("group")[rows]
         return [_pair(rec, int(d), int(g)) for rec, d, g in zip(records, ids, groups)]
-
-    def _gather(self, rows: np.ndarray) -> list[dict]:
-        """The records at ``rows``, taken from each record batch they fall in (a take on the whole
-        table would first concatenate its chunks: the whole file in memory, in every worker)."""
-        import pyarrow as pa
-
-        _ = self.table
-        batch_of = np.searchsorted(self._batch_starts, rows, side="right") - 1
-        out: list = [None] * len(rows)
-        for b in np.unique(batch_of):
-            at = np.flatnonzero(batch_of == b)
-            taken = self._batches[int(b)].take(pa.array(rows[at] - self._batch_starts[b]))
-            for k, rec in zip(at.tolist(), taken.to_pylist()):
-                out[k] = rec
-        return out
 
     def column(self, name: str) -> list:
         """One text column of every row (e.g. every query, for frozen features)."""
         return self.table.column(name).to_pylist()
 
-    def __getstate__(self) -> dict:
-        return {"folder": self.folder, "manifest": self.manifest}
-
-    def __setstate__(self, state: dict) -> None:
-        self.folder, self.manifest = state["folder"], state["manifest"]
-        self._arrays, self._table, self._batches = {}, None, []
-
-
 def _pair(rec: dict, doc_id: int, group: int) -> Pair:
     negs = [Negative(doc_id=n["doc_id"], text=n["text"], score=n["score"], group=n["group"]) for n in rec["negatives"] or ()]
     return Pair(query=rec["query"], positive=rec["positive"], doc_id=doc_id, group=group, query_id=rec["query_id"],
                 negatives=negs, positive_score=rec["positive_score"])
-
 
 class PairList:
     """Pairs already in memory (BEIR qrels, ``from_loaded``) behind the interface of :class:`PairStore`."""
@@ -159,7 +170,6 @@ class PairList:
     def column(self, name: str) -> list:
         return [getattr(p, name) for p in self.pairs]
 
-
 class Segments:
     """Several arrays as one sequence without joining them: a slice within one of them is a view of
     it (a source's memory-mapped ids stay mapped and shared, as the multi-source sampler slices them
@@ -184,7 +194,6 @@ class Segments:
 
     def join(self) -> np.ndarray:
         return np.concatenate([np.asarray(p) for p in self.parts])
-
 
 class ConcatStores:
     """Several stores (or pair lists) as one, source after source: row ``offsets[s] + i`` is row ``i``
@@ -236,7 +245,6 @@ class ConcatStores:
     def column(self, name: str) -> list:
         return [v for s in self.sources for v in s.column(name)]
 
-
 class PairRows:
     """Training rows: a :class:`PairStore` or :class:`PairList` and the rows of it kept (a cap), in
     order. Index ``i`` of the view is row ``rows[i]`` of the source."""
@@ -285,7 +293,6 @@ class PairRows:
         """Every row as a Pair (small sets and tests: a store's rows stay on disk otherwise)."""
         return self.take(range(len(self)))
 
-
 class PairRowsDataset(Dataset):
     """``(index, Pair)`` items (what the collate takes); a batch's rows are read in one go
     (``__getitems__``, which the DataLoader calls with the sampler's batch)."""
@@ -301,7 +308,6 @@ class PairRowsDataset(Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[int, Pair]]:
         return list(zip((int(i) for i in indices), self.rows.take(indices)))
-
 
 __all__ = ["STORE_VERSION", "TABLE", "MANIFEST", "ARRAYS", "store_schema", "read_manifest", "PairStore", "PairList",
            "Segments", "ConcatStores", "PairRows", "PairRowsDataset"]
