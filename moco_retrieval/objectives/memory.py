@@ -68,6 +68,13 @@ class KeyMemory(nn.Module):
         """The memory ``batch`` reads and writes: this one (``PerSourceMemory`` picks by source)."""
         return self
 
+    def source_of(self, batch: StepInput) -> None:
+        """The batch's source as the memory sees it: none (one memory for every source)."""
+        return None
+
+    def for_source(self, source: int | None) -> "KeyMemory":
+        return self
+
     # ---- what the objective's directions read
     @property
     def fill(self) -> int:
@@ -157,7 +164,15 @@ class PerSourceMemory(nn.Module):
         self.sources = nn.ModuleList(memories)
 
     def for_batch(self, batch: StepInput) -> KeyMemory:
-        return self.sources[batch_source(batch, len(self.sources))]
+        return self.for_source(self.source_of(batch))
+
+    def source_of(self, batch: StepInput) -> int:
+        """The step's one source (checked across ranks: one all-gather; an objective with two sides
+        asks once and hands the answer to both with ``for_source``)."""
+        return batch_source(batch, len(self.sources))
+
+    def for_source(self, source: int | None) -> KeyMemory:
+        return self.sources[source]
 
     def stats(self, step: int) -> dict[str, float]:
         return {f"{k}_source_{s}": v for s, memory in enumerate(self.sources) for k, v in memory.stats(step).items()}

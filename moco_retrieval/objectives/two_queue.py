@@ -129,7 +129,8 @@ class TwoQueueObjective(Objective):
             batch_q = Keys(all_gather_no_grad(q_key), batch_k.ids, batch_k.groups) if batch_k is not None else None
             self.scoring.observe(batch_k.ids if batch_k is not None else None, ids, batch.step)
             counted = batch.step >= self.queue_warmup_steps
-            docs_memory, queries_memory = self.docs.for_batch(batch), self.queries.for_batch(batch)  # (its source's)
+            source = self.docs.source_of(batch)  # (one check across ranks for both sides)
+            docs_memory, queries_memory = self.docs.for_source(source), self.queries.for_source(source)
             docs, queries = (docs_memory, queries_memory) if counted else (None, None)
             # masked_by_* are query -> document's (each loss counts its own blocks' masks), as under MoCo
             guide_qd = self.guide.scores(batch, "query", memory=docs_memory, hard=True,
