@@ -564,20 +564,27 @@ def curves(by: dict, x: str, xlabel: str, title: str, path: Path) -> None:
 # ----------------------------------------------------------------------------------- main
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a few steps on a small pool (smoke check; results to --out)")
-    ap.add_argument("--only", default=",".join(HEADLINE), help=f"runs to do now, of: base, {', '.join(RUNS)}")
+def add_run_args(ap: argparse.ArgumentParser, *, default: str, runs: str, small: str) -> None:
+    """The options every B6-style benchmark takes: which runs and seeds, the data and pool sizes
+    (``small``: the name of the script's smoke mode, whose sizes the help mentions), threads, the
+    report, a deadline, the results folder and the data's location."""
+    ap.add_argument("--only", default=default, help=f"runs to do now, of: {runs}")
     ap.add_argument("--seeds", default="0", help="comma-separated seeds to run now")
-    ap.add_argument("--pairs", type=int, default=None, help="training pairs per run (default 18,240; quick 256)")
-    ap.add_argument("--eval-every", type=int, default=None, help="pairs between evaluations (default 6,080; quick 128)")
-    ap.add_argument("--max-queries", type=int, default=None, help="queries of the pool (default 1,000; quick 200)")
-    ap.add_argument("--max-docs", type=int, default=None, help="documents of the pool (default 2,400; quick 400)")
+    ap.add_argument("--pairs", type=int, default=None, help=f"training pairs per run (default 18,240; {small}: smaller)")
+    ap.add_argument("--eval-every", type=int, default=None, help="pairs between evaluations (default 6,080)")
+    ap.add_argument("--max-queries", type=int, default=None, help="queries of the pool (default 1,000)")
+    ap.add_argument("--max-docs", type=int, default=None, help="documents of the pool (default 2,400)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--report", action="store_true", help="only write the report from the cache")
     ap.add_argument("--deadline", default=None, help="UTC HH:MM: runs not started by then are cut")
     ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     add_location_args(ap)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a few steps on a small pool (smoke check; results to --out)")
+    add_run_args(ap, default=",".join(HEADLINE), runs=f"base, {', '.join(RUNS)}", small="quick")
     args = ap.parse_args(argv)
     apply_location_args(args)
     q = args.quick

@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import finetune as b6  # noqa: E402
 from _common import (  # noqa: E402
-    RESULTS, Bench, add_location_args, append_jsonl, apply_location_args, environment, figure, log, md_table, peak_rss_mb,
+    RESULTS, Bench, append_jsonl, apply_location_args, environment, figure, log, md_table, peak_rss_mb,
     read_jsonl,
     write_results,
 )
@@ -249,17 +249,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true",
                     help="the tiny random model, 512 pairs, a 50 / 100 pool: checks the harness (results to --out or a temp folder)")
-    ap.add_argument("--only", default=",".join(RUNS), help=f"runs to do now, of: {', '.join(RUNS)}")
-    ap.add_argument("--seeds", default="0", help="comma-separated seeds to run now")
-    ap.add_argument("--pairs", type=int, default=None, help="training pairs per run (default 18,240, B6's)")
-    ap.add_argument("--eval-every", type=int, default=None, help="pairs between evaluations (default 6,080)")
-    ap.add_argument("--max-queries", type=int, default=None, help="queries of the pool (default 1,000)")
-    ap.add_argument("--max-docs", type=int, default=None, help="documents of the pool (default 2,400)")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--report", action="store_true", help="only write the report from the cache")
-    ap.add_argument("--deadline", default=None, help="UTC HH:MM: runs not started by then are cut")
-    ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
-    add_location_args(ap)
+    b6.add_run_args(ap, default=",".join(RUNS), runs=", ".join(RUNS), small="dry-run")
     args = ap.parse_args(argv)
     apply_location_args(args)
     d = args.dry_run
