@@ -564,6 +564,22 @@ def curves(by: dict, x: str, xlabel: str, title: str, path: Path) -> None:
 # ----------------------------------------------------------------------------------- main
 
 
+def run_missing(cache: Path, args: argparse.Namespace, key_of, run) -> list[str]:
+    """Runs every (name, seed) of ``--only`` x ``--seeds`` whose ``key_of(name, seed)`` is not in
+    ``cache`` yet (read before each: a parallel process may have finished it), appending
+    ``run(name, seed)``'s record; returns those ``--deadline`` cut."""
+    cut: list[str] = []
+    for name in [n for n in args.only.split(",") if n]:
+        for seed in [int(s) for s in args.seeds.split(",")]:
+            if any(r["key"] == key_of(name, seed) for r in read_jsonl(cache)):
+                continue
+            if args.deadline and time.strftime("%H:%M", time.gmtime()) >= args.deadline:
+                cut.append(f"{name} seed {seed}")
+                continue
+            append_jsonl(cache, run(name, seed))
+    return cut
+
+
 def add_run_args(ap: argparse.ArgumentParser, *, default: str, runs: str, small: str) -> None:
     """The options every B6-style benchmark takes: which runs and seeds, the data and pool sizes
     (``small``: the name of the script's smoke mode, whose sizes the help mentions), threads, the
@@ -604,16 +620,9 @@ def main(argv=None) -> int:
 
         bench = Bench()
         pool = cap_eval_set(bench.eval_set, args.max_queries or None, args.max_docs or None, seed=0)
-        for name in [n for n in args.only.split(",") if n]:
-            for seed in [int(s) for s in args.seeds.split(",")]:
-                key = run_key(name, seed, args)
-                if any(r["key"] == key for r in read_jsonl(cache)):  # read each time: a parallel process may have finished it
-                    continue
-                if args.deadline and time.strftime("%H:%M", time.gmtime()) >= args.deadline:
-                    cut.append(f"{name} seed {seed}")
-                    continue
-                rec = base_record(bench, pool, key, args) if name == "base" else do_run(bench, pool, name, seed, args)
-                append_jsonl(cache, rec)
+        cut = run_missing(cache, args, lambda name, seed: run_key(name, seed, args),
+                          lambda name, seed: base_record(bench, pool, run_key(name, seed, args), args) if name == "base"
+                          else do_run(bench, pool, name, seed, args))
     # read again: runs finished by parallel processes since belong in the report too
     records = [r for r in read_jsonl(cache) if r["key"].endswith(f"|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}")]
     if not any(r["name"] == "base" for r in records):

@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import finetune as b6  # noqa: E402
 from _common import (  # noqa: E402
-    RESULTS, Bench, append_jsonl, apply_location_args, environment, figure, log, md_table, peak_rss_mb,
+    RESULTS, Bench, apply_location_args, environment, figure, log, md_table, peak_rss_mb,
     read_jsonl,
     write_results,
 )
@@ -275,15 +275,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"--only: unknown run(s) {', '.join(unknown)}; expected some of {', '.join(RUNS)}")
         bench = Bench()
         pool = cap_eval_set(bench.eval_set, args.max_queries or None, args.max_docs or None, seed=0)
-        for name in [n for n in args.only.split(",") if n]:
-            for seed in [int(s) for s in args.seeds.split(",")]:
-                key = run_key(name, seed, args)
-                if any(r["key"] == key for r in read_jsonl(cache)):  # read each time: a parallel process may have finished it
-                    continue
-                if args.deadline and time.strftime("%H:%M", time.gmtime()) >= args.deadline:
-                    cut.append(f"{name} seed {seed}")
-                    continue
-                append_jsonl(cache, do_run(bench, pool, name, seed, args))
+        cut = b6.run_missing(cache, args, lambda name, seed: run_key(name, seed, args),
+                             lambda name, seed: do_run(bench, pool, name, seed, args))
     suffix = f"|model={args.model}|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}"
     records = [r for r in read_jsonl(cache) if r["key"].endswith(suffix)] + references(args)
     report(records, args, out_dir, prefix, cut)
