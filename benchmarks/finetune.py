@@ -139,8 +139,8 @@ def pair_batches(bench: Bench, seed: int, pairs: int, batch: int) -> list[list[i
 class Evaluator:
     """Scores an encoder on the pool; ``every`` pairs and at the end; keeps the training clock."""
 
-    def __init__(self, pool, eval_cfg, every: int, batch: int, steps: int):
-        self.pool, self.eval_cfg = pool, eval_cfg
+    def __init__(self, pool, eval_cfg, every: int, batch: int, steps: int, dims: tuple[int, ...] = ()):
+        self.pool, self.eval_cfg, self.dims = pool, eval_cfg, tuple(dims)  # dims: also scored truncated
         self.at = {s for s in range(every // batch, steps, max(1, every // batch))} | {steps}
         self.curve: list[dict] = []
         self.train_s, self.eval_s, self._t = 0.0, 0.0, None
@@ -169,11 +169,13 @@ class Evaluator:
         t0 = time.perf_counter()
         was = encoder.training
         encoder.eval()
-        res = evaluate_encoder(encoder, self.pool, self.eval_cfg, batch_size=64, show_progress=False)
+        res = evaluate_encoder(encoder, self.pool, self.eval_cfg, batch_size=64, show_progress=False, dims=self.dims)
         encoder.train(was)
         self.eval_s += time.perf_counter() - t0
         point = {"step": step, "pairs": step * self.batch, "train_s": self.train_s, **_metrics(res),
                  "miss_in_group@1": miss_in_group(res.run, self.pool)}
+        if self.dims:
+            point["by_dim"] = {str(d): {k: m[k] for k in ("recall@1", "mrr@10", "ndcg@10")} for d, m in res.metrics_by_dim.items()}
         log(f"  step {step}: recall@1 {point['recall@1']:.3f} nDCG@10 {point['ndcg@10']:.3f} "
             f"unrelated cos {point['unrelated_cos_mean']:+.3f} ({self.train_s:.0f}s training)")
         return point
@@ -264,19 +266,22 @@ def run_peer(bench, kind, options, batches, seed, ev: Evaluator) -> dict:
         if step in ev.at:
             scorer.tower.backbone.load_state_dict(model[0].auto_model.state_dict(), strict=False)
         ev.step_done(step, scorer)
-    return {"objective": kind, "temperature": 1 / loss_fn.scale, "lr": cfg.optim.lr, **{k: list(v) if isinstance(v, tuple) else v
+    return {"objective": kind, "temperature": 1 / getattr(loss_fn, "loss", loss_fn).scale, "lr": cfg.optim.lr, **{k: list(v) if isinstance(v, tuple) else v
                                                                                       for k, v in options.items()}}
 
 
 def peer_loss(model, kind: str, options: dict):
-    """sentence-transformers' MNRL (``mnrl``) or CachedMNRL (``cmnrl``) at its defaults: scale 20
-    = 1 / 0.05, cosine similarity."""
+    """sentence-transformers' MNRL (``mnrl``), CachedMNRL (``cmnrl``) or ``MatryoshkaLoss`` around
+    MNRL (``mnrl_mrl``, options ``matryoshka_dims``) at their defaults: scale 20 = 1 / 0.05,
+    cosine similarity."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from sentence_transformers import losses
 
+    if kind == "mnrl_mrl":
+        return losses.MatryoshkaLoss(model, losses.MultipleNegativesRankingLoss(model), **options)
     cls = losses.CachedMultipleNegativesRankingLoss if kind == "cmnrl" else losses.MultipleNegativesRankingLoss
     return cls(model, **options)
 

@@ -107,14 +107,15 @@ class PeerStep:
         self.opt.step()
 
 
-def make_step(bench: Bench, name: str):
-    kind, batch, spec, _ = RUNS[name]
+def make_step(bench: Bench, name: str, runs: dict = RUNS):
+    kind, batch, spec, _ = runs[name]
     return OursStep(bench, spec, batch) if kind == "ours" else PeerStep(bench, kind, spec)
 
 
-def measure(bench: Bench, names: list[str], rounds: int, warmup: int) -> dict[str, list[float]]:
-    steps = {n: make_step(bench, n) for n in names}
-    orders = {n: pair_batches(bench, 0, 18240, RUNS[n][1]) for n in names}
+def measure(bench: Bench, names: list[str], rounds: int, warmup: int, runs: dict = RUNS) -> dict[str, list[float]]:
+    """Per run of ``names`` (in ``runs``, B6's table by default), the seconds of each timed step."""
+    steps = {n: make_step(bench, n, runs) for n in names}
+    orders = {n: pair_batches(bench, 0, 18240, runs[n][1]) for n in names}
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(warmup + rounds):
         t_round = time.perf_counter()
@@ -129,12 +130,12 @@ def measure(bench: Bench, names: list[str], rounds: int, warmup: int) -> dict[st
     return times
 
 
-def summarise(times: dict[str, list[float]], ref: str) -> list[dict]:
+def summarise(times: dict[str, list[float]], ref: str, runs: dict = RUNS) -> list[dict]:
     """Per run: median s/step, s per 1,000 pairs, and the median over rounds of its per-pair cost
     over ``ref``'s (the ratio at equal data)."""
     rows = []
     for n, ts in times.items():
-        b, rb = RUNS[n][1], RUNS[ref][1]
+        b, rb = runs[n][1], runs[ref][1]
         ratios = [(t / b) / (tr / rb) for t, tr in zip(ts, times[ref])]
         rows.append({"name": n, "batch": b, "s_per_step": statistics.median(ts), "s_per_1k_pairs": 1000 * statistics.median(ts) / b,
                      f"per_pair_vs_{ref}": statistics.median(ratios), "repeats": len(ts), "times": ts})
