@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One prepared GPU check: B1 quick (frozen head, batch sweep, queue and remedies) and B5 (MiniLM
-# step time vs queue size, queue micro-benchmark, FAISS vs torch), B6 quick (fine-tune runs) and B9
-# short (the main job and its in-batch twin, 60 steps, through the CLI) on a CUDA machine, in about
-# 11 minutes. Results go to $OUT (the device tool's output folder) or benchmarks/results/gpu/.
+# step time vs queue size, queue micro-benchmark, FAISS vs torch), B6 quick (fine-tune runs), B9
+# short (the main job and its in-batch twin, 60 steps, through the CLI) and B11 short (small batches:
+# peak CUDA memory) on a CUDA machine, in about 13 minutes. Results go to $OUT (the device tool's
+# output folder) or benchmarks/results/gpu/.
 #
 #   bash benchmarks/gpu.sh            # from the repository root
 #
@@ -56,8 +57,12 @@ b = Bench()
 enc = build_encoder(compose_cfg(FROZEN_BASE).model).cuda()
 print("warm", round(b.warm(enc), 1), "s;", len(b.train_pairs), "pairs")
 PY
+# B11 short on the GPU, where memory is the point: peak CUDA memory (torch.cuda.max_memory_allocated)
+# and recall of the small-batch answers, seed 0, on B6's first 2,560 pairs (320 steps at batch 8)
+step "B11 small_batch (2,560 pairs)" 150 "$PY" benchmarks/small_batch.py --pairs 2560 --eval-every 2560 \
+  --only inbatch-8,main-8,main_gc-8,lora_main-8,gradcache-256,cmnrl-256 --seeds 0 --out "$RES"
 # B1 quick: ~13 short runs on a 6,000-pair slice
-step "B1 batch_size --quick" 170 "$PY" benchmarks/batch_size.py --quick --fresh --out "$RES"
+step "B1 batch_size --quick" 130 "$PY" benchmarks/batch_size.py --quick --fresh --out "$RES"
 # B5: step time vs K (batch 64, bf16 autocast), queue micro-benchmark (same K, d, B), FAISS vs torch at 100k docs
 step "B5 speed" 140 "$PY" benchmarks/speed.py --device cuda --rounds 5 --steps 5 --warmup 3 --queue-iters 50 --out "$RES"
 # B6 quick: the fine-tune runs (ours in-batch / MoCo / two-queue, MNRL, CachedMNRL) on a few hundred pairs
