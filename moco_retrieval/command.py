@@ -11,7 +11,7 @@ with the project's promises kept around it:
 * a start refused that way leaves no Hydra folder behind (``outputs/DATE/TIME`` holding only
   ``.hydra/``): :func:`remove_unused_output_dir`.
 
-``HYDRA_FULL_ERROR=1`` shows the traceback of either, as before. ``main(cfg)`` with a composed config
+``HYDRA_FULL_ERROR=1`` shows the traceback of either. ``main(cfg)`` with a composed config
 runs the task at once (as ``hydra.main``'s function does); ``main.__wrapped__`` is the checked task.
 """
 from __future__ import annotations

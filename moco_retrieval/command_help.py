@@ -18,7 +18,7 @@ def asks_for_help(argv: list[str]) -> bool:
     return "--help" in argv or "-h" in argv
 
 
-def _summary(doc: Optional[str]) -> str:
+def summary(doc: Optional[str]) -> str:
     """The docstring's first paragraph and the example lines right after it."""
     paragraphs = textwrap.dedent((doc or "").strip("\n")).split("\n\n")
     # (a one-line first paragraph is a usage line: the next one says what the command does)
@@ -49,7 +49,7 @@ def groups_and_options(name: str) -> tuple[dict[str, list[str]], list[tuple[str,
 
 def help_text(name: str, doc: Optional[str]) -> str:
     groups, main = groups_and_options(name)
-    lines = [f"python -m moco_retrieval.{name} [group=option ...] [key=value ...]", "", _summary(doc), ""]
+    lines = [f"python -m moco_retrieval.{name} [group=option ...] [key=value ...]", "", summary(doc), ""]
     presets = groups.pop(PRESETS, None)
     if presets and name == "train":  # (the presets are the main job's)
         lines += ["Presets (+experiment=NAME, first on the line):", "  " + ", ".join(presets), ""]
@@ -66,4 +66,4 @@ def help_text(name: str, doc: Optional[str]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["asks_for_help", "help_text"]
+__all__ = ["asks_for_help", "help_text", "summary"]

@@ -289,7 +289,7 @@ class TwoQueueConfig(MomentumOptions, QueueOptions, ObjectiveConfig):
 
     name: str = "two_queue"
     # a faster key encoder than MoCo's (ALBEF's m), with the queue's span held inside its EMA time
-    # constant 1/(1-m) = 200 steps: B6's choice for the main job (older keys narrow the space)
+    # constant 1/(1-m) = 200 steps: older keys let the space narrow (benchmarks/results/finetune.md)
     momentum: float = 0.995
     queue_max_age: Optional[int] = 128
     doc_to_query_weight: float = 1.0  # weight of the document->query loss (query->document: 1)
@@ -298,7 +298,7 @@ class TwoQueueConfig(MomentumOptions, QueueOptions, ObjectiveConfig):
     # against the other document keys and the document queue (GTE's improved contrastive loss)
     same_side_negatives: bool = False
     # weight of an added in-batch loss: queries against the trained encoder's documents, with gradient
-    # (0: off); 1 by default, B6's choice for the main job
+    # (0: off); on by default: it keeps current embeddings apart, which queued EMA keys do not
     inbatch_weight: float = 1.0
 
     RANGES: ClassVar[dict[str, Range]] = {"doc_to_query_weight": NON_NEGATIVE, "queue_warmup_steps": NON_NEGATIVE,

@@ -9,8 +9,8 @@ known error too. Ctrl-C (a ``KeyboardInterrupt`` that reaches it) is one line an
 status a shell gives a command SIGINT ended (training itself stops at a step with a checkpoint
 first: preemption.py).
 
-The subclasses also derive from the built-in exception callers used to catch (``ValueError``,
-``OSError``), so ``except ValueError`` keeps working where it did.
+The subclasses also derive from the matching built-in exception (``ValueError``, ``OSError``), so
+code that catches the built-in one catches them too.
 """
 from __future__ import annotations
 

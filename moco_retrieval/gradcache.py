@@ -49,7 +49,7 @@ padding never changes a text's embedding, up to float rounding).
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -196,9 +196,4 @@ def _device_of(side: Side) -> torch.device:
     return torch.device("cpu")
 
 
-def chunked(fn: Callable[[Side], Any], side: Side, chunk_size: int) -> Tensor:
-    """``fn`` over chunks of ``side``, concatenated (no gradient tricks; e.g. key encoders)."""
-    return torch.cat([fn(c) for c in split_side(side, chunk_size)])
-
-
-__all__ = ["GradCache", "RandState", "split_side", "side_rows", "chunked"]
+__all__ = ["GradCache", "RandState", "split_side", "side_rows"]

@@ -18,7 +18,7 @@ from moco_retrieval.evaluation.matryoshka import metrics_by_dim
 from moco_retrieval.gradcache import GradCache
 from moco_retrieval.model.encoder import build_encoder
 from moco_retrieval.data.prompts import to_prompts
-from moco_retrieval.model.momentum import MomentumEncoder, state_dict_prefix
+from moco_retrieval.model.momentum import MomentumEncoder
 from moco_retrieval.model.guide import build_guide_encoder
 from moco_retrieval.model.lora import (
     LORA_BASE, base_fingerprint, check_same_base, check_same_lora, drop_base_weights, restore_base_weights,
@@ -111,12 +111,6 @@ class RetrievalModule(L.LightningModule):
     def from_config(cls, cfg: TrainConfig) -> "RetrievalModule":
         return cls(cfg.model, cfg.objective, cfg.optim, cfg.eval, seed=cfg.seed, prompts=cfg.data.prompts,
                    sources=max(1, len(cfg.data.sources)))
-
-    @staticmethod
-    def state_dict_prefix(encoder: str) -> str:
-        """Where an encoder's weights sit in this module's state dict: "query" (the trained
-        encoder) or "key" (the EMA key encoder's copy)."""
-        return state_dict_prefix(encoder)
 
     # ---- training -------------------------------------------------------------------------
     def momentum(self) -> float:

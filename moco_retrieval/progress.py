@@ -14,8 +14,8 @@ from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 
 # Before the first validation has been timed, one is taken to cost the time of this many
 # training steps per (pool texts / batch size): forward-only encoding of the pool against
-# forward + backward of a batch. Calibrated on the main job (MiniLM, batch 64, 3,283 documents +
-# 3,283 queries: about 3 minutes per validation at 6.3 s per step, i.e. 28 steps).
+# forward + backward of a batch, calibrated once on the main job (queue65k). Only a first guess:
+# from the first validation on, the measured times are used.
 VALIDATION_STEPS_PER_POOL_BATCH = 0.27
 
 

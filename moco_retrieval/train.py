@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shlex
 import signal
 import sys
@@ -48,7 +47,7 @@ from moco_retrieval.command import command
 from moco_retrieval.config import TrainConfig, TrainerConfig, register_configs
 from moco_retrieval.data.datamodule import RetrievalDataModule
 from moco_retrieval.data.multisource import source_prompts
-from moco_retrieval.data.prompts import apply_by_row, by_row, to_prompts
+from moco_retrieval.data.prompts import apply_by_row, by_row
 from moco_retrieval.data.sampler import source_of
 from moco_retrieval.finite_guard import FiniteGuard
 from moco_retrieval.latest_run import latest_run

@@ -167,6 +167,21 @@ def test_read_beir(tmp_path):
     assert beir_doc_text("Title!", "x") == "Title! x" and beir_doc_text("T", "") == "T"
 
 
+def test_byte_order_marks_blank_lines_and_bad_utf8_read_alike_in_jsonl_and_qrels(tmp_path):
+    """Both line readers (pairs JSONL, BEIR qrels) drop a leading byte-order mark and blank lines
+    (CRLF included), and name the line that is not UTF-8."""
+    d = make_beir(tmp_path / "b")
+    qrels = d / "qrels" / "test.tsv"
+    qrels.write_bytes(b"\xef\xbb\xbfquery-id\tcorpus-id\tscore\r\n\r\nq1\td1\t1\r\n  \nq2\td2\t2\r\n")
+    assert read_beir(d, "test").qrels == {"q1": {"d1": 1}, "q2": {"d2": 2}}
+    qrels.write_bytes(b"query-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td\xff\t1\n")
+    with pytest.raises(DataError, match=re.escape(f"{qrels}:3: not valid UTF-8")):
+        read_beir(d, "test")
+    pairs = tmp_path / "bom.jsonl"
+    pairs.write_bytes(b'\xef\xbb\xbf{"query": "q", "positive": "d"}\r\n\r\n{"query": "r", "positive": "e"}\n')
+    assert [(p.query, p.positive) for p in read_pairs_jsonl(pairs)] == [("q", "d"), ("r", "e")]
+
+
 def test_beir_train_pairs_and_splits(tmp_path):
     d = make_beir(tmp_path / "b")
     (d / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\nq3\td3\t1\nq1\td2\t1\n")

@@ -1,5 +1,6 @@
 """Hand-computed trec_eval cases for recall@k, MRR@10, nDCG@10, MAP@100, and TREC file IO."""
 import math
+import re
 
 import numpy as np
 import pytest
@@ -176,6 +177,16 @@ def test_trec_file_errors_are_located(tmp_path):
         read_trec_run(p)
     with pytest.raises(ValueError, match="whitespace"):
         write_trec_run(tmp_path / "x.trec", {"q 1": {"a": 1.0}})
+    # qrels: blank lines skipped, the same located field-count error, a grade that is not an integer
+    q = tmp_path / "bad.qrels"
+    q.write_text("q1 0 a 1\n\n   \nq2 0 b 2\n")
+    assert read_trec_qrels(q) == {"q1": {"a": 1}, "q2": {"b": 2}}
+    q.write_text("q1 0 a 1\nq2 0 b\n")
+    with pytest.raises(ValueError, match=re.escape("bad.qrels:2: expected 4 fields 'qid iter docid grade', got 3")):
+        read_trec_qrels(q)
+    q.write_text("q1 0 a 1\n\nq2 0 b high\n")
+    with pytest.raises(ValueError, match="bad.qrels:3: grade 'high' is not an integer"):
+        read_trec_qrels(q)
 
 
 def test_qrels_roundtrip(tmp_path):

@@ -103,7 +103,6 @@ def test_resume_mid_epoch_yields_exactly_the_remaining_batches():
     assert state == {"epoch": 2, "batches_done": 7}
     resumed = MultiSourceBatchSampler(ids, groups, off, 6, **kw)
     resumed.load_state_dict(state)
-    assert resumed.next_source() == full.batch_sources(2)[7]
     assert list(resumed) == expected[7:]
     assert len(resumed) == len(expected)
     resumed.set_epoch(3)

@@ -179,8 +179,9 @@ def test_prepare_converts_every_source_ahead(tmp_path, capsys, monkeypatch):
     assert dm.train_rows.take([N_WEB])[0].query == "doc summary 0"
     monkeypatch.undo()
     web.write_text('{"query": "q"}\n')
-    assert main(args) == 2
-    assert f"data.sources[0] (web): {web}:1: missing field 'positive'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):
+        main(args)
+    assert f"data.sources[0] (web): {web}:1: missing field 'positive'" in " ".join(capsys.readouterr().err.split())
 
 
 def test_a_missing_source_is_named_before_any_source_converts(tmp_path, monkeypatch):

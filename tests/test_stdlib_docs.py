@@ -202,8 +202,10 @@ def test_command_line(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["inputs"]["modules"] == ["alpha", "gamma.sub"] and manifest["counts"]["pairs"] == 5
-    assert data_main(["pydoc", "--out", str(out), "--stdlib", str(lib), "--modules", "nosuch"]) == 2
-    assert "error: module 'nosuch'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        data_main(["pydoc", "--out", str(out), "--stdlib", str(lib), "--modules", "nosuch"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.startswith("data pydoc: error: module 'nosuch'")
 
 
 def test_summary_split_and_trivial_docstrings():

@@ -370,11 +370,14 @@ def test_prepare_command_converts_ahead_and_reports(tmp_path, capsys, monkeypatc
     dm = RetrievalDataModule(cfg)
     dm.setup("fit")
     assert dm.store_dir == store  # training finds it
-    assert main(args + ["data.not_a_key=1"]) == 2 and "not_a_key" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        main(args + ["data.not_a_key=1"])
+    assert stop.value.code == 2 and "not_a_key" in capsys.readouterr().err
     monkeypatch.undo()
     Path(cfg.train_path).write_text('{"query": "q"}\n')
-    assert main(args) == 2
-    assert f"{cfg.train_path}:1: missing field 'positive'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):
+        main(args)
+    assert f"{cfg.train_path}:1: missing field 'positive'" in " ".join(capsys.readouterr().err.split())
 
 
 def test_conversion_progress_lines_give_rows_rate_and_eta(monkeypatch, capsys):

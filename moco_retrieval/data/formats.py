@@ -103,28 +103,34 @@ def iter_jsonl(path: PathLike, what: str = "JSON objects") -> Iterator[tuple[int
     if not p.is_file():
         raise _error(p, None, f"not a regular file (expected a JSONL file of {what})")
     n = 0
-    with open(p, "rb") as fh:
+    for lineno, line in text_lines(p):
+        try:
+            obj = _loads(line)
+        except json.JSONDecodeError as exc:
+            raise _error(
+                p, lineno, f"malformed JSON ({exc.msg}: column {exc.colno}); expected one JSON object per line"
+            ) from None
+        if not isinstance(obj, dict):
+            raise _error(p, lineno, f"expected a JSON object, got {_type_name(obj)}")
+        n += 1
+        yield lineno, obj
+    if n == 0:
+        raise _error(p, None, f"empty file (expected at least one line of {what})")
+
+
+def text_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line_number, line)`` for each non-blank line of ``path``, decoded as UTF-8 (a leading
+    byte-order mark dropped); a line that is not UTF-8 is a DataError naming it."""
+    with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise _error(p, lineno, f"not valid UTF-8 ({exc.reason})") from None
-            if lineno == 1 and line.startswith("\ufeff"):
-                line = line[1:]
-            if not line.strip():
-                continue
-            try:
-                obj = _loads(line)
-            except json.JSONDecodeError as exc:
-                raise _error(
-                    p, lineno, f"malformed JSON ({exc.msg}: column {exc.colno}); expected one JSON object per line"
-                ) from None
-            if not isinstance(obj, dict):
-                raise _error(p, lineno, f"expected a JSON object, got {_type_name(obj)}")
-            n += 1
-            yield lineno, obj
-    if n == 0:
-        raise _error(p, None, f"empty file (expected at least one line of {what})")
+                raise _error(path, lineno, f"not valid UTF-8 ({exc.reason})") from None
+            if lineno == 1:
+                line = line.removeprefix("\ufeff")
+            if line.strip():
+                yield lineno, line
 
 
 def _loads(line: str) -> Any:
@@ -415,44 +421,35 @@ def _read_qrels(
     qrels: dict[str, dict[str, int]] = {}
     header_seen = False
     expected_header = "\t".join(QRELS_HEADER)
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise _error(path, lineno, f"not valid UTF-8 ({exc.reason})") from None
-            line = line.rstrip("\r\n")
-            if lineno == 1:
-                line = line.lstrip("\ufeff")
-            if not line.strip():
-                continue
-            cols = line.split("\t")
-            if not header_seen:
-                names = tuple(c.strip().lower().replace("_", "-") for c in cols)
-                if names != QRELS_HEADER:
-                    raise _error(path, lineno, f"bad header {line!r}; expected {expected_header!r} (tab-separated)")
-                header_seen = True
-                continue
-            if len(cols) != 3:
-                raise _error(
-                    path, lineno, f"expected 3 tab-separated columns (query-id, corpus-id, score), got {len(cols)}: {line!r}"
-                )
-            qid, did, s = (c.strip() for c in cols)
-            try:
-                fs = float(s)
-                if fs != int(fs):
-                    raise ValueError
-                score = int(fs)
-            except (ValueError, OverflowError):
-                raise _error(path, lineno, f"score {s!r} is not an integer") from None
-            if qid not in queries:
-                raise _error(path, lineno, f"query-id {qid!r} is not in {queries_path}")
-            if did not in corpus:
-                raise _error(path, lineno, f"corpus-id {did!r} is not in {corpus_path}")
-            row = qrels.setdefault(qid, {})
-            if did in row:
-                raise _error(path, lineno, f"duplicate judgment for ({qid!r}, {did!r})")
-            row[did] = score
+    for lineno, line in text_lines(path):
+        line = line.rstrip("\r\n")
+        cols = line.split("\t")
+        if not header_seen:
+            names = tuple(c.strip().lower().replace("_", "-") for c in cols)
+            if names != QRELS_HEADER:
+                raise _error(path, lineno, f"bad header {line!r}; expected {expected_header!r} (tab-separated)")
+            header_seen = True
+            continue
+        if len(cols) != 3:
+            raise _error(
+                path, lineno, f"expected 3 tab-separated columns (query-id, corpus-id, score), got {len(cols)}: {line!r}"
+            )
+        qid, did, s = (c.strip() for c in cols)
+        try:
+            fs = float(s)
+            if fs != int(fs):
+                raise ValueError
+            score = int(fs)
+        except (ValueError, OverflowError):
+            raise _error(path, lineno, f"score {s!r} is not an integer") from None
+        if qid not in queries:
+            raise _error(path, lineno, f"query-id {qid!r} is not in {queries_path}")
+        if did not in corpus:
+            raise _error(path, lineno, f"corpus-id {did!r} is not in {corpus_path}")
+        row = qrels.setdefault(qid, {})
+        if did in row:
+            raise _error(path, lineno, f"duplicate judgment for ({qid!r}, {did!r})")
+        row[did] = score
     if not header_seen:
         raise _error(path, None, f"empty file (expected the header {expected_header!r} and judgments)")
     if not qrels:
@@ -546,6 +543,7 @@ __all__ = [
     "Pair",
     "EvalSet",
     "iter_jsonl",
+    "text_lines",
     "pair_from_json",
     "pair_to_json",
     "read_pairs_jsonl",

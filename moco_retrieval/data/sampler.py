@@ -251,7 +251,7 @@ class MultiSourceBatchSampler(EpochPosition, Sampler[list[int]]):
       its batches: no batch repeats within an epoch; ``weights`` are not used.
 
     The position is :class:`RetrievalBatchSampler`'s (``{"epoch", "batches_done"}``): the schedule
-    is fixed by ``(seed, epoch)``, so it also says which source comes next (:meth:`next_source`).
+    is fixed by ``(seed, epoch)``, so it also says which source comes next (:meth:`batch_sources`).
     """
 
     def __init__(
@@ -360,11 +360,6 @@ class MultiSourceBatchSampler(EpochPosition, Sampler[list[int]]):
     def batch_sources(self, epoch: int) -> list[int]:
         """The source of each batch of ``epoch``."""
         return [s for s, _ in self.global_plan(epoch)]
-
-    def next_source(self) -> Optional[int]:
-        """The source of the next batch (None: the epoch is done)."""
-        sources = self.batch_sources(self.epoch)
-        return sources[self.batches_done] if self.batches_done < len(sources) else None
 
     # -- Sampler protocol (the same position as RetrievalBatchSampler's)
     def __len__(self) -> int:

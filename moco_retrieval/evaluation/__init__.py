@@ -1,6 +1,6 @@
-"""Evaluation: encoding, FAISS search, trec_eval metrics, embedding geometry, reports.
+"""Evaluation: encoding, FAISS search, trec_eval metrics, embedding geometry.
 
-The report module (matplotlib) is imported on first use of its names.
+Reports and plots live in ``evaluation.report`` (it imports matplotlib): import them from there.
 """
 from .encode import EvalResult, encode_texts, evaluate_embeddings, evaluate_encoder
 from .geometry import GeometryResult, alignment, compute_geometry, l2_normalize, uniformity
@@ -16,26 +16,6 @@ from .metrics import (
     write_trec_qrels,
     write_trec_run,
 )
-
-_REPORT_NAMES = {
-    "write_report",
-    "eval_json_dict",
-    "render_markdown",
-    "plot_cosine_histograms",
-    "plot_recall_curves",
-    "sample_query_ids",
-    "wandb_cosine_histograms",
-    "wandb_topk_table",
-}
-
-
-def __getattr__(name: str):
-    if name in _REPORT_NAMES:
-        from . import report
-
-        return getattr(report, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 __all__ = [
     "EvalResult",
@@ -62,5 +42,4 @@ __all__ = [
     "recall_curve",
     "write_trec_qrels",
     "write_trec_run",
-    *sorted(_REPORT_NAMES),
 ]

@@ -8,6 +8,7 @@ encoder returns them (cosine when it normalizes, raw dot product when it does no
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,9 @@ from moco_retrieval.distributed import all_gather_rows, rank, shard_range, world
 from .geometry import compute_geometry
 from .index import build_index_from_config, rerank_exact, results_to_run, search
 from .metrics import evaluate_run, recall_curve
+
+
+NOUNS = {"query": "queries", "doc": "documents"}  # the kinds of text, as progress lines name them
 
 
 @dataclass
@@ -81,6 +85,7 @@ def encode_texts(
     description: str | None = None,
     sort_by_length: bool = True,
     out: np.ndarray | None = None,
+    across_ranks: bool = False,
 ) -> np.ndarray:
     """Embeddings ``float32 [len(texts), d]`` of ``texts`` as ``kind`` ("query" or "doc").
 
@@ -91,9 +96,19 @@ def encode_texts(
     batch pads to similar lengths, and returned in the order given. Each batch's rows are written
     into ``out`` (``[len(texts), d]``, e.g. :func:`embedding_file`'s memory map; it is returned)
     as they come, so nothing but one batch is held; without ``out`` a new array receives them.
+
+    ``across_ranks``: under a process group the work is split, not the result: each rank encodes
+    its contiguous block (``distributed.shard_range``: 1/N of the texts) and the blocks are
+    all-gathered in rank order, so every rank returns every row in the order given, as one process
+    would (up to float rounding: batches pad differently). Every rank must pass the same texts.
+    ``out`` is then this rank's destination for every row (an :func:`embedding_file` keeps the pool
+    on disk: the block is encoded straight into it and the others' rows are written as they arrive).
     """
-    if kind not in ("query", "doc"):
+    if kind not in NOUNS:
         raise ValueError(f"kind must be 'query' or 'doc', got {kind!r}")
+    if across_ranks and world_size() > 1:
+        return _encode_block_and_gather(encoder, list(texts), kind, batch_size, show_progress, description,
+                                        sort_by_length, out)
     texts = getattr(encoder, "prompts", NO_PROMPTS).apply(texts, kind)
     n = len(texts)
     order = sorted(range(n), key=lambda i: -len(texts[i])) if sort_by_length else list(range(n))
@@ -129,15 +144,13 @@ def _encode_in_order(encoder: Any, n: int, order: Sequence[int], fetch: Any, kin
     was_training = getattr(encoder, "training", None)
     if hasattr(encoder, "eval"):
         encoder.eval()
-    noun = "queries" if kind == "query" else "documents"
-    desc = description or f"encoding {n:,} {noun}"
+    desc = description or f"encoding {n:,} {NOUNS[kind]}"
     bar = None
     if show_progress:
         from moco_retrieval.progress import progress_bar  # tqdm on a terminal, plain lines in a log file
 
         bar = progress_bar(n, desc, " texts" if kind == "doc" else " queries")
-    if out is not None and len(out) != n:
-        raise ValueError(f"out has {len(out)} rows for {n} texts")
+    _check_rows(out, n)
     try:
         with torch.no_grad():
             for start in range(0, n, batch_size):
@@ -162,36 +175,26 @@ def _encode_in_order(encoder: Any, n: int, order: Sequence[int], fetch: Any, kin
     return out
 
 
-def encode_texts_sharded(
-    encoder: Any,
-    texts: Sequence[str],
-    kind: str,
-    batch_size: int = 256,
-    show_progress: bool = True,
-    *,
-    description: str | None = None,
-    out: np.ndarray | None = None,
-) -> np.ndarray:
-    """:func:`encode_texts` split across the ranks of the process group: each rank encodes its
-    contiguous block (``distributed.shard_range``: 1/N of the texts), then the blocks are
-    all-gathered in rank order, so every rank returns every row in the order given, as one
-    process would (up to float rounding: batches pad differently). Every rank must call it with
-    the same texts. ``out``: this rank's ``[len(texts), d]`` destination (a memory map from
-    :func:`embedding_file` keeps the pool on disk: the block is encoded straight into it and
-    the others' rows are written there as they arrive). One process: :func:`encode_texts`.
-    """
-    world = world_size()
-    if world == 1:
-        return encode_texts(encoder, texts, kind, batch_size, show_progress, description=description, out=out)
-    texts = list(texts)
-    start, stop = shard_range(len(texts), rank(), world)
-    if out is not None and len(out) != len(texts):
-        raise ValueError(f"out has {len(out)} rows for {len(texts)} texts")
-    noun = "queries" if kind == "query" else "documents"
-    desc = description or f"encoding {stop - start:,} of {len(texts):,} {noun} (rank {rank()} of {world})"
+def _encode_block_and_gather(encoder: Any, texts: list[str], kind: str, batch_size: int, show_progress: bool,
+                             description: str | None, sort_by_length: bool, out: np.ndarray | None) -> np.ndarray:
+    """:func:`encode_texts` ``across_ranks`` under a process group of several ranks."""
+    world, me = world_size(), rank()
+    start, stop = shard_range(len(texts), me, world)
+    _check_rows(out, len(texts))
+    desc = description or f"encoding {stop - start:,} of {len(texts):,} {NOUNS[kind]} (rank {me} of {world})"
     local = encode_texts(encoder, texts[start:stop], kind, batch_size, show_progress, description=desc,
-                         out=None if out is None else out[start:stop])
+                         sort_by_length=sort_by_length, out=None if out is None else out[start:stop])
     return all_gather_rows(local, out=out)
+
+
+def _check_rows(out: np.ndarray | None, n: int) -> None:
+    if out is not None and len(out) != n:
+        raise ValueError(f"out has {len(out)} rows for {n} texts")
+
+
+# :func:`encode_texts` split across the ranks of the process group (one process: the same), for the
+# callers that take it in place of encode_texts.
+encode_texts_sharded = functools.partial(encode_texts, across_ranks=True)
 
 
 def evaluate_embeddings(
@@ -278,10 +281,11 @@ def _np32(x: Any) -> np.ndarray:
 
 def _encode_docs(encoder: Any, corpus: Any, batch_size: int, show_progress: bool, out: np.ndarray | None) -> np.ndarray:
     """One process: :func:`encode_corpus` (a batch of texts at a time); several: each rank's block
-    through :func:`encode_texts_sharded` (which takes the texts as a list)."""
+    through :func:`encode_texts` ``across_ranks`` (which takes the texts as a list)."""
     if world_size() == 1:
         return encode_corpus(encoder, corpus, batch_size, show_progress, out=out)
-    return encode_texts_sharded(encoder, corpus.texts(range(len(corpus))), "doc", batch_size, show_progress, out=out)
+    return encode_texts(encoder, corpus.texts(range(len(corpus))), "doc", batch_size, show_progress, out=out,
+                        across_ranks=True)
 
 
 def evaluate_encoder(
@@ -298,7 +302,7 @@ def evaluate_encoder(
     ``evalset.queries`` with ``encoder`` and evaluate.
 
     Under a process group each rank encodes 1/N of each and the blocks are gathered
-    (:func:`encode_texts_sharded`); every rank gets the same result. ``doc_out``: where the
+    (:func:`encode_texts` ``across_ranks``); every rank gets the same result. ``doc_out``: where the
     document embeddings go (:func:`embedding_file` keeps them on disk). Timings hold
     ``encode_docs``, ``encode_queries`` and ``encode`` (their sum) next to ``index`` and
     ``search``: evaluation time is mostly encoding.
@@ -310,7 +314,8 @@ def evaluate_encoder(
     doc_emb = _encode_docs(encoder, corpus, batch_size, show_progress, doc_out)
     t_docs = time.perf_counter() - t0
     t0 = time.perf_counter()
-    query_emb = encode_texts_sharded(encoder, [evalset.queries[q] for q in query_ids], "query", batch_size, show_progress)
+    query_emb = encode_texts(encoder, [evalset.queries[q] for q in query_ids], "query", batch_size, show_progress,
+                             across_ranks=True)
     t_queries = time.perf_counter() - t0
     normalize = getattr(encoder, "normalize", None)
     result = evaluate_embeddings(

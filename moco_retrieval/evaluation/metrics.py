@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 Run = dict[str, dict[str, float]]
 Qrels = dict[str, dict[str, int]]
@@ -223,25 +223,30 @@ def write_trec_run(
 def read_trec_run(path: str | os.PathLike) -> Run:
     """Read a TREC run file into ``{qid: {docid: score}}`` (the rank column is ignored)."""
     run: Run = {}
+    for lineno, (qid, _, docid, _, score, _) in _trec_lines(path, "qid Q0 docid rank score tag"):
+        try:
+            value = float(score)
+        except ValueError:
+            raise ValueError(f"{path}:{lineno}: score {score!r} is not a number") from None
+        docs = run.setdefault(qid, {})
+        if docid in docs:
+            raise ValueError(f"{path}:{lineno}: document {docid!r} appears twice for query {qid!r}")
+        docs[docid] = value
+    return run
+
+
+def _trec_lines(path: str | os.PathLike, fields: str) -> Iterator[tuple[int, list[str]]]:
+    """``(line number, fields)`` of each non-blank line of a whitespace-separated TREC file whose
+    lines hold the ``fields`` named (an error names the line with another count)."""
+    n = len(fields.split())
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             parts = line.split()
-            if len(parts) != 6:
-                raise ValueError(
-                    f"{path}:{lineno}: expected 6 fields 'qid Q0 docid rank score tag', got {len(parts)}"
-                )
-            qid, _, docid, _, score, _ = parts
-            try:
-                value = float(score)
-            except ValueError:
-                raise ValueError(f"{path}:{lineno}: score {score!r} is not a number") from None
-            docs = run.setdefault(qid, {})
-            if docid in docs:
-                raise ValueError(f"{path}:{lineno}: document {docid!r} appears twice for query {qid!r}")
-            docs[docid] = value
-    return run
+            if len(parts) != n:
+                raise ValueError(f"{path}:{lineno}: expected {n} fields '{fields}', got {len(parts)}")
+            yield lineno, parts
 
 
 def write_trec_qrels(path: str | os.PathLike, qrels: Mapping[str, Mapping[str, int]]) -> None:
@@ -256,18 +261,11 @@ def write_trec_qrels(path: str | os.PathLike, qrels: Mapping[str, Mapping[str, i
 def read_trec_qrels(path: str | os.PathLike) -> Qrels:
     """Read a TREC qrels file (``qid iter docid grade``)."""
     qrels: Qrels = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            parts = line.split()
-            if len(parts) != 4:
-                raise ValueError(f"{path}:{lineno}: expected 4 fields 'qid iter docid grade', got {len(parts)}")
-            qid, _, docid, grade = parts
-            try:
-                qrels.setdefault(qid, {})[docid] = int(grade)
-            except ValueError:
-                raise ValueError(f"{path}:{lineno}: grade {grade!r} is not an integer") from None
+    for lineno, (qid, _, docid, grade) in _trec_lines(path, "qid iter docid grade"):
+        try:
+            qrels.setdefault(qid, {})[docid] = int(grade)
+        except ValueError:
+            raise ValueError(f"{path}:{lineno}: grade {grade!r} is not an integer") from None
     return qrels
 
 

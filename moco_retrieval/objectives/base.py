@@ -134,7 +134,8 @@ class Objective(nn.Module):
 
 
 def _rename_legacy_keys(module: Objective, state_dict: dict, prefix: str, *args) -> None:
-    """Checkpoints of the objectives before they were composed (issue 34) load: their keys move."""
+    """Checkpoints whose objective state uses the older key names (``LEGACY_KEYS``) still load:
+    their keys are renamed."""
     for key in [k for k in state_dict if k.startswith(prefix)]:
         rest = key[len(prefix):]
         for old, new in module.LEGACY_KEYS.items():

@@ -12,7 +12,7 @@ After lightly's ``MemoryBankModule`` (a small module of its own) and MoCo's queu
 * ``max_age`` can bound the queue's span in optimizer steps: only the keys written in the newest
   ``max_age`` steps are negatives. Queued keys come from past key encoders; once they are older
   than the EMA's time constant 1/(1-m), the current embeddings can lower their logits by
-  drifting together away from them, and the space narrows into a cone (B6). A bound in steps,
+  drifting together away from them, and the space narrows into a cone. A bound in steps,
   unlike ``size``, means the same at every global batch: at batch 32, 128 steps are 4,096 keys;
   at 512, the full 65,536.
 

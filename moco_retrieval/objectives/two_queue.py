@@ -17,7 +17,7 @@ id or group; the guide does not score these blocks.
 ``inbatch_weight``: why an in-batch term here. Every key the two directions see comes from the EMA
 encoder, and queued keys are older than the batch's; the faster the EMA moves, the more the current
 embeddings can lower the queue's logits by drifting together away from older keys, and the space
-narrows into a cone (B6 measures it as mean unrelated cosine). The in-batch term contrasts current
+narrows into a cone (a rising mean unrelated cosine). The in-batch term contrasts current
 embeddings with each other, which that drift does not help. It costs one B x B product (both sides
 are embedded with gradient already). Its candidates are the batch's documents, so it reuses the
 query -> document batch block's mask (id, group and guide) when that block exists.
@@ -59,7 +59,7 @@ class TwoQueueObjective(Objective):
             into a cone; at batch 32 a 4,096-key window, at a global batch of 512 the whole ring);
             ``doc_to_query_weight`` 1 (both directions alike); ``queue_warmup_steps`` 0 (queues count
             from the first step); ``same_side_negatives`` off; ``queue_refresh`` 0; ``inbatch_weight``
-            1 (0 turns the in-batch term off). B6 measured each of these.
+            1 (0 turns the in-batch term off). Each is compared in benchmarks/results/finetune.md.
         dim: the embedding dimension (both queues' key width).
         guide_dim: a fixed guide encoder's dimension, when ``cfg.guide`` names one.
         max_len: the encoder's tokens per kind, when ``cfg.queue_refresh`` keeps the queued texts.
