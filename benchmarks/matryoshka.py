@@ -5,6 +5,7 @@ same order, AdamW lr 2e-5, 10% warmup then linear decay, tau 0.05, batch 32), th
 pool (1,000 queries / 2,400 documents) at every prefix of ``DIMS``: the first d coordinates,
 re-normalised (sentence-transformers' ``truncate_dim``). Runs (``RUNS``):
 
+* ``base``: the untrained model;
 * ``inbatch-32``: ours, in-batch negatives, trained at full size only: what truncating a model that
   was not trained for it costs;
 * ``inbatch_mrl-32``: the same with ``objective.matryoshka_dims`` = ``DIMS`` (weights 1);
@@ -52,7 +53,18 @@ RUNS: dict[str, tuple[str, int, object, str]] = {
 REFERENCE = "inbatch-32"
 
 
+def base_record(pool, args) -> dict:
+    """The untrained model at every prefix: what truncation costs before any training."""
+    from moco_retrieval.model.encoder import build_encoder
+
+    ev = b6.Evaluator(pool, b6.compose_cfg(b6.BASE + b6.INBATCH).eval, 1, 1, 0, dims=DIMS)
+    final = ev.score(build_encoder(b6.compose_cfg(b6.BASE + b6.INBATCH).model), 0)
+    return {"key": run_key("base", 0, args), "name": "base", "seed": 0, "kind": "base", "final": final}
+
+
 def do_run(bench, pool, name: str, seed: int, args) -> dict:
+    if name == "base":
+        return base_record(pool, args)
     kind, batch, spec, what = RUNS[name]
     batches = b6.pair_batches(bench, seed, args.pairs, batch)
     ev = b6.Evaluator(pool, b6.compose_cfg(b6.BASE + b6.INBATCH).eval, args.eval_every, batch, len(batches), dims=DIMS)
@@ -122,10 +134,10 @@ def report(records: list[dict], args, out_dir: Path, cut: list[str]) -> None:
     for r in records:
         by.setdefault(r["name"], []).append(r)
     rows = []
-    for name, xs in ((n, by[n]) for n in RUNS if n in by):
+    for name, xs in ((n, by[n]) for n in ("base", *RUNS) if n in by):
         for key in ("recall@1", "ndcg@10"):
             rows.append([name, key, len(xs)] + [cell(xs, d, key) for d in DIMS]
-                        + [f"{statistics.median(x['train_s'] for x in xs):.0f}"])
+                        + [f"{statistics.median(x['train_s'] for x in xs):.0f}" if name != "base" else ""])
     md = ["# B12: Matryoshka embeddings on B6's setup (issue 34, part 2)", "",
           f"all-MiniLM-L6-v2, the same {args.pairs:,} Debian pairs in the same order as B6, batch 32, AdamW lr 2e-5, "
           f"tau 0.05; scored on B6's pool ({args.max_queries:,} queries / {args.max_docs:,} documents) at each prefix, "
@@ -154,7 +166,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cost", action="store_true", help="time the runs' steps side by side, then report")
     ap.add_argument("--rounds", type=int, default=10, help="--cost: timed rounds")
-    b6.add_run_args(ap, default=",".join(RUNS), runs=", ".join(RUNS), small="--pairs")
+    b6.add_run_args(ap, default="base," + ",".join(RUNS), runs="base, " + ", ".join(RUNS), small="--pairs")
     args = ap.parse_args(argv)
     apply_location_args(args)
     args.pairs = args.pairs or 18240
