@@ -1,9 +1,10 @@
 """docs/configuration.md: every configuration key, its type, default, valid values and meaning,
 generated from the schemas (config.py's dataclasses, the objectives' through their registry) and
-the defaults the commands compose (conf/). Regenerate after changing a schema or a preset:
+the defaults the commands compose (conf/); and the table of objectives in docs/guide/objectives.md
+(between its marker comments), from the registry. Regenerate after changing a schema or a preset:
 
-    python -m moco_retrieval.config_reference            # writes docs/configuration.md
-    python -m moco_retrieval.config_reference --check    # status 1 when the file is stale
+    python -m moco_retrieval.config_reference            # writes both
+    python -m moco_retrieval.config_reference --check    # status 1 when either is stale
 
 A key's meaning is the comment written beside it (or on the lines just above it) in config.py,
 so the reference says what the code says; tests/test_config_reference.py holds the file to it.
@@ -28,6 +29,8 @@ from moco_retrieval import config as C
 
 REPO = Path(__file__).resolve().parents[1]
 OUTPUT = REPO / "docs" / "configuration.md"
+OBJECTIVES_GUIDE = REPO / "docs" / "guide" / "objectives.md"
+TABLE_BEGIN, TABLE_END = "<!-- objectives table: begin -->\n", "\n<!-- objectives table: end -->"
 REGENERATE = "python -m moco_retrieval.config_reference"
 
 # train's sections: (key, schema); objective has one schema per objective and its own table
@@ -308,21 +311,32 @@ def reference() -> str:
     return "\n".join(out).rstrip("\n") + "\n"
 
 
+def with_objectives_table(text: str) -> str:
+    """``text`` with the Markdown between the objectives table's markers replaced by the registry's table."""
+    from moco_retrieval.objectives.registry import objectives_table
+
+    start, end = text.index(TABLE_BEGIN) + len(TABLE_BEGIN), text.index(TABLE_END)
+    return text[:start] + objectives_table() + text[end:]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moco_retrieval.config_reference", description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only compare: status 1 when the file is stale")
     parser.add_argument("--out", type=Path, default=OUTPUT)
+    parser.add_argument("--guide", type=Path, default=OBJECTIVES_GUIDE, help="the page holding the objectives table")
     args = parser.parse_args(argv)
-    text = reference()
+    guide = args.guide.read_text(encoding="utf-8")
+    wanted = {args.out: reference(), args.guide: with_objectives_table(guide)}
     if args.check:
-        current = args.out.read_text(encoding="utf-8") if args.out.is_file() else ""
-        if current != text:
-            print(f"{args.out} is stale: regenerate it with `{REGENERATE}`", file=sys.stderr)
-            return 1
-        return 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text, encoding="utf-8")
-    print(f"wrote {args.out}")
+        stale = [path for path, text in wanted.items()
+                 if (path.read_text(encoding="utf-8") if path.is_file() else "") != text]
+        for path in stale:
+            print(f"{path} is stale: regenerate it with `{REGENERATE}`", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in wanted.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {path}")
     return 0
 
 
@@ -330,4 +344,5 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["reference", "field_comments", "meaning", "main", "OUTPUT", "REGENERATE"]
+__all__ = ["reference", "with_objectives_table", "field_comments", "meaning", "main", "OUTPUT", "OBJECTIVES_GUIDE",
+           "REGENERATE"]

@@ -91,9 +91,14 @@ def test_comments_above_and_beside_a_field_are_its_meaning_and_a_base_class_says
     assert meaning(_Derived, "size") == "the first line and the second and the end of the line"
 
 
-def test_check_names_the_command_when_stale(tmp_path, capsys):
-    out = tmp_path / "configuration.md"
+def test_check_names_the_command_when_stale_and_writing_fixes_both_files(tmp_path, capsys):
+    out, guide = tmp_path / "configuration.md", tmp_path / "objectives.md"
     out.write_text("old\n")
-    assert main(["--check", "--out", str(out)]) == 1
-    assert REGENERATE in capsys.readouterr().err
-    assert main(["--out", str(out)]) == 0 and main(["--check", "--out", str(out)]) == 0
+    guide.write_text("before\n<!-- objectives table: begin -->\n| old |\n<!-- objectives table: end -->\nafter\n")
+    args = ["--out", str(out), "--guide", str(guide)]
+    assert main(["--check", *args]) == 1
+    err = capsys.readouterr().err
+    assert f"{out} is stale" in err and f"{guide} is stale" in err and REGENERATE in err
+    assert main(args) == 0 and main(["--check", *args]) == 0
+    text = guide.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n") and "| `two_queue` |" in text and "| old |" not in text
