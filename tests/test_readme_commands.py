@@ -112,8 +112,9 @@ def test_readme_commands_run_as_written_on_the_built_set(tmp_path):
     started = run(shlex.split(first.replace("run_dir=runs/first", f"run_dir={run_dir}"))[1:], work, env)
     assert f"to resume this run: python -m moco_retrieval.train +experiment=smoke data.debian_dir={apt} " \
            f"run_dir={run_dir} ckpt_path=last" in started.stderr
-    for name in ("checkpoints/last.ckpt", "metrics.csv", "metrics.json", "config.yaml", "plots/cosines-step20.png"):
+    for name in ("checkpoints/last.ckpt", "metrics.csv", "metrics.json", "config.yaml"):
         assert (run_dir / name).is_file(), name  # the folder the README draws
+    assert list((run_dir / "plots").glob("cosines-step*.png"))
     commands = readme_commands()
     assert [c.split()[2] for c in commands] == ["moco_retrieval.evaluate", "moco_retrieval.export",
                                                 "moco_retrieval.search", "moco_retrieval.search", "moco_retrieval.mine"]
