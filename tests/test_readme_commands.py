@@ -152,3 +152,16 @@ def test_readme_commands_run_as_written_on_the_built_set(tmp_path):
     # log files get plain lines, never tqdm's carriage-return redraws
     for proc in outs.values():
         assert "\r" not in proc.stderr
+
+
+def test_ci_runs_exactly_the_readmes_install_and_test_commands():
+    """.ci/run says it runs the README's install and test commands: hold the two to each other."""
+    ci = (REPO / ".ci" / "run").read_text()
+    text = (REPO / "README.md").read_text()
+    for section in ("## Install", "## Test"):
+        block = text[text.index(section):]
+        block = block[block.index("```bash") + 7: block.index("```", block.index("```bash") + 7)]
+        commands = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+        assert commands, section
+        for command in commands:
+            assert re.search(rf"^{re.escape(command)}$", ci, re.M), f"README {section}: {command!r} is not what .ci/run runs"
