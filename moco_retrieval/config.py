@@ -136,7 +136,7 @@ class LoraConfig(RangeChecked):
 
     r: int = 0  # the adapters' rank; 0: no LoRA (the backbone trains whole, or model.frozen_backbone)
     alpha: float = 16.0  # scaling alpha / r
-    dropout: float = 0.0
+    dropout: float = 0.0  # dropout on the adapters' input
     # module names to adapt; null: the architecture's attention and MLP projections (model/lora.py)
     target_modules: Optional[list[str]] = None
 
@@ -159,11 +159,11 @@ class ModelConfig(RangeChecked):
     shared_tower: bool = True  # one tower for queries and documents
     frozen_backbone: bool = False  # train only the head; backbone features cached per text
     feature_cache_dir: Optional[str] = None  # disk cache for frozen features (None: memory only)
-    query_max_len: int = 32
-    doc_max_len: int = 128
+    query_max_len: int = 32  # tokens of a query kept (longer ones are truncated)
+    doc_max_len: int = 128  # tokens of a document kept (longer ones are truncated)
     # tiny random encoder (tests): written into `path` when missing
     tiny_hidden: int = 32
-    tiny_layers: int = 2
+    tiny_layers: int = 2  # the tiny encoder's hidden size (above) and layers
     # GradCache (gradcache.py): texts encoded with gradient go through the encoder this many at a
     # time and are re-run during backward, so a large batch fits in memory (None: all at once)
     grad_cache_chunk: Optional[int] = None
@@ -191,19 +191,19 @@ class ObjectiveConfig(RangeChecked):
     """What every objective shares: InfoNCE's temperature, label smoothing and false-negative masking."""
 
     name: str = MISSING
-    temperature: float = 0.05
-    learn_temperature: bool = False
-    temperature_min: float = 0.01
-    temperature_max: float = 1.0
-    label_smoothing: float = 0.0
+    temperature: float = 0.05  # InfoNCE's tau: logits are cosine (or dot) / temperature
+    learn_temperature: bool = False  # train the temperature too, clamped to [temperature_min, temperature_max]
+    temperature_min: float = 0.01  # lower clamp of a learned temperature
+    temperature_max: float = 1.0  # upper clamp of a learned temperature
+    label_smoothing: float = 0.0  # cross-entropy label smoothing of every InfoNCE loss
     mask_false_negatives: bool = True  # mask candidates sharing the positive's document id or group
     # guided false-negative masking (objectives/guided.py): "none"; "momentum" (the EMA key
     # encoder's own keys: moco, two_queue); "base" (the run's backbone, untrained, frozen); or a
     # backbone name / local model folder, frozen. A candidate the guide scores above the positive's
     # guide score minus `guide_margin`, or above `guide_threshold` (a cosine), is masked.
     guide: str = "none"
-    guide_margin: float = 0.0
-    guide_threshold: Optional[float] = None
+    guide_margin: float = 0.0  # masked: guide score > the positive's guide score - guide_margin
+    guide_threshold: Optional[float] = None  # masked: guide score > this cosine (null: the margin rule only)
     # logQ correction of the sampling bias (objectives/logq.py): subtract log q(d) from batch and
     # queue logits, q estimated in a stream from hashed per-document intervals between sightings
     logq_correction: bool = False
@@ -212,7 +212,7 @@ class ObjectiveConfig(RangeChecked):
     # Matryoshka embeddings (objectives/matryoshka.py): the loss summed over these prefixes of every
     # embedding (e.g. [384, 256, 128, 64]), weighted by matryoshka_weights (empty: 1 each); empty: off
     matryoshka_dims: list[int] = field(default_factory=list)
-    matryoshka_weights: list[float] = field(default_factory=list)
+    matryoshka_weights: list[float] = field(default_factory=list)  # one weight per matryoshka_dims entry
 
     SECTION: ClassVar[str] = "objective"
     RANGES: ClassVar[dict[str, Range]] = {
@@ -235,7 +235,7 @@ class ObjectiveConfig(RangeChecked):
 class QueueOptions:
     """Option group: a FIFO queue of past keys (objectives/memory.py) and the batch's other keys."""
 
-    queue_size: int = 65536
+    queue_size: int = 65536  # keys the queue holds (per queue; the oldest is overwritten)
     queue_dtype: str = "float32"  # float32 | bfloat16 | float16 (storage; logits stay fp32)
     batch_negatives: bool = True  # the other documents of the current batch are negatives too
 
@@ -279,7 +279,7 @@ class MoCoConfig(MomentumOptions, QueueOptions, ObjectiveConfig):
     """``objective=moco``: queries against an EMA key encoder's keys and a queue of its past keys."""
 
     name: str = "moco"
-    enqueue_hard_negatives: bool = False
+    enqueue_hard_negatives: bool = False  # also enqueue the batch's mined hard negatives' keys
 
 
 @dataclass
@@ -336,12 +336,12 @@ def objective_configs() -> dict[str, type]:
 
 @dataclass
 class OptimConfig(RangeChecked):
-    lr: float = 2e-5
-    weight_decay: float = 0.01
-    warmup_steps: int = 0
+    lr: float = 2e-5  # AdamW's peak learning rate (after warmup)
+    weight_decay: float = 0.01  # AdamW's decoupled weight decay
+    warmup_steps: int = 0  # linear warmup in optimizer steps (0: warmup_ratio of the run's steps)
     warmup_ratio: float = 0.1  # used when warmup_steps == 0
     schedule: str = "linear"  # linear | cosine | constant (after warmup)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW's betas
 
     SECTION: ClassVar[str] = "optim"
     RANGES: ClassVar[dict[str, Range]] = {
@@ -359,13 +359,13 @@ class OptimConfig(RangeChecked):
 class ColumnsConfig:
     """``data=parquet`` / ``data=csv`` / ``data=hf``: the column holding each field of a pair (data/tabular.py)."""
 
-    query: str = "query"
-    positive: str = "positive"
-    query_id: str = "query_id"
-    doc_id: str = "doc_id"
-    group: str = "group"
-    negatives: str = "negatives"
-    positive_score: str = "positive_score"
+    query: str = "query"  # the query text (data=hf also reads sentence-transformers' anchor)
+    positive: str = "positive"  # the positive document's text
+    query_id: str = "query_id"  # optional: the query's id
+    doc_id: str = "doc_id"  # optional: the positive's id (default: a hash of its text)
+    group: str = "group"  # optional: documents of one group never negatives of each other
+    negatives: str = "negatives"  # optional: hard negatives (a list of texts or {doc_id, text})
+    positive_score: str = "positive_score"  # optional: a score of the positive (written by mine)
 
 
 @dataclass
@@ -373,8 +373,8 @@ class PromptsConfig:
     """Prefixes put before every query / document text (data/prompts.py), e.g. E5's "query: " and
     "passage: "; stored with the checkpoint and written into exported models."""
 
-    query: str = ""
-    doc: str = ""
+    query: str = ""  # put before every query text
+    doc: str = ""  # put before every document text
 
 
 SOURCE_MODES = ("weighted", "round_robin")  # data/sampler.py's MultiSourceBatchSampler
@@ -391,11 +391,11 @@ class SourceConfig(RangeChecked):
     path: Optional[str] = None  # hf: a `save_to_disk` folder or a folder of Parquet shards
     split: Optional[str] = None  # hf: the split (unset: data.split)
     dir: Optional[str] = None  # beir: its qrels/<train_split>.tsv
-    train_split: str = "train"
+    train_split: str = "train"  # beir: the qrels split to train on
     columns: ColumnsConfig = field(default_factory=ColumnsConfig)
-    prompts: Optional[PromptsConfig] = None
+    prompts: Optional[PromptsConfig] = None  # this source's prefixes (unset: data.prompts)
     weight: Optional[float] = None  # share of the batches (give every source one, or none: by size)
-    max_train_examples: Optional[int] = None
+    max_train_examples: Optional[int] = None  # cap on this source's pairs (a seeded subset)
 
     SECTION: ClassVar[str] = "data.sources[]"
     RANGES: ClassVar[dict[str, Range]] = {"weight": NON_NEGATIVE, "max_train_examples": AT_LEAST_ONE}
@@ -413,22 +413,22 @@ class DataConfig(RangeChecked):
     # several training sources (data/multisource.py): they replace train_path; validation stays on
     # this config's pool (eval_dir, or the kind's); source_mode: weighted | round_robin
     sources: list[SourceConfig] = field(default_factory=list)
-    source_mode: str = "weighted"
+    source_mode: str = "weighted"  # weighted (by weight, else by size) | round_robin
     dir: Optional[str] = None  # beir: directory with corpus.jsonl, queries.jsonl, qrels/
-    train_split: str = "train"
-    eval_split: str = "test"
-    # debian: built on first use into cache_dir from the apt lists (or the files below)
-    # built data sets and converted training stores (pairs/)
+    train_split: str = "train"  # beir: the qrels split to train on
+    eval_split: str = "test"  # the qrels split validated and evaluated on
+    # built data sets (debian: on first use, from the apt lists of debian_dir) and converted
+    # training stores (pairs/);
     cache_dir: Optional[str] = None  # default: $MOCO_RETRIEVAL_CACHE or ~/.cache/moco_retrieval
     debian_dir: Optional[str] = None  # a folder holding Packages* and Translation-en* files
-    batch_size: int = 64
-    eval_batch_size: int = 256
-    num_workers: int = 0
-    seed: int = 0
-    shuffle: bool = True
+    batch_size: int = 64  # training pairs per step per device
+    eval_batch_size: int = 256  # texts per encoding batch in validation and the commands
+    num_workers: int = 0  # DataLoader worker processes
+    seed: int = 0  # the training order's seed, and the caps' subsets
+    shuffle: bool = True  # shuffle the training pairs each epoch
     unique_in_batch: bool = True  # a document id or group never appears twice in a batch
-    max_train_examples: Optional[int] = None
-    max_eval_queries: Optional[int] = None
+    max_train_examples: Optional[int] = None  # cap on the training pairs (a seeded subset)
+    max_eval_queries: Optional[int] = None  # cap the validation queries (a seeded subset)
     max_eval_docs: Optional[int] = None  # cap the pool (keeps every relevant document)
     # hard negatives per training row (rows need a 'negatives' list, e.g. from moco_retrieval.mine);
     # None: train without hard negatives
@@ -444,19 +444,19 @@ class DataConfig(RangeChecked):
 
 @dataclass
 class TrainerConfig(RangeChecked):
-    accelerator: str = "cpu"
+    accelerator: str = "cpu"  # Lightning's: cpu | gpu | auto (trainer=auto: a GPU when present)
     devices: Any = 1  # under torchrun, devices and num_nodes come from its environment instead
-    num_nodes: int = 1
-    strategy: str = "auto"
-    precision: str = "32-true"
-    max_epochs: int = 1
-    max_steps: int = -1
-    accumulate_grad_batches: int = 1
-    gradient_clip_val: Optional[float] = 1.0
+    num_nodes: int = 1  # machines (SLURM and torchrun set it for you)
+    strategy: str = "auto"  # Lightning's strategy: auto | ddp (trainer=ddp)
+    precision: str = "32-true"  # Lightning's precision; auto: bf16-mixed on a GPU, else 32-true
+    max_epochs: int = 1  # training stops at max_epochs or max_steps, whichever comes first (-1: no limit)
+    max_steps: int = -1  # optimizer steps in all (-1: max_epochs decides); the lr schedule spans the run's steps
+    accumulate_grad_batches: int = 1  # batches per optimizer step
+    gradient_clip_val: Optional[float] = 1.0  # clip the gradient norm to this (null: no clipping)
     val_check_interval: Optional[int] = None  # steps between validations (None: once per epoch)
-    log_every_n_steps: int = 10
-    enable_progress_bar: bool = True
-    deterministic: bool = False
+    log_every_n_steps: int = 10  # train/* metrics and a progress line every this many steps
+    enable_progress_bar: bool = True  # a bar on a terminal; plain time-stamped lines in a log file
+    deterministic: bool = False  # Lightning's deterministic algorithms (slower)
     # seconds a rank waits for the others in a collective before the run stops with an error
     # (a stuck or stopped rank); Lightning's own default is 1800
     process_group_timeout: int = 600
@@ -504,13 +504,13 @@ def _valid_devices(devices: Any) -> bool:
 
 @dataclass
 class LoggerConfig:
-    wandb: bool = True
-    csv: bool = True
-    project: str = "moco-retrieval"
-    entity: Optional[str] = None
-    name: Optional[str] = None
+    wandb: bool = True  # log to Weights & Biases (offline by default)
+    csv: bool = True  # the local CSV log (and RUN_DIR/metrics.csv)
+    project: str = "moco-retrieval"  # W&B project
+    entity: Optional[str] = None  # W&B entity (team or user)
+    name: Optional[str] = None  # W&B run name
     group: Optional[str] = None  # default: the cluster job id when there is one
-    tags: list[str] = field(default_factory=list)
+    tags: list[str] = field(default_factory=list)  # W&B tags
     mode: Optional[str] = None  # offline unless WANDB_MODE / WANDB_API_KEY say otherwise
     log_tables: bool = True  # W&B table of sample queries with their top-5
 
@@ -526,10 +526,10 @@ class EvalConfig(RangeChecked):
     nlist: int = 1024  # ivf, ivfpq: k-means cells (about 1-4 x sqrt(documents))
     nprobe: int = 32  # ivf, ivfpq: cells searched per query
     pq_m: int = 48  # ivfpq: bytes per document (sub-vectors); must divide the embedding dimension
-    hnsw_m: int = 32
-    ef_search: int = 128
-    top_k: int = 100
-    sample_queries: int = 20
+    hnsw_m: int = 32  # hnsw: neighbours per node
+    ef_search: int = 128  # hnsw: candidates kept while searching
+    top_k: int = 100  # documents retrieved per query (recall@100, run files)
+    sample_queries: int = 20  # rows of the W&B table of sample queries at each validation
 
     SECTION: ClassVar[str] = "eval"
     RANGES: ClassVar[dict[str, Range]] = {
@@ -552,7 +552,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    seed: int = 0
+    seed: int = 0  # Lightning's seed_everything: initialisation (heads, tiny models), dropout
     ckpt_path: Optional[str] = None  # "last" resumes from this run directory's last.ckpt
     run_dir: Optional[str] = None  # default: Hydra's run directory
 
@@ -590,24 +590,24 @@ class MineConfig(RangeChecked):
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)  # the training pairs (their positives are the corpus)
     eval: EvalConfig = field(default_factory=EvalConfig)  # index settings
-    checkpoint: Optional[str] = None
-    model_dir: Optional[str] = None
+    checkpoint: Optional[str] = None  # a training checkpoint (.ckpt)
+    model_dir: Optional[str] = None  # an exported directory (or a plain HF model folder)
     encoder: str = "query"  # query | key (a MoCo checkpoint's momentum key encoder)
     output: str = MISSING  # JSONL of pairs with "negatives" and "positive_score"; never one of the inputs
     stats_path: Optional[str] = None  # default: <output without .jsonl>.stats.json
     overwrite: bool = False  # replace an existing output / stats file (an input never)
     n_negatives: int = 8  # negatives written per query (fewer when fewer candidates pass)
     range_min: int = 0  # rank window, 0-based, inclusive, counted after dropping positives/groups
-    range_max: int = 50
+    range_max: int = 50  # last rank of the window (the search depth follows it)
     margin: Optional[float] = None  # absolute: keep iff score(neg) <= score(pos) - margin
     relative_margin: Optional[float] = 0.05  # keep iff score(neg) <= score(pos) * (1 - r) (TopK-PercPos)
     max_score: Optional[float] = None  # keep iff score(neg) <= max_score
     drop_group: bool = True  # drop documents of the positive's group (False: only the positive itself)
     sampling: str = "top"  # top (best-ranked that pass) | random (uniform among those that pass, seeded)
-    seed: int = 0
+    seed: int = 0  # seed of sampling=random
     keep_empty: bool = False  # also write rows left without negatives (else left out, and counted in a warning)
     batch_size: int = 256  # encoding batch
-    progress: bool = True
+    progress: bool = True  # progress lines while encoding
 
     RANGES: ClassVar[dict[str, Range]] = {
         "n_negatives": AT_LEAST_ONE, "range_min": NON_NEGATIVE, "range_max": NON_NEGATIVE, "margin": NON_NEGATIVE,
@@ -631,8 +631,8 @@ class EvaluateConfig:
     out_dir: Optional[str] = None  # default: Hydra's run folder
     batch_size: Optional[int] = None  # default: data.eval_batch_size
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    plots: bool = True
-    progress: bool = True
+    plots: bool = True  # write the PNG plots
+    progress: bool = True  # progress lines while encoding
 
 
 @dataclass
@@ -654,22 +654,22 @@ class SearchConfig(RangeChecked):
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)  # index kind and parameters
-    checkpoint: Optional[str] = None
-    model_dir: Optional[str] = None
+    checkpoint: Optional[str] = None  # a training checkpoint (.ckpt)
+    model_dir: Optional[str] = None  # an exported directory (or a plain HF model folder)
     encoder: str = "query"  # query | key
     # a corpus.jsonl, a BEIR folder, or "eval" (the data group's held-out pool); default: every
     # document of the data group (Debian: ~40k descriptions, a quarter of an hour on a CPU)
     corpus: Optional[str] = None
     index_dir: Optional[str] = None  # default: $MOCO_RETRIEVAL_CACHE/search/<key>
-    rebuild: bool = False
-    query: Optional[str] = None
-    queries: list[str] = field(default_factory=list)
-    k: int = 10
+    rebuild: bool = False  # re-encode the corpus even when its saved index is there
+    query: Optional[str] = None  # one query (none: read queries from stdin, one a line)
+    queries: list[str] = field(default_factory=list)  # more queries
+    k: int = 10  # hits shown per query
     format: str = "text"  # text | json
     max_chars: int = 160  # document text shown per hit (text format)
     batch_size: Optional[int] = None  # default: data.eval_batch_size
-    device: str = "auto"
-    progress: bool = True
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    progress: bool = True  # progress lines while encoding
 
     RANGES: ClassVar[dict[str, Range]] = {"k": AT_LEAST_ONE, "max_chars": AT_LEAST_ONE, "batch_size": AT_LEAST_ONE}
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"format": ("text", "json")}

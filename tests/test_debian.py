@@ -281,7 +281,7 @@ def test_real_snapshot(tmp_path):
 
 
 def test_cli_reads_the_env_lists_and_its_error_names_lists(tmp_path, monkeypatch, capsys):
-    """`python -m moco_retrieval.data debian --out DIR` as the README writes it: the apt lists of
+    """`python -m moco_retrieval.data debian --out DIR` as docs/guide/data.md writes it: the apt lists of
     $MOCO_RETRIEVAL_DEBIAN_DIR, as training reads them; a folder without them names --lists."""
     lists = tmp_path / "lists"
     write_control(lists)

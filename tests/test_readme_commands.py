@@ -1,6 +1,7 @@
-"""The README's evaluate / export / search / mine commands, as written, after a training run has
-built the Debian set: no data.debian_dir or $MOCO_RETRIEVAL_DEBIAN_DIR on any of them (the cached
-set is found), on a small set built from planted apt index files and a tiny model (smoke preset)."""
+"""The README's commands as written: its first run (the smoke preset, with its data setting, on a
+small set built from planted apt index files), then its evaluate / export / search / mine commands
+with no data.debian_dir or $MOCO_RETRIEVAL_DEBIAN_DIR (the cached set is found); and every command
+of the README and the user guide composes as a valid strict config."""
 from __future__ import annotations
 
 import hashlib
@@ -22,10 +23,54 @@ WORDS = ("image audio video text editor library python tool command line package
 
 
 def readme_commands(section: str = "## Evaluate, export, search, mine") -> list[str]:
+    """The ``python -m`` lines of the first bash block after ``section``, comments cut."""
     text = (REPO / "README.md").read_text()
     block = text[text.index(section):]
     block = block[block.index("```bash") + len("```bash"): block.index("```", block.index("```bash") + 7)]
     return [line.split("   #")[0].strip() for line in block.splitlines() if line.startswith("python -m")]
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """(file, line) for every ``python -m moco_retrieval.<command>`` line in a bash block of the
+    README and the user guide."""
+    found = []
+    for path in [REPO / "README.md", *sorted((REPO / "docs" / "guide").glob("*.md"))]:
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+            found += [(path.name, line.split("   #")[0].strip()) for line in block.splitlines()
+                      if line.startswith("python -m moco_retrieval.")]
+    return found
+
+
+def test_every_documented_command_composes_as_a_strict_config():
+    """Each train / evaluate / export / search / mine line of the docs names keys and values the
+    schema accepts (a renamed key or a preset that no longer exists fails here, in seconds)."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from moco_retrieval.config import COMMAND_SCHEMAS, check_known_keys, register_configs
+
+    commands = documented_commands()
+    names = {c.split()[2].removeprefix("moco_retrieval.") for _, c in commands}
+    assert {"train", "evaluate", "export", "search", "mine"} <= names
+    register_configs()
+    checked = 0
+    for where, command in commands:
+        name, *overrides = shlex.split(command)[2:]
+        name = name.removeprefix("moco_retrieval.")
+        if name not in COMMAND_SCHEMAS or any(o.startswith("--") for o in overrides):
+            continue
+        GlobalHydra.instance().clear()
+        with initialize_config_module("moco_retrieval.conf", version_base="1.3"):
+            try:
+                cfg = compose(name, overrides=overrides)
+                check_known_keys(cfg)
+                OmegaConf.to_object(cfg)
+            except Exception as e:  # (the message names the file and the line)
+                raise AssertionError(f"{where}: {command}\n{type(e).__name__}: {e}") from e
+        checked += 1
+    GlobalHydra.instance().clear()
+    assert checked >= 20
 
 
 def plant_apt_lists(d: Path, n: int = 240) -> Path:
@@ -59,10 +104,17 @@ def test_readme_commands_run_as_written_on_the_built_set(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     run_dir = work / "outputs" / "run"
-    # training builds the set from the apt lists it is pointed at (here, and only here)
+    # the README's first run builds the set from the apt lists it names (here, and only here)
     apt = plant_apt_lists(tmp_path / "apt")
-    run(["-m", "moco_retrieval.train", "+experiment=smoke", f"run_dir={run_dir}", "data.max_eval_docs=null",
-         "data.max_eval_queries=null"], work, dict(env, MOCO_RETRIEVAL_DEBIAN_DIR=str(apt)))
+    (first,) = readme_commands("## A first run in 20 seconds")
+    assert "data.debian_dir=../shared/data/debian-bookworm" in first and "run_dir=runs/first" in first
+    first = first.replace("data.debian_dir=../shared/data/debian-bookworm", f"data.debian_dir={apt}")
+    started = run(shlex.split(first.replace("run_dir=runs/first", f"run_dir={run_dir}"))[1:], work, env)
+    assert f"to resume this run: python -m moco_retrieval.train +experiment=smoke data.debian_dir={apt} " \
+           f"run_dir={run_dir} ckpt_path=last" in started.stderr
+    for name in ("checkpoints/last.ckpt", "metrics.csv", "metrics.json", "config.yaml"):
+        assert (run_dir / name).is_file(), name  # the folder the README draws
+    assert list((run_dir / "plots").glob("cosines-step*.png"))
     commands = readme_commands()
     assert [c.split()[2] for c in commands] == ["moco_retrieval.evaluate", "moco_retrieval.export",
                                                 "moco_retrieval.search", "moco_retrieval.search", "moco_retrieval.mine"]
@@ -100,3 +152,16 @@ def test_readme_commands_run_as_written_on_the_built_set(tmp_path):
     # log files get plain lines, never tqdm's carriage-return redraws
     for proc in outs.values():
         assert "\r" not in proc.stderr
+
+
+def test_ci_runs_exactly_the_readmes_install_and_test_commands():
+    """.ci/run says it runs the README's install and test commands: hold the two to each other."""
+    ci = (REPO / ".ci" / "run").read_text()
+    text = (REPO / "README.md").read_text()
+    for section in ("## Install", "## Test"):
+        block = text[text.index(section):]
+        block = block[block.index("```bash") + 7: block.index("```", block.index("```bash") + 7)]
+        commands = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+        assert commands, section
+        for command in commands:
+            assert re.search(rf"^{re.escape(command)}$", ci, re.M), f"README {section}: {command!r} is not what .ci/run runs"

@@ -39,7 +39,7 @@ def test_the_main_job_without_run_dir_prints_its_resume_command_and_ckpt_path_la
     said = re.search(r"to resume this run: (python -m moco_retrieval\.train .*)", first.stderr)
     assert said and f"run_dir={run}" in said.group(1) and said.group(1).endswith("ckpt_path=last")
 
-    # as the README's main job: no run_dir, only ckpt_path=last: the newest smoke run, named
+    # as the README says: without run_dir, ckpt_path=last resumes the newest run of the experiment, named
     again = train_cli(tmp_path, *TINY, "trainer.max_epochs=2", "ckpt_path=last")
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resuming the newest run of experiment smoke: {run}" in again.stderr

@@ -1,8 +1,9 @@
 """The objectives by name: each one's config schema, class and one-line description.
 
 ``build_objective`` (``__init__.py``), the config store (config.py: the ``objective`` group's
-schemas), the model card (model_card.py) and the README's table of objectives all read this one
-dict, so a new objective is its module, its yaml and one entry here.
+schemas), the model card (model_card.py) and the table of objectives in docs/guide/objectives.md
+(written by config_reference.py) all read this one dict, so a new objective is its module, its yaml
+and one entry here.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ OBJECTIVES: dict[str, ObjectiveEntry] = {
 
 
 def objectives_table() -> str:
-    """The README's table of objectives (Markdown), from the registry."""
+    """The user guide's table of objectives (Markdown), from the registry."""
     rows = ["| objective | what it trains | schema |", "|---|---|---|"]
     rows += [f"| `{name}` | {e.description} | `{e.config.__name__}` |" for name, e in OBJECTIVES.items()]
     return "\n".join(rows)
