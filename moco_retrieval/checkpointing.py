@@ -17,22 +17,23 @@ best-checkpoint tracking (:class:`RebaseCheckpointPaths`).
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import re
 import shutil
 import sys
 import uuid
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from moco_retrieval.cluster import is_rank_zero
 from moco_retrieval.errors import CheckpointError
+from moco_retrieval.launcher import is_rank_zero
+from moco_retrieval.tensor_digest import named_tensors, tensors_sha256
 
+CHECKPOINTS = "checkpoints"  # the run directory's folder of checkpoints
 LAST = "last.ckpt"
 CHECKSUM = "tensor_sha256"  # the checkpoint key holding tensor_checksum() of the rest
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -45,26 +46,20 @@ def _note(msg: str) -> None:
         print(f"[moco_retrieval] {msg}", file=sys.stderr, flush=True)
 
 
-def _tensors(obj: Any, where: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(obj, torch.Tensor):
-        yield where, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _tensors(v, f"{where}/{k}")
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _tensors(v, f"{where}/{i}")
+def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
+    """``<run_dir>/checkpoints``."""
+    return Path(run_dir) / CHECKPOINTS
+
+
+def last_checkpoint(run_dir: str | os.PathLike) -> Path:
+    """``<run_dir>/checkpoints/last.ckpt``: the latest state of the run, what ``ckpt_path=last`` resumes."""
+    return checkpoints_dir(run_dir) / LAST
 
 
 def tensor_checksum(checkpoint: dict) -> str:
     """sha256 over every tensor of ``checkpoint`` (its place, dtype, shape and bytes), in order;
     the key :data:`CHECKSUM` itself left out."""
-    h = hashlib.sha256()
-    for where, t in _tensors({k: v for k, v in checkpoint.items() if k != CHECKSUM}):
-        h.update(f"{where}:{t.dtype}:{tuple(t.shape)};".encode())
-        if t.numel():
-            h.update(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy())
-    return h.hexdigest()
+    return tensors_sha256(named_tensors({k: v for k, v in checkpoint.items() if k != CHECKSUM}))
 
 
 def previous_of(path: Path) -> Path:
@@ -239,7 +234,7 @@ def resolve_ckpt_path(ckpt_path: Optional[str], run_dir: Path) -> Optional[str]:
     if ckpt_path != "last":
         read_checkpoint(ckpt_path, "ckpt_path")
         return ckpt_path
-    last = Path(run_dir) / "checkpoints" / LAST
+    last = last_checkpoint(run_dir)
     prev = previous_of(last)
     found = _first_readable([last, prev])
     if found is None and (last.exists() or prev.exists()):
@@ -317,6 +312,6 @@ class RebaseCheckpointPaths(Callback):
                 self._rebase(state, old)
 
 
-__all__ = ["AtomicCheckpointIO", "CHECKSUM", "LAST", "RebaseCheckpointPaths", "atomic_torch_save", "checkpoint_step",
-           "previous_of", "read_checkpoint", "remove_best_after", "remove_stale_temporaries", "resolve_ckpt_path",
+__all__ = ["AtomicCheckpointIO", "CHECKPOINTS", "CHECKSUM", "LAST", "RebaseCheckpointPaths", "atomic_torch_save",
+           "checkpoint_step", "checkpoints_dir", "last_checkpoint", "previous_of", "read_checkpoint", "remove_best_after", "remove_stale_temporaries", "resolve_ckpt_path",
            "set_aside_unreadable", "tensor_checksum"]

@@ -210,7 +210,7 @@ def _snippet(text: str, n: int) -> str:
 
 def run_search(cfg: Any, out=None) -> list[dict]:
     """Answer the configured queries; prints them and returns ``[{query, results}]``."""
-    from moco_retrieval.evaluate import pick_device
+    from moco_retrieval.devices import pick_device
     from moco_retrieval.evaluation.encode import encode_texts
 
     out = out or sys.stdout
