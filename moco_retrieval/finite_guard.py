@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from moco_retrieval.checkpointing import LAST, checkpoint_step, read_checkpoint
+from moco_retrieval.checkpoint_file import LAST, checkpoint_step, read_checkpoint
 from moco_retrieval.distributed import world_size
 from moco_retrieval.errors import CheckpointError, UserError
 

@@ -13,7 +13,8 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from moco_retrieval.checkpointing import LAST, last_checkpoint, previous_of
+from moco_retrieval.checkpoint_file import LAST, previous_of
+from moco_retrieval.checkpointing import last_checkpoint
 from moco_retrieval.errors import ConfigError
 
 NO_EXPERIMENT = "(none)"

@@ -1,5 +1,5 @@
 """One sha256 over named tensors (place, dtype, shape and bytes, in order): the checksum a
-checkpoint carries (checkpointing.py) and the per-rank fingerprints of unsynced state
+checkpoint carries (checkpoint_file.py) and the per-rank fingerprints of unsynced state
 (fingerprints.py)."""
 from __future__ import annotations
 

@@ -40,9 +40,10 @@ from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from moco_retrieval import distributed
-from moco_retrieval.checkpointing import (AtomicCheckpointIO, RebaseCheckpointPaths, checkpoint_step, checkpoints_dir,
-                                          last_checkpoint, previous_of, read_checkpoint, remove_best_after,
-                                          remove_stale_temporaries, resolve_ckpt_path, set_aside_unreadable)
+from moco_retrieval.best_checkpoints import RebaseCheckpointPaths, remove_best_after
+from moco_retrieval.checkpoint_file import AtomicCheckpointIO, checkpoint_step, previous_of, read_checkpoint
+from moco_retrieval.checkpointing import (checkpoints_dir, last_checkpoint, remove_stale_temporaries, resolve_ckpt_path,
+                                          set_aside_unreadable)
 from moco_retrieval.launcher import is_rank_zero, on_slurm, torchrun_devices
 from moco_retrieval.command import command
 from moco_retrieval.config import TrainConfig, TrainerConfig, register_configs
