@@ -311,7 +311,7 @@ def test_export_onto_an_existing_folder_is_one_message(tmp_path):
 
 def test_export_overwrite_replaces_only_what_an_export_wrote(tmp_path):
     from moco_retrieval.config import ModelConfig
-    from moco_retrieval.export import export_encoder
+    from moco_retrieval.export_model import export_encoder
     from moco_retrieval.model.encoder import build_encoder
     from moco_retrieval.model.loading import META_FILE
     from moco_retrieval.model.tiny import build_tiny_bert
