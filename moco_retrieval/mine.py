@@ -123,47 +123,70 @@ def next_command(stats: dict, out: Path, cfg: Any) -> str:
             f"only the rows that got negatives): {command}")
 
 
-def run_mine(cfg: Any) -> MiningResult:
-    """``python -m moco_retrieval.mine``: load the model and pairs, mine, write JSONL and stats."""
-    from moco_retrieval.model.loading import load_encoder
-    from moco_retrieval.outputs import atomic_write
-
-    out, stats_file = check_mine_outputs(cfg)
+def mining_settings(cfg: Any) -> tuple[MiningFilters, MiningOptions]:
+    """The filters and options of a MineConfig, checked (one message naming the key)."""
     filters = MiningFilters(
         range_min=cfg.range_min, range_max=cfg.range_max, margin=cfg.margin, relative_margin=cfg.relative_margin,
         max_score=cfg.max_score, drop_group=cfg.drop_group,
     ).check()
     options = MiningOptions(n_negatives=cfg.n_negatives, sampling=cfg.sampling, seed=cfg.seed, keep_empty=cfg.keep_empty,
                             index_cfg=cfg.eval, progress=cfg.progress).check()
+    return filters, options
+
+
+def prepare_encoding(encoder: Any, pairs: list[Pair], cfg: Any) -> None:
+    """Before encoding: a frozen backbone's features computed (and cached) once; else a line saying
+    how many texts and about how long."""
+    if encoder.frozen:
+        encoder.warm_features(encoder.prompts.apply([p.query for p in pairs], "query"),
+                              encoder.prompts.apply(build_corpus(pairs).texts, "doc"), progress=cfg.progress)
+        return
+    from moco_retrieval.evaluation.forecast import announce_encoding
+
+    announce_encoding(encoder, [(build_corpus(pairs).texts, "doc"), ([p.query for p in pairs], "query")],
+                      f"the training pairs of data={cfg.data.kind}", cfg.batch_size,
+                      "data.max_train_examples=N mines a seeded subset")
+
+
+def write_outputs(result: MiningResult, out: Path, stats_file: Path) -> None:
+    """The training JSONL and the statistics, each written atomically."""
+    from moco_retrieval.outputs import atomic_write
+
+    with atomic_write(out) as tmp:
+        write_mined(tmp, result)
+    with atomic_write(stats_file) as tmp:
+        tmp.write_text(json.dumps(result.stats, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+def report_outputs(stats: dict, out: Path, stats_file: Path, cfg: Any) -> None:
+    """The statistics, the files written, the warning for rows left without negatives, the next command."""
+    print(format_stats(stats))
+    print(f"wrote {out} and {stats_file}")
+    warning = dropped_rows_warning(stats, out, bool(cfg.keep_empty))
+    if warning:
+        from moco_retrieval.errors import wrap_message
+
+        print(wrap_message(warning), file=sys.stderr, flush=True)
+    print(next_command(stats, out, cfg))
+
+
+def run_mine(cfg: Any) -> MiningResult:
+    """``python -m moco_retrieval.mine``: load the model and pairs, mine, write JSONL and stats."""
+    from moco_retrieval.model.loading import load_encoder
+
+    out, stats_file = check_mine_outputs(cfg)
+    filters, options = mining_settings(cfg)
     pairs = load_training_pairs(cfg.data)
     encoder, desc = load_encoder(checkpoint=cfg.checkpoint, model_dir=cfg.model_dir, model=cfg.model, encoder=cfg.encoder,
                                  prompts=cfg.data.prompts)
     print(f"mining with {desc['source']} encoder ({desc.get('path', desc.get('backbone'))}, dim {encoder.dim}) "
           f"for {len(pairs):,} training pairs", file=sys.stderr)
-    if encoder.frozen:
-        encoder.warm_features(encoder.prompts.apply([p.query for p in pairs], "query"),
-                              encoder.prompts.apply(build_corpus(pairs).texts, "doc"), progress=cfg.progress)
-    else:
-        from moco_retrieval.evaluation.forecast import announce_encoding
-
-        announce_encoding(encoder, [(build_corpus(pairs).texts, "doc"), ([p.query for p in pairs], "query")],
-                          f"the training pairs of data={cfg.data.kind}", cfg.batch_size,
-                          "data.max_train_examples=N mines a seeded subset")
+    prepare_encoding(encoder, pairs, cfg)
     result = mine_hard_negatives(encoder, pairs, filters, options, batch_size=cfg.batch_size)
     result.stats["model"] = desc
     result.stats["output"] = str(out)
-    with atomic_write(out) as tmp:
-        write_mined(tmp, result)
-    with atomic_write(stats_file) as tmp:
-        tmp.write_text(json.dumps(result.stats, indent=2, default=str) + "\n", encoding="utf-8")
-    print(format_stats(result.stats))
-    print(f"wrote {out} and {stats_file}")
-    warning = dropped_rows_warning(result.stats, out, bool(cfg.keep_empty))
-    if warning:
-        from moco_retrieval.errors import wrap_message
-
-        print(wrap_message(warning), file=sys.stderr, flush=True)
-    print(next_command(result.stats, out, cfg))
+    write_outputs(result, out, stats_file)
+    report_outputs(result.stats, out, stats_file, cfg)
     return result
 
 
