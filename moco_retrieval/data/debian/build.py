@@ -67,10 +67,17 @@ def write_debian(
         train_sources=len(train_sources),
         eval_sources=len(eval_sources),
     )
+    manifest = _manifest(out, eval_fraction, inputs, counts, dedup)
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return manifest
+
+
+def _manifest(out: Path, eval_fraction: float, inputs: dict, counts: dict, dedup: str) -> dict:
+    """What was built from what, by which rules: the written files' sha256, the counts, the options."""
     files = {}
     for rel in ("train.jsonl", "eval/corpus.jsonl", "eval/queries.jsonl", "eval/qrels/test.tsv"):
         files[rel] = sha256_file(out / rel)
-    manifest = {
+    return {
         "dataset": "debian package descriptions (query: short description, document: long description)",
         "builder_version": BUILDER_VERSION,
         "inputs": inputs,
@@ -86,8 +93,6 @@ def write_debian(
         "counts": counts,
         "files": files,
     }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    return manifest
 
 
 def inputs_manifest(translation_files: Sequence[Path], packages_files: Sequence[Path]) -> dict:

@@ -70,6 +70,26 @@ def _umask() -> int:
     return umask
 
 
+def _build_in_cache(out: Path, tr: list[Path], pk: list[Path], inputs: dict, eval_fraction: float, dedup: str) -> dict:
+    """Build into a temporary folder beside ``out``, then rename it to ``out`` (a concurrent rank
+    that renamed first wins; its build is the same). Returns the manifest."""
+    records, counts = load_records(tr, pk)
+    pairs, dcounts = deduplicate(records, dedup)
+    counts.update(dcounts)
+    tmp = temp_dir_beside(out.parent, f".{out.name}.tmp-")
+    try:
+        manifest = write_debian(tmp, pairs, eval_fraction, inputs, counts, dedup)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not (out / "manifest.json").is_file():  # not a concurrent build that won the race
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
 def ensure_debian_dataset(
     cfg, eval_fraction: float = DEFAULT_EVAL_FRACTION, dedup: str = "first-paragraph", verbose: bool = True
 ) -> Path:
@@ -105,20 +125,7 @@ def ensure_debian_dataset(
         return out
     cache.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    records, counts = load_records(tr, pk)
-    pairs, dcounts = deduplicate(records, dedup)
-    counts.update(dcounts)
-    tmp = temp_dir_beside(cache, f".debian-{key}.tmp-")
-    try:
-        manifest = write_debian(tmp, pairs, eval_fraction, inputs, counts, dedup)
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not (out / "manifest.json").is_file():  # not a concurrent build that won the race
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    manifest = _build_in_cache(out, tr, pk, inputs, eval_fraction, dedup)
     record_build(cache, out, label, options)
     if verbose:
         c = manifest["counts"]

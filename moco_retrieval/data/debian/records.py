@@ -23,9 +23,8 @@ class DebianPair:
     document: str
 
 
-def load_records(translation_files: Sequence[Path], packages_files: Sequence[Path]) -> tuple[list[DebianPair], dict]:
-    """Join translations with Packages; return records (package order, non-empty documents) and counts."""
-    counts = {"translation_records": 0, "packages_stanzas": 0}
+def _read_translations(translation_files: Sequence[Path], counts: dict) -> dict[tuple[str, str], str]:
+    """(package, Description-md5) -> Description-en of every translation record (the first one seen)."""
     translations: dict[tuple[str, str], str] = {}
     for path in translation_files:
         for line, f in parse_control(read_index_text(path), path):
@@ -34,6 +33,11 @@ def load_records(translation_files: Sequence[Path], packages_files: Sequence[Pat
                 if not f.get(field, "").strip():
                     raise DataError(f"{path}:{line}: record without {field!r} (expected Package, Description-md5, Description-en)")
             translations.setdefault((f["Package"], f["Description-md5"]), f["Description-en"])
+    return translations
+
+
+def _read_sources(packages_files: Sequence[Path], counts: dict) -> dict[tuple[str, str], str]:
+    """(package, Description-md5) -> source name (the smallest when several), from the Packages stanzas."""
     sources: dict[tuple[str, str], str] = {}
     for path in packages_files:
         for line, f in parse_control(read_index_text(path, strict_utf8=False), path):
@@ -49,6 +53,14 @@ def load_records(translation_files: Sequence[Path], packages_files: Sequence[Pat
             src = source_name(f)
             if key not in sources or src < sources[key]:
                 sources[key] = src
+    return sources
+
+
+def load_records(translation_files: Sequence[Path], packages_files: Sequence[Path]) -> tuple[list[DebianPair], dict]:
+    """Join translations with Packages; return records (package order, non-empty documents) and counts."""
+    counts = {"translation_records": 0, "packages_stanzas": 0}
+    translations = _read_translations(translation_files, counts)
+    sources = _read_sources(packages_files, counts)
     records: list[DebianPair] = []
     seen_packages: set[str] = set()
     unmatched = empty = dup_pkg = 0
