@@ -113,7 +113,7 @@ def trainer_kwargs(cfg: TrainerConfig) -> dict:
 def ddp_strategy(timeout_s: int = 1800, find_unused_parameters: bool = False, **options) -> DDPStrategy:
     """DDP without the per-step broadcast of buffers from rank 0: every rank enqueues the same
     all-gathered keys, so the queue (K x d buffers) stays identical without it (each checkpoint
-    records every rank's fingerprint, see preemption.py), and copying it every step costs
+    records every rank's fingerprint, see fingerprints.py), and copying it every step costs
     K x d x 4 bytes (200 MB at 65k x 768). The buffers are still synced once, at the start.
     ``timeout_s``: how long a collective waits for the other ranks (trainer.process_group_timeout).
     ``find_unused_parameters``: for objectives that leave parameters without gradient in some steps

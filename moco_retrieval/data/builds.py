@@ -1,4 +1,4 @@
-"""Writing a built data set's folder atomically (the builders: debian.py, stdlib_docs.py).
+"""Writing a built data set's folder atomically (the builders: debian/, stdlib_docs.py).
 
 A build is written into a temporary sibling folder and renamed into place, so a reader never sees
 half a build and an interrupted one leaves the old build intact. An existing ``out`` is replaced
