@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from moco_retrieval.errors import OutputExistsError
+from moco_retrieval.file_modes import ordinary_mode
 from moco_retrieval.model.loading import META_FILE
 
 # what exports wrote before META_FILE listed it: sentence-transformers' files and module folders, ours
@@ -69,12 +70,10 @@ def apply_umask(paths: list[Path]) -> None:
     """Ordinary permissions (0666 / 0777 less the umask) on what an export wrote (``paths`` and all
     below them; nothing else in out_dir): some writers (the safetensors file) create private 0600
     files, which another user or a serving container cannot read."""
-    umask = os.umask(0o022)
-    os.umask(umask)
     for top in paths:
         for p in [top, *(top.rglob("*") if top.is_dir() and not top.is_symlink() else [])]:
             if not p.is_symlink():
-                os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
+                os.chmod(p, ordinary_mode(p.is_dir()))
 
 
 __all__ = ["EXPORT_ENTRIES", "apply_umask", "earlier_export", "install_export"]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from ...config import cache_root
+from ...file_modes import ordinary_mode
 from ..builds import temp_dir_beside
 from .apt_lists import ENV_DEBIAN_DIR, resolve_debian_inputs
 from .build import BUILDER_VERSION, DEFAULT_EVAL_FRACTION, check_options, inputs_manifest, write_debian
@@ -36,7 +37,7 @@ def record_build(cache: Path, out: Path, label: str, options: dict) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{RECORD_FILE}.", dir=cache)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    os.chmod(tmp, 0o666 & ~_umask())
+    os.chmod(tmp, ordinary_mode(is_dir=False))
     os.replace(tmp, path)
 
 
@@ -62,12 +63,6 @@ def _announce_recorded(recorded: tuple[Path, str]) -> None:
     _announced.add(str(out))
     print(f"[moco_retrieval] Debian data set: {out} (built from {source}; data.debian_dir=DIR or "
           f"${ENV_DEBIAN_DIR}=DIR selects other apt lists)", file=sys.stderr)
-
-
-def _umask() -> int:
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return umask
 
 
 def _build_in_cache(out: Path, tr: list[Path], pk: list[Path], inputs: dict, eval_fraction: float, dedup: str) -> dict:
