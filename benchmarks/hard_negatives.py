@@ -76,7 +76,7 @@ def mine_variants(ckpt: Path, pairs, out_dir: Path, variants: dict, n_negatives:
     variant's JSONL and stats."""
     from moco_retrieval.evaluation.encode import encode_texts
     from moco_retrieval.model.loading import load_checkpoint_encoder
-    from moco_retrieval.mining import MiningFilters, build_corpus, mine_from_embeddings, stats_path_for, write_mined
+    from moco_retrieval.mining import MiningFilters, MiningOptions, build_corpus, mine_from_embeddings, stats_path_for, write_mined
 
     enc, _ = load_checkpoint_encoder(ckpt)
     corpus = build_corpus(pairs)
@@ -85,7 +85,7 @@ def mine_variants(ckpt: Path, pairs, out_dir: Path, variants: dict, n_negatives:
     results = {}
     for name, kw in variants.items():
         res = mine_from_embeddings(pairs, corpus, q_emb, d_emb, MiningFilters(range_max=range_max, **kw),
-                                   n_negatives=n_negatives, progress=False)
+                                   MiningOptions(n_negatives=n_negatives, progress=False))
         results[name] = res
         c = res.stats["candidates"]
         print(f"[mine {name}] rows {res.stats['rows_written']:,}, removed {c['removed']}, "

@@ -43,14 +43,10 @@ from _common import (  # noqa: E402
 
 import torch  # noqa: E402
 
+from moco_retrieval.devices import pick_device  # noqa: E402
+
 NAME = "speed"
 HERE = Path(__file__).resolve().parent
-
-
-def device_of(arg: str) -> torch.device:
-    if arg == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(arg)
 
 
 def sync(dev: torch.device) -> None:
@@ -64,7 +60,7 @@ def sync(dev: torch.device) -> None:
 def section_step(args) -> dict:
     from moco_retrieval.lightning_module import RetrievalModule
 
-    dev = device_of(args.device)
+    dev = pick_device(args.device)
     ks = [int(k) for k in args.ks.split(",")]
     batch = args.batch_size
     bench = Bench()
@@ -184,7 +180,7 @@ def import_lightly_memory_bank():
 def section_queue(args) -> dict:
     from moco_retrieval.objectives.queue import NegativeQueue
 
-    dev = device_of(args.device)
+    dev = pick_device(args.device)
     ks = [int(k) for k in args.queue_ks.split(",")]
     B, d = args.batch_size, 384
     try:

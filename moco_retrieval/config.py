@@ -579,7 +579,7 @@ class TrainConfig:
 
 @dataclass
 class MineConfig(RangeChecked):
-    """``python -m moco_retrieval.mine``: hard negatives for training pairs (see mining.py).
+    """``python -m moco_retrieval.mine``: hard negatives for training pairs (see mine.py and the mining package).
 
     The model is ``checkpoint`` (a training .ckpt), else ``model_dir`` (an exported directory, or
     a plain Hugging Face folder built with ``model``'s pooling/head), else the base encoder that

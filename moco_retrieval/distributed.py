@@ -27,6 +27,11 @@ def world_size() -> int:
     return dist.get_world_size() if is_dist() else 1
 
 
+def rank_and_world() -> tuple[int, int]:
+    """``(rank, world size)`` of the process group, ``(0, 1)`` without one."""
+    return rank(), world_size()
+
+
 @torch.no_grad()
 def all_gather_no_grad(x: Tensor) -> Tensor:
     """Concatenate ``x`` from every rank along dim 0, in rank order (equal shapes required)."""

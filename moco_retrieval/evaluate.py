@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from moco_retrieval.command import command
 from moco_retrieval.config import EvalConfig, ModelConfig, register_configs, to_config
+from moco_retrieval.devices import pick_device
 from moco_retrieval.errors import ConfigError
 from moco_retrieval.model.loading import describe_spec, load_encoder
 
@@ -47,12 +48,6 @@ def load_eval_set(data: Any) -> tuple[Any, dict]:
 
     pool = load_eval_pool_mapped(data)
     return pool.eval_set, pool.description
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def _model_name(spec_kwargs: dict, desc: dict, given: Optional[str]) -> str:

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from moco_retrieval.checkpointing import LAST, checkpoint_step, read_checkpoint
+from moco_retrieval.checkpoint_file import LAST, checkpoint_step, read_checkpoint
+from moco_retrieval.distributed import world_size
 from moco_retrieval.errors import CheckpointError, UserError
 
 NONE = 2**62  # "no bad step yet"; the ranks agree with a MIN
@@ -75,7 +76,7 @@ class FiniteGuard(Callback):
             finite = torch.stack([torch.isfinite(p).all() for p in pl_module.parameters()]).all()
             weight_step = torch.where(finite, weight_step, torch.full_like(weight_step, trainer.global_step))
         found = torch.stack([loss_step, weight_step])
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if world_size() > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MIN)
         loss_at, weights_at = (int(v) for v in found.tolist())  # the one host sync
         if loss_at == NONE and weights_at == NONE:

@@ -13,7 +13,8 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from moco_retrieval.checkpointing import LAST, previous_of
+from moco_retrieval.checkpoint_file import LAST, previous_of
+from moco_retrieval.checkpointing import last_checkpoint
 from moco_retrieval.errors import ConfigError
 
 NO_EXPERIMENT = "(none)"
@@ -32,7 +33,7 @@ def experiment_of(run_dir: Path) -> Optional[str]:
 
 
 def _checkpoint_time(run_dir: Path) -> Optional[float]:
-    last = run_dir / "checkpoints" / LAST
+    last = last_checkpoint(run_dir)
     times = [p.stat().st_mtime for p in (last, previous_of(last)) if p.is_file()]
     return max(times) if times else None
 

@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import OmegaConf
 
-from moco_retrieval.cluster import wandb_mode, wandb_settings
+from moco_retrieval.wandb_policy import wandb_mode, wandb_settings
 from moco_retrieval.config import LoggerConfig
 
 RUN_ID_FILE = "run_id"  # under RUN_DIR/wandb/

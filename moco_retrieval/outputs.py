@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
 from moco_retrieval.errors import ConfigError, OutputExistsError
+from moco_retrieval.file_modes import ordinary_mode
 
 
 def check_output(path: Path, key: str, overwrite: bool, inputs: Mapping[str, Iterable[Path]]) -> None:
@@ -63,9 +64,7 @@ def atomic_write(path: Path) -> Iterator[Path]:
     tmp = Path(name)
     try:
         yield tmp
-        umask = os.umask(0o022)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # (mkstemp's files are private)
+        os.chmod(tmp, ordinary_mode(is_dir=False))  # (mkstemp's files are private)
         os.replace(tmp, path)
     finally:
         if tmp.exists():

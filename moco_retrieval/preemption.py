@@ -56,103 +56,22 @@ shows it: the ranks must hold identical copies, which DDP does not check.
 """
 from __future__ import annotations
 
-import hashlib
-import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-log = logging.getLogger(__name__)
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
-
-def exit_code(signum: int) -> int:
-    """The status of a run stopped by ``signum``: 128 + the signal number (143 for SIGTERM)."""
-    return 128 + int(signum)
-
-
-class Preempted(SystemExit):
-    """Raised after the preemption checkpoint is written; its ``code`` is the process status."""
-
-    def __init__(self, signum: int, ckpt_path: str, step: int):
-        super().__init__(exit_code(signum))
-        self.signum, self.ckpt_path, self.step = int(signum), str(ckpt_path), int(step)
-
-    def __str__(self) -> str:
-        return (f"stopped by {signal.Signals(self.signum).name} after step {self.step}; "
-                f"checkpoint {self.ckpt_path}; exit status {self.code}")
-
-
-@contextmanager
-def sigterm_exit_status() -> Iterator[None]:
-    """Lightning's own ``SIGTERMException`` (a SIGTERM outside the training steps, e.g. during the
-    final validation, or one Lightning saw before ``on_train_start``) is a ``SystemExit`` with
-    status 0, which a scheduler takes for success; make it 143 like :class:`Preempted`."""
-    try:
-        yield
-    except SIGTERMException as e:
-        raise SystemExit(exit_code(signal.SIGTERM)) from e
-
-
-def slurm_job_id(env: Optional[dict] = None) -> Optional[str]:
-    """The id ``scontrol requeue`` takes: ``<array job>_<task>`` for array tasks, else the job id."""
-    e = os.environ if env is None else env
-    if e.get("SLURM_ARRAY_JOB_ID") and e.get("SLURM_ARRAY_TASK_ID"):
-        return f"{e['SLURM_ARRAY_JOB_ID']}_{e['SLURM_ARRAY_TASK_ID']}"
-    return e.get("SLURM_JOB_ID") or None
-
-
-def slurm_requeue(job: Optional[str] = None) -> bool:
-    """``scontrol requeue <job>``; False (with the reason logged) when it cannot be done here."""
-    job = job or slurm_job_id()
-    if not job:
-        log.warning("requeue: no SLURM job id in the environment")
-        return False
-    try:
-        rc = subprocess.call(["scontrol", "requeue", job])
-    except FileNotFoundError:
-        log.warning("requeue: scontrol is not available here (a container?); the batch script has to "
-                    "requeue job %s (docker/slurm.sbatch does, on an exit status above 128)", job)
-        return False
-    if rc != 0:
-        log.warning("requeue: `scontrol requeue %s` failed with status %s", job, rc)
-        return False
-    log.info("requeued SLURM job %s", job)
-    return True
-
-
-def _fingerprint(tensors: Sequence[torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(str((t.dtype, tuple(t.shape))).encode())
-        h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def rank_fingerprints(pl_module: L.LightningModule) -> dict[str, str]:
-    """sha256 of this rank's objective state (``objective.unsynced_state()``: queues, guide queues,
-    refresh buffers, logQ estimates, ...) and key-encoder weights: the state DDP does not sync."""
-    out = {}
-    objective = getattr(pl_module, "objective", None)
-    state = objective.unsynced_state() if objective is not None else {}
-    if state:
-        out["objective"] = _fingerprint([t for _, t in sorted(state.items())])
-    key_encoder = getattr(pl_module, "key_encoder", None)
-    if key_encoder is not None:
-        out["key_encoder"] = _fingerprint([t for _, t in sorted(key_encoder.state_dict().items())])
-    return out
+from moco_retrieval.distributed import world_size
+from moco_retrieval.fingerprints import rank_fingerprints
+from moco_retrieval.requeue import slurm_requeue
+from moco_retrieval.stop_signals import STOP_SIGNALS, Preempted, sigterm_exit_status
 
 
 class PreemptionCheckpoint(Callback):
@@ -227,7 +146,7 @@ class PreemptionCheckpoint(Callback):
     def _agreed_signal(self, trainer: L.Trainer) -> int:
         """The largest signal number any rank received (0: none), the same on every rank."""
         local = int(self.received or 0)
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if world_size() == 1:
             return local
         flag = torch.tensor([local], dtype=torch.int32, device=trainer.strategy.root_device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -277,13 +196,12 @@ class PreemptionCheckpoint(Callback):
         # trainer.save_checkpoint runs this on every rank (only rank 0 writes the file), so the
         # gather is matched on all ranks.
         mine = rank_fingerprints(pl_module)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            everyone: list = [None] * dist.get_world_size()
+        if world_size() > 1:
+            everyone: list = [None] * world_size()
             dist.all_gather_object(everyone, mine)
         else:
             everyone = [mine]
         checkpoint["rank_fingerprints"] = everyone
 
 
-__all__ = ["PreemptionCheckpoint", "Preempted", "exit_code", "rank_fingerprints", "sigterm_exit_status",
-           "slurm_job_id", "slurm_requeue", "STOP_SIGNALS"]
+__all__ = ["PreemptionCheckpoint", "Preempted", "STOP_SIGNALS", "sigterm_exit_status"]

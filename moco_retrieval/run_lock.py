@@ -8,7 +8,7 @@ data or builds a model. What is recognised:
 * a lock left by a process that is gone: the ``flock`` is free, the lock is taken over (noted);
 * where ``flock`` is not supported (some network filesystems): the holder is gone when it ran on
   this host and its pid no longer runs (or runs another program, same pid reused);
-* an attempt of the same cluster job (``cluster.job_id``: a SLURM requeue keeps the job id)
+* an attempt of the same cluster job (``launcher.job_id``: a SLURM requeue keeps the job id)
   takes the lock over from a holder on another node, which it cannot see die: the scheduler has
   ended the previous attempt (a holder of the same job alive on this host still refuses it).
 
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from moco_retrieval.cluster import job_id
+from moco_retrieval.launcher import job_id
 from moco_retrieval.errors import UserError
 
 LOCK_NAME = ".lock"

@@ -39,10 +39,11 @@ from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from moco_retrieval import distributed
-from moco_retrieval.checkpointing import (LAST, AtomicCheckpointIO, RebaseCheckpointPaths, checkpoint_step, previous_of,
-                                          read_checkpoint, remove_best_after, remove_stale_temporaries, resolve_ckpt_path,
+from moco_retrieval.best_checkpoints import RebaseCheckpointPaths, remove_best_after
+from moco_retrieval.checkpoint_file import AtomicCheckpointIO, checkpoint_step, previous_of, read_checkpoint
+from moco_retrieval.checkpointing import (checkpoints_dir, last_checkpoint, remove_stale_temporaries, resolve_ckpt_path,
                                           set_aside_unreadable)
-from moco_retrieval.cluster import is_rank_zero, on_slurm, torchrun_devices
+from moco_retrieval.launcher import is_rank_zero, on_slurm, torchrun_devices
 from moco_retrieval.command import command
 from moco_retrieval.config import TrainConfig, TrainerConfig, register_configs
 from moco_retrieval.data.datamodule import RetrievalDataModule
@@ -111,7 +112,7 @@ def trainer_kwargs(cfg: TrainerConfig) -> dict:
 def ddp_strategy(timeout_s: int = 1800, find_unused_parameters: bool = False, **options) -> DDPStrategy:
     """DDP without the per-step broadcast of buffers from rank 0: every rank enqueues the same
     all-gathered keys, so the queue (K x d buffers) stays identical without it (each checkpoint
-    records every rank's fingerprint, see preemption.py), and copying it every step costs
+    records every rank's fingerprint, see fingerprints.py), and copying it every step costs
     K x d x 4 bytes (200 MB at 65k x 768). The buffers are still synced once, at the start.
     ``timeout_s``: how long a collective waits for the other ranks (trainer.process_group_timeout).
     ``find_unused_parameters``: for objectives that leave parameters without gradient in some steps
@@ -138,7 +139,7 @@ def build(cfg: TrainConfig, run_dir: Path, dm: Optional[RetrievalDataModule] = N
         dm = RetrievalDataModule(cfg.data, n_negatives=cfg.data.n_negatives)
     dm.tokenize = enc.tokenize if enc.needs_tokens else None
     checkpoints = ModelCheckpoint(
-        dirpath=run_dir / "checkpoints",
+        dirpath=checkpoints_dir(run_dir),
         filename="best-{step}",
         monitor="val/recall@1",
         mode="max",
@@ -149,23 +150,23 @@ def build(cfg: TrainConfig, run_dir: Path, dm: Optional[RetrievalDataModule] = N
     # every validation (a job killed without warning loses at most val_check_interval steps), at a
     # preemption and at the end of training (PreemptionCheckpoint below). (`save_last=True` above
     # would write it only along with a new best.) Overwritten, never versioned to last-v1.ckpt.
-    latest = ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="last", save_top_k=1,
+    latest = ModelCheckpoint(dirpath=checkpoints_dir(run_dir), filename="last", save_top_k=1,
                              enable_version_counter=False)
     callbacks = [checkpoints, latest] + ([progress_callback(cfg.trainer.log_every_n_steps)] if cfg.trainer.enable_progress_bar else [])
     callbacks.append(ValidationReport(run_dir / "plots", cfg.eval.sample_queries, cfg.logger.log_tables))
     callbacks += [RunClock(), RecordAttempt()]
     # what the checkpoint trains with (a resume that changes it is refused), its paths after a move
-    callbacks += [RecordTraining(cfg), RebaseCheckpointPaths(run_dir / "checkpoints")]
+    callbacks += [RecordTraining(cfg), RebaseCheckpointPaths(checkpoints_dir(run_dir))]
     loggers = build_loggers(cfg.logger, run_dir, resume=resuming)
     log_config(loggers, cfg)
     # SIGTERM / SIGUSR1 / Ctrl-C: finish the step, write checkpoints/last.ckpt, exit 128 + signal (preemption.py).
     # Under SLURM, Lightning's auto-requeue on SIGUSR1 (`scontrol requeue` after that checkpoint).
     slurm = on_slurm()
     # (first in line, so that the run stops before the other callbacks' hooks of the next step)
-    callbacks.insert(0, PreemptionCheckpoint(run_dir / "checkpoints" / "last.ckpt",
+    callbacks.insert(0, PreemptionCheckpoint(last_checkpoint(run_dir),
                                              requeue_signal=signal.SIGUSR1 if slurm else None))
     # before it: a loss or weights gone inf / NaN stop the run before any checkpoint records them
-    callbacks.insert(0, FiniteGuard(cfg.trainer.log_every_n_steps, run_dir / "checkpoints"))
+    callbacks.insert(0, FiniteGuard(cfg.trainer.log_every_n_steps, checkpoints_dir(run_dir)))
     plugins: list = [AtomicCheckpointIO()]
     if slurm:
         plugins.append(SLURMEnvironment(auto_requeue=True, requeue_signal=signal.SIGUSR1))
@@ -186,11 +187,11 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> Optional[str]:
     """Before data and model: remove what killed checkpoint writes left, check the checkpoint to
     resume from (CheckpointError naming it when it cannot be read, or when this config changes
     what it trained); return its path."""
-    folder = run_dir / "checkpoints"
+    folder = checkpoints_dir(run_dir)
     if is_rank_zero():  # (rank 0 holds the run directory's lock: no write of this run is under way)
         remove_stale_temporaries(folder)
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
-    last = folder / LAST
+    last = last_checkpoint(run_dir)
     if ckpt_path == str(previous_of(last)) and is_rank_zero():  # the fallback: keep the good one as predecessor
         set_aside_unreadable(last)
     if ckpt_path is not None:
@@ -198,8 +199,8 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> Optional[str]:
         check_resumable(ckpt, ckpt_path, cfg)
         if is_rank_zero() and Path(ckpt_path).resolve().parent == folder.resolve():
             remove_best_after(folder, checkpoint_step(ckpt))
-    if cfg.ckpt_path is None and (run_dir / "checkpoints" / "last.ckpt").exists() and is_rank_zero():
-        print(f"[moco_retrieval] warning: {run_dir / 'checkpoints' / 'last.ckpt'} exists but ckpt_path is not set: "
+    if cfg.ckpt_path is None and last.exists() and is_rank_zero():
+        print(f"[moco_retrieval] warning: {last} exists but ckpt_path is not set: "
               "training starts from scratch and overwrites it (ckpt_path=last resumes)", file=sys.stderr)
     return ckpt_path
 

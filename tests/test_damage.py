@@ -13,8 +13,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from omegaconf import OmegaConf
 
-from moco_retrieval import checkpointing, distributed
-from moco_retrieval.checkpointing import atomic_torch_save, previous_of, read_checkpoint, resolve_ckpt_path
+from moco_retrieval import checkpoint_file, distributed
+from moco_retrieval.checkpoint_file import atomic_torch_save, previous_of, read_checkpoint
+from moco_retrieval.checkpointing import resolve_ckpt_path
 from moco_retrieval.errors import USER_ERROR_STATUS, CheckpointError
 from test_resume import fit, make_module, tiny_dir  # noqa: F401 (fixture)
 from test_resume_refusals import SHARED_DEBIAN, config
@@ -76,7 +77,7 @@ class Poison(Callback):
 
 
 def test_a_loss_gone_nan_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(tiny_dir, tmp_path):
-    from moco_retrieval.checkpointing import AtomicCheckpointIO
+    from moco_retrieval.checkpoint_file import AtomicCheckpointIO
     from moco_retrieval.finite_guard import FiniteGuard, NonFiniteError
 
     folder = tmp_path / "checkpoints"
@@ -152,7 +153,7 @@ def test_a_learning_rate_that_blows_up_ends_the_run_with_one_message_and_status_
 def test_disk_full_message_names_the_checkpoints_that_are_kept(tmp_path, monkeypatch):
     last = _last_and_previous(tmp_path)
     real_open = os.open
-    monkeypatch.setattr(checkpointing.os, "open", lambda path, flags, mode=0o777: real_open("/dev/full", os.O_WRONLY))
+    monkeypatch.setattr(checkpoint_file.os, "open", lambda path, flags, mode=0o777: real_open("/dev/full", os.O_WRONLY))
     with pytest.raises(CheckpointError) as err:
         atomic_torch_save({"w": torch.zeros(100_000)}, last.parent / "best-6.ckpt")
     monkeypatch.undo()
@@ -160,7 +161,7 @@ def test_disk_full_message_names_the_checkpoints_that_are_kept(tmp_path, monkeyp
     assert "no earlier checkpoint" not in msg
     assert f"best-6.ckpt was not written (checkpoints in {last.parent}: last.ckpt, last.prev.ckpt)" in msg
     with pytest.raises(CheckpointError) as err:
-        monkeypatch.setattr(checkpointing.os, "open",
+        monkeypatch.setattr(checkpoint_file.os, "open",
                             lambda path, flags, mode=0o777: real_open("/dev/full", os.O_WRONLY))
         atomic_torch_save({"w": torch.zeros(100_000)}, tmp_path / "empty" / "best-1.ckpt")
     monkeypatch.undo()

@@ -226,10 +226,10 @@ def test_ensure_debian_dataset_caches(tmp_path, monkeypatch):
 
 def test_the_built_set_is_found_without_pointing_at_the_apt_lists_again(tmp_path, monkeypatch):
     """Train once with the apt lists pointed at; evaluate, search and mine then find the same set."""
-    import moco_retrieval.data.debian as debian
+    from moco_retrieval.data.debian import apt_lists
 
     monkeypatch.delenv(ENV_DEBIAN_DIR, raising=False)
-    monkeypatch.setattr(debian, "DEFAULT_LISTS_DIR", str(tmp_path / "no-apt-lists"))
+    monkeypatch.setattr(apt_lists, "DEFAULT_LISTS_DIR", str(tmp_path / "no-apt-lists"))
     cache = str(tmp_path / "cache")
     with pytest.raises(DataError, match="cannot build the Debian data set"):  # nothing built, nothing pointed at
         ensure_debian_dataset(DataConfig(cache_dir=cache), verbose=False)

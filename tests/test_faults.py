@@ -17,9 +17,9 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from moco_retrieval import checkpointing
-from moco_retrieval.checkpointing import (AtomicCheckpointIO, atomic_torch_save, previous_of, read_checkpoint,
-                                          resolve_ckpt_path)
+from moco_retrieval import checkpoint_file
+from moco_retrieval.checkpoint_file import AtomicCheckpointIO, atomic_torch_save, previous_of, read_checkpoint
+from moco_retrieval.checkpointing import resolve_ckpt_path
 from moco_retrieval.config import register_configs
 from moco_retrieval.data.formats import DataError, EvalSet, read_beir, read_pairs_jsonl, write_beir, write_jsonl
 from moco_retrieval.errors import (USER_ERROR_STATUS, CheckpointError, ConfigError, UserError,
@@ -251,7 +251,7 @@ def test_disk_full_while_writing_is_one_message_and_the_previous_checkpoint_stay
     before = last.read_bytes()
     real_open = os.open
     # every write of this save goes to /dev/full, which fails as a full disk does (ENOSPC)
-    monkeypatch.setattr(checkpointing.os, "open", lambda path, flags, mode=0o777: real_open("/dev/full", os.O_WRONLY))
+    monkeypatch.setattr(checkpoint_file.os, "open", lambda path, flags, mode=0o777: real_open("/dev/full", os.O_WRONLY))
     with pytest.raises(CheckpointError) as err:
         atomic_torch_save({"w": torch.zeros(100_000)}, last, keep_previous=True)
     monkeypatch.undo()

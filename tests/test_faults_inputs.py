@@ -197,7 +197,7 @@ def test_mine_never_writes_over_its_training_pairs(tmp_path, extra):
 
 
 def test_mine_refuses_an_existing_output_a_link_to_an_input_and_a_directory(tmp_path):
-    from moco_retrieval.mining import check_mine_outputs
+    from moco_retrieval.mine import check_mine_outputs
 
     pairs = _pairs_file(tmp_path / "pairs.jsonl")
     (tmp_path / "eval").mkdir()
@@ -233,8 +233,7 @@ def test_mine_output_dir_on_the_command_line_is_one_message(tmp_path):
 
 
 def _mine(tmp_path: Path, pairs: Path, *more: str):
-    from moco_retrieval.mine import to_mine_config
-    from moco_retrieval.mining import run_mine
+    from moco_retrieval.mine import run_mine, to_mine_config
 
     return run_mine(to_mine_config(compose_cfg("mine", _mine_args(tmp_path, pairs, *more))))
 
@@ -272,7 +271,7 @@ def test_mine_keeps_ids_as_given_and_says_what_it_dropped(tmp_path, capsys):
 
 
 def test_mine_writes_its_output_atomically(tmp_path, monkeypatch):
-    from moco_retrieval import mining
+    from moco_retrieval import mine
 
     pairs = _pairs_file(tmp_path / "pairs.jsonl")
     out = tmp_path / "mined.jsonl"
@@ -282,7 +281,7 @@ def test_mine_writes_its_output_atomically(tmp_path, monkeypatch):
         Path(path).write_text('{"query": "half a li')
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(mining, "write_mined", cut_short)
+    monkeypatch.setattr(mine, "write_mined", cut_short)
     with pytest.raises(OSError):
         _mine(tmp_path, pairs, f"output={out}", "overwrite=true", "n_negatives=1")
     assert out.read_text() == "an earlier output\n"
@@ -312,7 +311,7 @@ def test_export_onto_an_existing_folder_is_one_message(tmp_path):
 
 def test_export_overwrite_replaces_only_what_an_export_wrote(tmp_path):
     from moco_retrieval.config import ModelConfig
-    from moco_retrieval.export import export_encoder
+    from moco_retrieval.export_model import export_encoder
     from moco_retrieval.model.encoder import build_encoder
     from moco_retrieval.model.loading import META_FILE
     from moco_retrieval.model.tiny import build_tiny_bert

@@ -152,7 +152,8 @@ def test_validation_evaluate_and_export_report_each_prefix(tmp_path_factory, tmp
     from moco_retrieval.config import DataConfig, EvalConfig, ModelConfig, OptimConfig
     from moco_retrieval.data.datamodule import RetrievalDataModule
     from moco_retrieval.evaluation.encode import encode_texts, evaluate_encoder
-    from moco_retrieval.export import export_encoder, write_model_card
+    from moco_retrieval.export import write_model_card
+    from moco_retrieval.export_model import export_encoder
     from moco_retrieval.lightning_module import RetrievalModule
     from moco_retrieval.model.loading import load_model_dir
     from moco_retrieval.model.tiny import build_tiny_bert

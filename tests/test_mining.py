@@ -17,6 +17,7 @@ from moco_retrieval.mining import (
     MiningFilters,
     build_corpus,
     filter_candidates,
+    MiningOptions,
     mine_from_embeddings,
     mine_hard_negatives,
     new_counts,
@@ -157,7 +158,7 @@ def test_positive_and_group_never_mined(drop_group):
     corpus = build_corpus(pairs)
     q, d = embeddings(pairs, corpus)
     res = mine_from_embeddings(pairs, corpus, q, d, MiningFilters(relative_margin=None, range_max=10, drop_group=drop_group),
-                               n_negatives=4, progress=False)
+                               MiningOptions(n_negatives=4, progress=False))
     assert len(res.pairs) == len(pairs)
     by_query = {}
     for p in pairs:
@@ -185,8 +186,8 @@ def test_large_group_is_searched_past():
     d = np.stack([base + (0.01 if g == 1 else 2.0) * rng.normal(size=8) for g in corpus.groups]).astype(np.float32)
     d /= np.linalg.norm(d, axis=1, keepdims=True)
     q = np.stack([d[j] for j in corpus.row_doc])
-    res = mine_from_embeddings(pairs, corpus, q, d, MiningFilters(relative_margin=None, range_max=2), n_negatives=3,
-                               progress=False)
+    res = mine_from_embeddings(pairs, corpus, q, d, MiningFilters(relative_margin=None, range_max=2),
+                               MiningOptions(n_negatives=3, progress=False))
     first = res.pairs[0]
     assert len(first.negatives) == 3 and all(n.group == -1 for n in first.negatives)
     assert res.stats["search_depth"]["queries_searched_deeper"] == 40
@@ -225,7 +226,7 @@ def test_jsonl_round_trips_into_training(tmp_path):
     table = {t: d[j] for j, t in enumerate(corpus.texts)}
     table.update({p.query: q[i] for i, p in enumerate(pairs)})
     res = mine_hard_negatives(StubEncoder(table), pairs, MiningFilters(relative_margin=0.05, range_max=8),
-                              n_negatives=2, progress=False)
+                              MiningOptions(n_negatives=2, progress=False))
     out = tmp_path / "mined.jsonl"
     assert write_mined(out, res) == len(res.pairs) == len(pairs)
     assert stats_path_for(out).name == "mined.stats.json"
@@ -262,7 +263,7 @@ def mined_dir(tmp_path_factory):
     corpus = build_corpus(pairs)
     q, d = embeddings(pairs, corpus)
     res = mine_from_embeddings(pairs, corpus, q, d, MiningFilters(relative_margin=None, range_max=6),
-                               n_negatives=2, progress=False)
+                               MiningOptions(n_negatives=2, progress=False))
     write_mined(root / "mined.jsonl", res)
     write_beir(root / "eval", pairs)
     return root
@@ -328,7 +329,7 @@ def test_training_sees_shared_hard_negatives(mined_dir, tmp_path, objective):
 
     # and the trained checkpoint mines again (checkpoint=PATH; a MoCo checkpoint's key encoder too)
     from moco_retrieval.config import MineConfig
-    from moco_retrieval.mining import run_mine
+    from moco_retrieval.mine import run_mine
 
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
     for encoder in ["query"] + (["key"] if objective == "moco" else []):
@@ -345,7 +346,7 @@ def test_mine_command_config_and_outputs(tmp_path, capsys):
 
     from moco_retrieval.data.formats import write_pairs_jsonl
     from moco_retrieval.mine import to_mine_config
-    from moco_retrieval.mining import run_mine
+    from moco_retrieval.mine import run_mine
 
     write_pairs_jsonl(tmp_path / "pairs.jsonl", make_pairs())
     with initialize_config_module(config_module="moco_retrieval.conf", version_base="1.3"):

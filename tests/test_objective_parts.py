@@ -101,8 +101,8 @@ def test_guide_table_and_model_card_read_the_registry():
 def test_unsynced_state_is_every_buffer_and_the_fingerprint_covers_it(name):
     """Every persistent buffer of an objective (queues, query queue, guide queues, refresh tokens
     and steps, logQ estimates, ICoL's phase) is declared; changing any one changes the rank's
-    fingerprint (preemption.py), which before covered the document queue only."""
-    from moco_retrieval.preemption import rank_fingerprints
+    fingerprint (fingerprints.py), which before covered the document queue only."""
+    from moco_retrieval.fingerprints import rank_fingerprints
 
     obj = full(name)
     params = {n for n, _ in obj.named_parameters()}

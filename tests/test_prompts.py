@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from moco_retrieval.checkpointing import atomic_torch_save
+from moco_retrieval.checkpoint_file import atomic_torch_save
 from moco_retrieval.config import InBatchConfig, ModelConfig, OptimConfig, PromptsConfig
 from moco_retrieval.data.collate import EvalCollator, collate
 from moco_retrieval.data.datamodule import RetrievalDataModule

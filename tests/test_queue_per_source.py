@@ -191,7 +191,7 @@ def test_all_the_queues_memory_is_checked_together(monkeypatch):
 
 
 def test_the_fingerprint_covers_every_sources_memory():
-    from moco_retrieval.preemption import rank_fingerprints
+    from moco_retrieval.fingerprints import rank_fingerprints
 
     obj = two_queue(sources=2)
     fill_each_source(obj, ("docs", "queries"))

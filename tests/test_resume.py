@@ -24,7 +24,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from moco_retrieval import preemption
+from moco_retrieval import fingerprints, launcher, requeue, stop_signals
 from moco_retrieval.preemption import Preempted, PreemptionCheckpoint
 from synthetic import SyntheticData
 
@@ -219,7 +219,7 @@ def fit(tmp_path, module, callbacks, batches=6, **kw):
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
 def test_signal_stops_after_the_step_with_a_checkpoint(tiny_dir, tmp_path, signum):
-    before = {s: signal.getsignal(s) for s in preemption.STOP_SIGNALS}
+    before = {s: signal.getsignal(s) for s in stop_signals.STOP_SIGNALS}
     path = tmp_path / "checkpoints" / "last.ckpt"
     sig = SignalAt(signum, batch_idx=2)
     module = make_module(tiny_dir)
@@ -232,8 +232,8 @@ def test_signal_stops_after_the_step_with_a_checkpoint(tiny_dir, tmp_path, signu
     queue = module.objective.docs.queue
     assert ckpt["state_dict"]["objective.docs.queue.queue_fill"] == queue.fill == 12  # the stopped step's keys are in
     assert torch.equal(ckpt["state_dict"]["objective.docs.queue.queue_keys"], queue.queue_keys)
-    assert ckpt["rank_fingerprints"] == [preemption.rank_fingerprints(module)]
-    assert {s: signal.getsignal(s) for s in preemption.STOP_SIGNALS} == before  # handlers put back
+    assert ckpt["rank_fingerprints"] == [fingerprints.rank_fingerprints(module)]
+    assert {s: signal.getsignal(s) for s in stop_signals.STOP_SIGNALS} == before  # handlers put back
 
 
 def test_no_signal_runs_to_the_end_and_saves_the_final_state(tiny_dir, tmp_path):
@@ -254,7 +254,7 @@ def test_stops_at_an_optimizer_step_under_accumulation(tiny_dir, tmp_path):
 
 def test_requeue_on_the_requeue_signal_only(tiny_dir, tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(preemption.subprocess, "call", lambda cmd, **kw: calls.append(cmd) or 0)
+    monkeypatch.setattr(requeue.subprocess, "call", lambda cmd, **kw: calls.append(cmd) or 0)
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
     for signum in (signal.SIGTERM, signal.SIGUSR1):
@@ -264,7 +264,7 @@ def test_requeue_on_the_requeue_signal_only(tiny_dir, tmp_path, monkeypatch):
     assert calls == [["scontrol", "requeue", "4242"]]
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "77")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
-    assert preemption.slurm_job_id() == "77_3"
+    assert launcher.slurm_job_id() == "77_3"
 
 
 def test_lightnings_own_sigterm_stop_exits_143_not_0():
@@ -272,11 +272,11 @@ def test_lightnings_own_sigterm_stop_exits_143_not_0():
 
     assert SIGTERMException().code is None  # what Lightning raises: status 0
     with pytest.raises(SystemExit) as stop:
-        with preemption.sigterm_exit_status():
+        with stop_signals.sigterm_exit_status():
             raise SIGTERMException()
     assert stop.value.code == 143
     with pytest.raises(Preempted):  # ours passes through unchanged
-        with preemption.sigterm_exit_status():
+        with stop_signals.sigterm_exit_status():
             raise Preempted(signal.SIGUSR1, "x", 1)
 
 
@@ -284,9 +284,9 @@ def test_requeue_without_scontrol_is_reported_not_fatal(monkeypatch, caplog):
     def missing(cmd, **kw):
         raise FileNotFoundError(cmd[0])
 
-    monkeypatch.setattr(preemption.subprocess, "call", missing)
+    monkeypatch.setattr(requeue.subprocess, "call", missing)
     with caplog.at_level("WARNING"):
-        assert preemption.slurm_requeue("12") is False
+        assert requeue.slurm_requeue("12") is False
     assert "scontrol is not available" in caplog.text
 
 

@@ -44,7 +44,7 @@ def test_caps_and_order_are_pinned_for_a_fixed_seed(tmp_path):
     dm = RetrievalDataModule(cfg)
     assert dm.train_pairs == train.pairs and dm.eval_set == ev
     from moco_retrieval.evaluate import load_eval_set
-    from moco_retrieval.mining import load_training_pairs as mining_pairs
+    from moco_retrieval.mine import load_training_pairs as mining_pairs
 
     assert mining_pairs(cfg) == train.pairs
     assert load_eval_set(cfg) == (ev, pool.description)

@@ -30,7 +30,7 @@ import lightning as L
 import pytest
 import torch
 
-from moco_retrieval import preemption
+from moco_retrieval.tensor_digest import tensors_sha256
 
 REPO = Path(__file__).resolve().parents[1]
 # torchrun as this interpreter's module: its workers then run this interpreter, and so this checkout's
@@ -150,7 +150,7 @@ def test_final_queues_match_across_ranks(completed):
     assert len(fp) == RANKS and fp[0] == fp[1] and set(fp[0]) == {"objective", "key_encoder"}
     # rank 0's entry is the objective's state in this file: MoCo's document memory (no guide, no logQ)
     state = {k[len("objective."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("objective.docs.")}
-    assert fp[0]["objective"] == preemption._fingerprint([v for _, v in sorted(state.items())])
+    assert fp[0]["objective"] == tensors_sha256(sorted(state.items()))
     sd = {k.split("objective.docs.queue.", 1)[1]: v for k, v in ckpt["state_dict"].items() if k.startswith("objective.docs.queue.")}
     # every step enqueued the global batch (both ranks' keys), not one rank's share
     assert int(sd["queue_fill"]) == STEPS * RANKS * BATCH

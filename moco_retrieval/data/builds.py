@@ -1,4 +1,4 @@
-"""Writing a built data set's folder atomically (the builders: debian.py, stdlib_docs.py).
+"""Writing a built data set's folder atomically (the builders: debian/, stdlib_docs.py).
 
 A build is written into a temporary sibling folder and renamed into place, so a reader never sees
 half a build and an interrupted one leaves the old build intact. An existing ``out`` is replaced
@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from ..file_modes import ordinary_mode
 from .formats import DataError
 
 
@@ -27,9 +28,7 @@ def sha256_file(path: os.PathLike | str) -> str:
 def temp_dir_beside(parent: Path, prefix: str) -> Path:
     """A temporary build folder next to the target, with ordinary permissions (mkdtemp gives 0700)."""
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-    umask = os.umask(0o022)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
+    os.chmod(tmp, ordinary_mode(is_dir=True))
     return tmp
 
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
+from moco_retrieval.file_modes import ordinary_mode
 from moco_retrieval.progress import log_line, progress_bar
 
 from .formats import Pair
@@ -86,12 +87,6 @@ def _write_atomic(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 # ---------------------------------------------------------------------------------------- lock
@@ -247,7 +242,7 @@ def ensure_store(spec: Any, root: Path, write: Optional[Callable[[Any, Path], di
         if (final / MANIFEST).is_file():
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would keep the store from the node's other users
+        os.chmod(tmp, ordinary_mode(is_dir=True))  # mkdtemp's 0700 would keep the store from the node's other users
         try:
             m = (write or write_store)(spec, tmp)
             _publish(tmp, final)

@@ -31,12 +31,14 @@ import lightning as L
 import numpy as np
 from torch.utils.data import DataLoader
 
+from moco_retrieval.distributed import rank_and_world
+
 from .collate import Collator, EvalCollator, EvalItems, Tokenize, select_negatives
 from .formats import DataError, EvalSet, Pair
 from .multisource import (check_same_schedule, has_sources, load_source_rows, schedule_record, source_names,
                           source_prompts, source_weights)
 from .prompts import to_prompts
-from .sampler import MultiSourceBatchSampler, ResumableDataLoader, RetrievalBatchSampler, dist_rank_world
+from .sampler import MultiSourceBatchSampler, ResumableDataLoader, RetrievalBatchSampler
 from .sources import check_paths, debian_folder, load_eval_pool, load_training_rows
 from .store import PairList, PairRows, PairRowsDataset
 
@@ -157,7 +159,7 @@ class RetrievalDataModule(L.LightningDataModule):
         constructor or, when not given, from torch.distributed, re-read if the process group
         appeared after the sampler was created)."""
         if self._sampler is not None and self._rank is None and self._world_size is None:
-            if (self._sampler.rank, self._sampler.world_size) != dist_rank_world():
+            if (self._sampler.rank, self._sampler.world_size) != rank_and_world():
                 self._pending_state, self._sampler = self._sampler.state_dict(), None
         if self._sampler is None:
             rows = self.train_rows
@@ -212,7 +214,7 @@ class RetrievalDataModule(L.LightningDataModule):
         block of the documents and of the queries, and the module gathers them. ``(0, 1)`` (every
         rank the whole pool) on one process, or when the pool has fewer documents or queries than
         there are ranks: a rank without a batch would skip the validation loop and the gather."""
-        rank, world = dist_rank_world()
+        rank, world = rank_and_world()
         if world == 1 or min(len(self.eval_set.corpus), len(self.eval_set.queries)) < world:
             return 0, 1
         return rank, world

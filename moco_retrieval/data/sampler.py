@@ -12,15 +12,9 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from moco_retrieval.config import SOURCE_MODES
+from moco_retrieval.distributed import rank_and_world
 
 from .ids import NO_GROUP
-
-
-def dist_rank_world() -> tuple[int, int]:
-    """``(rank, world size)`` of the torch.distributed process group, ``(0, 1)`` without one."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 _ROWS_CHUNK = 1 << 16  # rows whose ids and groups the duplicate-free plan holds as Python ints at once
@@ -90,11 +84,11 @@ class RetrievalBatchSampler(EpochPosition, Sampler[list[int]]):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if (rank is None) != (world_size is None):
-            d_rank, d_world = dist_rank_world()
+            d_rank, d_world = rank_and_world()
             rank = d_rank if rank is None else rank
             world_size = d_world if world_size is None else world_size
         elif rank is None:
-            rank, world_size = dist_rank_world()
+            rank, world_size = rank_and_world()
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in [0, world_size={world_size})")
         # numbers, not Python objects: a memory-mapped store's arrays stay mapped, and nothing here is
@@ -400,7 +394,6 @@ __all__ = [
     "SOURCE_MODES",
     "apportion",
     "check_offsets",
-    "dist_rank_world",
     "source_of",
     "source_seed",
 ]

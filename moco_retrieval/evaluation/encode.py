@@ -19,6 +19,7 @@ import torch
 
 from moco_retrieval.data.corpus_store import as_corpus
 from moco_retrieval.data.prompts import NO_PROMPTS
+from moco_retrieval.devices import module_device
 from moco_retrieval.distributed import all_gather_rows, rank, shard_range, world_size
 
 from .geometry import compute_geometry
@@ -53,13 +54,6 @@ class EvalResult:
             "recall_curve": list(self.recall_curve),
             **({"metrics_by_dim": {d: dict(m) for d, m in self.metrics_by_dim.items()}} if self.metrics_by_dim else {}),
         }
-
-
-def _module_device(encoder: Any) -> torch.device | None:
-    try:
-        return next(encoder.parameters()).device
-    except (AttributeError, StopIteration, TypeError):
-        return None
 
 
 def _to_device(side: dict, device: torch.device | None) -> dict:
@@ -140,7 +134,7 @@ def _encode_in_order(encoder: Any, n: int, order: Sequence[int], fetch: Any, kin
     """Encode ``n`` texts ``batch_size`` at a time in ``order``; ``fetch(indices)`` gives a batch's texts
     (prompted); row ``i`` of the result is text ``i``."""
     needs_tokens = bool(getattr(encoder, "needs_tokens", False))
-    device = _module_device(encoder)
+    device = module_device(encoder)
     was_training = getattr(encoder, "training", None)
     if hasattr(encoder, "eval"):
         encoder.eval()

@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from moco_retrieval.devices import module_device
 from moco_retrieval.progress import log_line
 
 SAMPLE = 64  # texts timed; spread over the length order, so long and short ones count
@@ -66,11 +67,6 @@ def announce_corpus(encoder: Any, corpus: Any, what: str, batch_size: int, hint:
     return _announce(encoder, seconds, counts, what, hint)
 
 
-def device_of(encoder: Any) -> str:
-    p = next(iter(encoder.parameters()), None) if hasattr(encoder, "parameters") else None
-    return str(p.device) if p is not None else "cpu"
-
-
 def announce_encoding(encoder: Any, jobs: list[tuple[Sequence[str], str]], what: str, batch_size: int,
                       hint: str = "") -> float:
     """One line on stderr before encoding: how many texts of ``what``, on which device, about how
@@ -81,7 +77,7 @@ def announce_encoding(encoder: Any, jobs: list[tuple[Sequence[str], str]], what:
 
 
 def _announce(encoder: Any, seconds: float, counts: str, what: str, hint: str) -> float:
-    msg = f"encoding {counts} ({what}) on {device_of(encoder)}: about {_duration(seconds)}"
+    msg = f"encoding {counts} ({what}) on {module_device(encoder) or 'cpu'}: about {_duration(seconds)}"
     if seconds >= QUIET_BELOW_S and hint:
         msg += f"; {hint}"
     log_line(msg, file=sys.stderr)

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import OmegaConf
 
-from moco_retrieval.checkpointing import read_checkpoint
+from moco_retrieval.checkpoint_file import read_checkpoint
 from moco_retrieval.config import ModelConfig, to_config
 from moco_retrieval.data.prompts import Prompts, model_prompts, to_prompts
 from moco_retrieval.errors import CheckpointError, ConfigError, ModelLoadError, ModelNotFoundError

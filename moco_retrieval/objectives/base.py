@@ -20,7 +20,7 @@ memory what to enqueue (``hold``), and ``after_backward()`` writes it (the memor
 backward needs the memory as it was). ``stats(step)`` reports what is remembered between steps
 (queue fill and age) for logging; ``unsynced_state()`` names it all: the state each rank keeps
 itself, identical across ranks by construction, which DDP neither synchronises nor checks
-(preemption.py fingerprints it in every checkpoint).
+(fingerprints.py fingerprints it in every checkpoint).
 """
 from __future__ import annotations
 
