@@ -1,7 +1,7 @@
 """``ckpt_path=last`` without ``run_dir``: the newest run of the same experiment in Hydra's outputs folder.
 
-The main job as the README writes it has no ``run_dir``: each start gets a new Hydra folder
-(``outputs/DATE/TIME``), so "resume" has to mean "the run I started last". A run is a folder two
+A run started without ``run_dir`` gets a new Hydra folder at each start (``outputs/DATE/TIME``),
+so "resume" has to mean "the run I started last". A run is a folder two
 levels under the outputs folder holding ``checkpoints/last.ckpt`` (or its ``last.prev.ckpt``);
 its experiment is the ``experiment`` choice Hydra recorded in its ``.hydra/hydra.yaml``. The newest
 is the one whose checkpoint was written last.
