@@ -31,9 +31,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    FROZEN_BASE, Bench, Runner, add_location_args, apply_location_args, bench_cache, compose_cfg, environment, f3,
-    figure, log, md_table, mean, median, peak_rss_mb, std, write_results,
+    FROZEN_BASE, Bench, Runner, bench_cache, compose_cfg, environment, f3, figure, log, mean, median, peak_rss_mb, std,
 )
+from harness import cli  # noqa: E402
+from harness.runs import md_table, write_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -118,9 +119,9 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline", type=str, default=None,
                     help="UTC HH:MM: runs not started by then are skipped (and listed as cut in the report)")
     ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
-    add_location_args(ap)
+    cli.add_locations(ap)
     args = ap.parse_args(argv)
-    apply_location_args(args)
+    cli.apply(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     quick = args.quick

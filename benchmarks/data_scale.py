@@ -34,7 +34,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, environment, md_table, write_results  # noqa: E402
+from _common import ROOT, environment  # noqa: E402
+from harness.runs import md_table, write_results  # noqa: E402
 
 WORDS, QUERY_WORDS, DOC_WORDS = 20_000, 8, 90
 STEP1 = re.compile(r"\bstep 1/\d+")

@@ -46,10 +46,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    FROZEN_BASE, Bench, Runner, add_location_args, append_jsonl, apply_location_args, compose_cfg, environment, f3,
-    figure, log, md_table, median, read_jsonl, std, write_results,
-)
+from _common import FROZEN_BASE, Bench, Runner, compose_cfg, environment, f3, figure, log, median, std  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import append_jsonl, md_table, read_jsonl, write_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -178,9 +177,9 @@ def main(argv=None) -> int:
     ap.add_argument("--finetune-only", default=None, help="';'-separated fine-tune runs to do now")
     ap.add_argument("--report", action="store_true", help="only write the report from the caches")
     ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
-    add_location_args(ap)
+    cli.add_locations(ap)
     args = ap.parse_args(argv)
-    apply_location_args(args)
+    cli.apply(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     q = args.quick

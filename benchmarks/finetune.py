@@ -38,10 +38,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    TRAINER, Bench, add_location_args, append_jsonl, apply_location_args, compose_cfg, environment, f3, figure, log, md_table, quiet_trainer, read_jsonl,
-    write_results,
-)
+from _common import TRAINER, Bench, compose_cfg, environment, f3, figure, log, quiet_trainer  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import append_jsonl, md_table, read_jsonl, write_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -599,7 +598,7 @@ def add_run_args(ap: argparse.ArgumentParser, *, default: str, runs: str, small:
     ap.add_argument("--report", action="store_true", help="only write the report from the cache")
     ap.add_argument("--deadline", default=None, help="UTC HH:MM: runs not started by then are cut")
     ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
-    add_location_args(ap)
+    cli.add_locations(ap)
 
 
 def main(argv=None) -> int:
@@ -607,7 +606,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="a few steps on a small pool (smoke check; results to --out)")
     add_run_args(ap, default=",".join(HEADLINE), runs=f"base, {', '.join(RUNS)}", small="quick")
     args = ap.parse_args(argv)
-    apply_location_args(args)
+    cli.apply(args)
     q = args.quick
     args.pairs = args.pairs or (256 if q else 18240)
     args.eval_every = args.eval_every or (128 if q else 6080)

@@ -25,7 +25,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Bench, add_location_args, apply_location_args, compose_cfg, environment, log, md_table, write_results  # noqa: E402
+from _common import Bench, compose_cfg, environment, log  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import md_table, write_results  # noqa: E402
 from finetune import BASE, HEADLINE, INBATCH, RUNS, pair_batches, peer_loss  # noqa: E402
 
 import torch  # noqa: E402
@@ -149,9 +151,9 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", default=",".join(HEADLINE), help=f"of: {', '.join(RUNS)}")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (B6's runs used 1)")
     ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
-    add_location_args(ap)
+    cli.add_locations(ap)
     args = ap.parse_args(argv)
-    apply_location_args(args)
+    cli.apply(args)
     names = [n for n in args.runs.split(",") if n]
     unknown = [n for n in names if n not in RUNS]
     if unknown:

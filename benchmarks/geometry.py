@@ -29,10 +29,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    FROZEN_BASE, ROOT, Bench, add_location_args, apply_location_args, compose_cfg, environment, f3, log, md_table,
-    peak_rss_mb, write_results,
-)
+from _common import FROZEN_BASE, ROOT, Bench, compose_cfg, environment, f3, log, peak_rss_mb  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import md_table, write_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -72,9 +71,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-docs", type=int, default=2400, help="documents of the pool (0: all 3,283; every relevant one kept); quick 600")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None)
-    add_location_args(ap)
+    cli.add_locations(ap)
     args = ap.parse_args(argv)
-    apply_location_args(args)
+    cli.apply(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     from moco_retrieval.config import ModelConfig

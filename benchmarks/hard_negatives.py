@@ -42,7 +42,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_location_args, apply_location_args  # noqa: E402
+from harness import cli  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METRICS = ["recall@1", "recall@10", "mrr@10", "ndcg@10"]
@@ -124,9 +124,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy machine)")
     ap.add_argument("--work-dir", default=None, help="runs and mined files (default: a temporary folder)")
     ap.add_argument("--out", default=str(RESULTS))
-    add_location_args(ap)
+    cli.add_locations(ap)
     args = ap.parse_args()
-    apply_location_args(args)
+    cli.apply(args)
     if args.quick:
         args.seeds, args.epochs = 1, 1
 

@@ -27,7 +27,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, ROOT, add_location_args, apply_location_args, append_jsonl, environment, log, md_table, read_jsonl, write_results  # noqa: E402
+from _common import RESULTS, ROOT, environment, log  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import append_jsonl, md_table, read_jsonl, write_results  # noqa: E402
 
 NAME = "main_job"
 JOBS = {"queue65k": [], "queue65k_inbatch": ["objective=inbatch"]}
@@ -119,9 +121,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--report", action="store_true", help="only rebuild the report from the cache")
     ap.add_argument("--out", type=Path, default=RESULTS, help="results folder, with its run cache (default benchmarks/results)")
-    add_location_args(ap)
+    cli.add_locations(ap)
     args = ap.parse_args()
-    apply_location_args(args)
+    cli.apply(args)
     runs = args.out / f"{NAME}_runs.jsonl"
     recs = read_jsonl(runs)
     if not args.report and key_of(args.steps) not in {r["key"] for r in recs}:

@@ -35,7 +35,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import finetune as b6  # noqa: E402
 import finetune_cost  # noqa: E402
-from _common import Bench, apply_location_args, environment, log, md_table, read_jsonl, write_results  # noqa: E402
+from _common import Bench, environment, log  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import md_table, read_jsonl, write_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -156,7 +158,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=10, help="--cost: timed rounds")
     b6.add_run_args(ap, default=",".join(RUNS), runs=", ".join(RUNS), small="--pairs")
     args = ap.parse_args(argv)
-    apply_location_args(args)
+    cli.apply(args)
     args.pairs = args.pairs or 18240
     args.eval_every = args.eval_every or args.pairs  # scored once, at the end
     args.max_queries = args.max_queries if args.max_queries is not None else 1000

@@ -31,10 +31,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    Bench, add_location_args, append_jsonl, apply_location_args, bench_cache, compose_cfg, environment, f3, figure, log,
-    md_table, peak_rss_mb, quiet_trainer, read_jsonl, write_results,
-)
+from _common import Bench, bench_cache, compose_cfg, environment, f3, figure, log, peak_rss_mb, quiet_trainer  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import append_jsonl, md_table, read_jsonl, write_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -163,9 +162,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--only", default="moco,inbatch,mnrl,base", help="runs to do now (others: from the cache)")
     ap.add_argument("--out", type=Path, default=None)
-    add_location_args(ap)
+    cli.add_locations(ap)
     args = ap.parse_args(argv)
-    apply_location_args(args)
+    cli.apply(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     from moco_retrieval.config import ModelConfig

@@ -33,9 +33,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import finetune as b6  # noqa: E402
-from _common import (  # noqa: E402
-    Bench, apply_location_args, bench_cache, compose_cfg, environment, log, md_table, quiet_trainer, read_jsonl, write_results,
-)
+from _common import Bench, bench_cache, compose_cfg, environment, log, quiet_trainer  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import md_table, read_jsonl, write_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     b6.add_run_args(ap, default="base," + ",".join(RUNS), runs="base, " + ", ".join(RUNS), small="--pairs-per-source")
     ap.add_argument("--pairs-per-source", type=int, default=None, help="pairs of each source (default: every docstring pair, as many Debian pairs)")
     args = ap.parse_args(argv)
-    apply_location_args(args)
+    cli.apply(args)
     args.max_queries = args.max_queries if args.max_queries is not None else 1000
     args.max_docs = args.max_docs if args.max_docs is not None else 2400
     if args.threads:

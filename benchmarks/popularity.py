@@ -33,10 +33,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    FROZEN_BASE, Bench, add_location_args, append_jsonl, apply_location_args, compose_cfg, environment, f3, figure,
-    log, md_table, median, read_jsonl, std, write_results,
-)
+from _common import FROZEN_BASE, Bench, compose_cfg, environment, f3, figure, log, median, std  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import append_jsonl, md_table, read_jsonl, write_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -146,9 +145,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--deadline", default=None, help="UTC HH:MM: runs not started by then are cut")
     ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
-    add_location_args(ap)
+    cli.add_locations(ap)
     args = ap.parse_args(argv)
-    apply_location_args(args)
+    cli.apply(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     q = args.quick

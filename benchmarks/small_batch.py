@@ -40,11 +40,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import finetune as b6  # noqa: E402
-from _common import (  # noqa: E402
-    RESULTS, Bench, apply_location_args, environment, figure, log, md_table, peak_rss_mb,
-    read_jsonl,
-    write_results,
-)
+from _common import RESULTS, Bench, environment, figure, log, peak_rss_mb  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import md_table, read_jsonl, write_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -251,7 +249,7 @@ def main(argv=None) -> int:
                     help="the tiny random model, 512 pairs, a 50 / 100 pool: checks the harness (results to --out or a temp folder)")
     b6.add_run_args(ap, default=",".join(RUNS), runs=", ".join(RUNS), small="dry-run")
     args = ap.parse_args(argv)
-    apply_location_args(args)
+    cli.apply(args)
     d = args.dry_run
     args.model = "tiny" if d else "minilm"
     if d and "model=tiny" not in b6.BASE:  # every composed config of B6's machinery on the tiny random encoder

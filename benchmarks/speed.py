@@ -36,10 +36,9 @@ import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    Bench, add_location_args, apply_location_args, compose_cfg, environment, figure, log, md_table, peak_rss_mb,
-    write_results,
-)
+from _common import Bench, compose_cfg, environment, figure, log, peak_rss_mb  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import md_table, write_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -325,9 +324,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--section", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
-    add_location_args(ap)
+    cli.add_locations(ap)
     args = ap.parse_args(argv)
-    apply_location_args(args)
+    cli.apply(args)
     q = args.quick
     args.ks = args.ks or ("0,4096,65536" if q else "0,4096,16384,65536,262144")
     args.rounds = args.rounds or (2 if q else 3)

@@ -24,10 +24,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    Bench, Runner, add_location_args, apply_location_args, bench_cache, environment, f3, figure, log, md_table, median,
-    peak_rss_mb, write_results,
-)
+from _common import Bench, Runner, bench_cache, environment, f3, figure, log, median, peak_rss_mb  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import md_table, write_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -58,9 +57,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--fresh", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
-    add_location_args(ap)
+    cli.add_locations(ap)
     args = ap.parse_args(argv)
-    apply_location_args(args)
+    cli.apply(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     quick = args.quick

@@ -1,0 +1,79 @@
+"""The run cache and the result writer.
+
+A run cache is a JSONL file, one finished run per line, each with a ``key``: a run whose key is
+there is skipped (the file is read again before each run, so parallel processes share the work),
+a finished one is appended as one whole line, and a run not started by ``--deadline`` is cut
+(listed in the report). ``write_results`` writes a benchmark's ``<name>.md`` and ``<name>.json``.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import numpy as np
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL results cache (none while it does not exist)."""
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def append_jsonl(path: Path, rec: dict) -> None:
+    """Appends one record: parallel benchmark processes share a cache file, one whole line each."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(rec, default=json_default) + "\n")
+
+
+def past_deadline(deadline: Optional[str]) -> bool:
+    """Whether the UTC clock has reached ``deadline`` ("HH:MM"; None: never)."""
+    return bool(deadline) and time.strftime("%H:%M", time.gmtime()) >= deadline
+
+
+def cached_keys(path: Path) -> set[str]:
+    return {r["key"] for r in read_jsonl(path)}
+
+
+def run_missing(cache: Path, names: Iterable[str], seeds: Sequence[int], deadline: Optional[str],
+                key_of: Callable[[str, int], str], run: Callable[[str, int], dict]) -> list[str]:
+    """Runs every (name, seed) whose ``key_of(name, seed)`` is not in ``cache`` yet (read before
+    each: a parallel process may have finished it), appending ``run(name, seed)``'s record;
+    returns those ``deadline`` cut, as "name seed s"."""
+    cut: list[str] = []
+    for name in names:
+        for seed in seeds:
+            if key_of(name, seed) in cached_keys(cache):
+                continue
+            if past_deadline(deadline):
+                cut.append(f"{name} seed {seed}")
+                continue
+            append_jsonl(cache, run(name, seed))
+    return cut
+
+
+def json_default(o):
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(type(o).__name__)
+
+
+def write_results(name: str, markdown: str, data: dict, out_dir: Path) -> tuple[Path, Path]:
+    """``out_dir/<name>.md`` (the report) and ``out_dir/<name>.json`` (every run, with its setting)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md, js = out_dir / f"{name}.md", out_dir / f"{name}.json"
+    md.write_text(markdown.rstrip() + "\n", encoding="utf-8")
+    js.write_text(json.dumps(data, indent=2, default=json_default) + "\n", encoding="utf-8")
+    return md, js
+
+
+def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(map(str, r)) + " |")
+    return "\n".join(lines)
