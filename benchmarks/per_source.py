@@ -23,7 +23,6 @@ processes (``--only NAME --seeds S``) resume from it.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -35,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import finetune as b6  # noqa: E402
 from _common import Bench, bench_cache, compose_cfg, environment, log, quiet_trainer  # noqa: E402
 from harness import cli  # noqa: E402
-from harness.runs import md_table, read_jsonl, write_results  # noqa: E402
+from harness.runs import md_table, read_jsonl, run_missing, write_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -172,24 +171,22 @@ def paired_lines(by: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    b6.add_run_args(ap, default="base," + ",".join(RUNS), runs="base, " + ", ".join(RUNS), small="--pairs-per-source")
+    ap = cli.parser(__doc__)
+    b6.add_run_args(ap, default="base," + ",".join(RUNS), runs=["base", *RUNS], small="--pairs-per-source")
     ap.add_argument("--pairs-per-source", type=int, default=None, help="pairs of each source (default: every docstring pair, as many Debian pairs)")
     args = ap.parse_args(argv)
     cli.apply(args)
     args.max_queries = args.max_queries if args.max_queries is not None else 1000
     args.max_docs = args.max_docs if args.max_docs is not None else 2400
-    if args.threads:
-        torch.set_num_threads(args.threads)
     pydoc = pydoc_folder()
     args.pairs_per_source = args.pairs_per_source or json.loads((pydoc / "manifest.json").read_text())["counts"]["train_pairs"]
-    out_dir = args.out or Path(__file__).resolve().parent / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = cli.out_dir(args)
     cache = out_dir / f"{NAME}_runs.jsonl"
     cut: list[str] = []
     if not args.report:
         the_pools = pools(Bench(), pydoc, args)
-        cut = b6.run_missing(cache, args, lambda n, s: run_key(n, s, args), lambda n, s: do_run(the_pools, pydoc, n, s, args))
+        cut = run_missing(cache, cli.names(args.only, ["base", *RUNS]), cli.seeds(args.seeds), args.deadline,
+                          lambda n, s: run_key(n, s, args), lambda n, s: do_run(the_pools, pydoc, n, s, args))
     suffix = f"|per_source={args.pairs_per_source}|pool={args.max_queries}x{args.max_docs}"
     report([r for r in read_jsonl(cache) if r["key"].endswith(suffix)], args, out_dir, cut)
     return 0

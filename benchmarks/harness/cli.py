@@ -88,3 +88,10 @@ def names(arg: str, known: Sequence[str], flag: str = "--only") -> list[str]:
 
 def seeds(arg: str) -> list[int]:
     return [int(s) for s in str(arg).split(",") if s != ""]
+
+
+def out_dir(args: argparse.Namespace, default: Path = RESULTS) -> Path:
+    """``--out`` (else ``default``), created."""
+    out = Path(args.out) if getattr(args, "out", None) else default
+    out.mkdir(parents=True, exist_ok=True)
+    return out

@@ -32,19 +32,20 @@ def past_deadline(deadline: Optional[str]) -> bool:
     return bool(deadline) and time.strftime("%H:%M", time.gmtime()) >= deadline
 
 
-def cached_keys(path: Path) -> set[str]:
-    return {r["key"] for r in read_jsonl(path)}
+def cached_keys(path: Path, field: str = "key") -> set[str]:
+    return {r[field] for r in read_jsonl(path)}
 
 
 def run_missing(cache: Path, names: Iterable[str], seeds: Sequence[int], deadline: Optional[str],
-                key_of: Callable[[str, int], str], run: Callable[[str, int], dict]) -> list[str]:
+                key_of: Callable[[str, int], str], run: Callable[[str, int], dict], key_field: str = "key") -> list[str]:
     """Runs every (name, seed) whose ``key_of(name, seed)`` is not in ``cache`` yet (read before
     each: a parallel process may have finished it), appending ``run(name, seed)``'s record;
-    returns those ``deadline`` cut, as "name seed s"."""
+    returns those ``deadline`` cut, as "name seed s". ``key_field``: the records' key (an older
+    cache may key its records by another field)."""
     cut: list[str] = []
     for name in names:
         for seed in seeds:
-            if key_of(name, seed) in cached_keys(cache):
+            if key_of(name, seed) in cached_keys(cache, key_field):
                 continue
             if past_deadline(deadline):
                 cut.append(f"{name} seed {seed}")
