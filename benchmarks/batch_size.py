@@ -23,8 +23,6 @@ batch_size_vs_negatives.png. ``--quick``: a 6,000-pair slice, 1 epoch, fewer poi
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -36,7 +34,6 @@ from _common import (  # noqa: E402
 from harness import cli  # noqa: E402
 from harness.runs import md_table, write_results  # noqa: E402
 
-import torch  # noqa: E402
 
 NAME = "batch_size"
 REFERENCE = {4: .151, 8: .195, 16: .257, 32: .284, 64: .321, 128: .343, 256: .348}  # the issue's table
@@ -101,13 +98,12 @@ def negatives_per_query(rec: dict) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="a slice of the data, 1 epoch, fewer points (minutes)")
     ap.add_argument("--seeds", type=int, default=None, help="seeds for in-batch and the winner (default 3; quick 1)")
     ap.add_argument("--queue-seeds", type=int, default=1, help="seeds for every queue / remedy configuration")
     ap.add_argument("--epochs", type=int, default=None, help="epochs of every run (default 3; quick 1)")
     ap.add_argument("--batches", type=str, default=None, help="comma-separated in-batch batch sizes")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--fresh", action="store_true", help="ignore the cache of finished runs")
     ap.add_argument("--only", type=str, default="untrained,inbatch,naive,remedies,winner,controls",
                     help="sections to run now (finished runs of any section are read from the cache for the report)")
@@ -116,14 +112,10 @@ def main(argv=None) -> int:
     ap.add_argument("--winner-seeds", type=str, default=None, help="comma-separated seeds to run now for --winner")
     ap.add_argument("--winner", type=str, default=None,
                     help="name of the remedy to run over every seed as the winner (default: the best of seed 0)")
-    ap.add_argument("--deadline", type=str, default=None,
-                    help="UTC HH:MM: runs not started by then are skipped (and listed as cut in the report)")
-    ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
-    cli.add_locations(ap)
+    cli.add_deadline(ap)
+    cli.add_common(ap)
     args = ap.parse_args(argv)
     cli.apply(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     quick = args.quick
     seeds = list(range(args.seeds if args.seeds is not None else (1 if quick else 3)))
     queue_seeds = list(range(max(1, args.queue_seeds)))
@@ -199,7 +191,7 @@ def main(argv=None) -> int:
                 for s in (seeds if b == max(batches) else seeds[:1])])
 
     # ------------------------------------------------------------------------------- report
-    out_dir = args.out or Path(__file__).resolve().parent / "results"
+    out_dir = cli.out_dir(args)
     out_dir.mkdir(parents=True, exist_ok=True)
     prefix = NAME if not quick else f"{NAME}_quick"
     ib = {b: r1(v) for b, v in inbatch.items() if v}

@@ -23,7 +23,6 @@ encodings (``--max-queries 0 --max-docs 0``: all). ``--quick``: 300 queries / 60
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -61,7 +60,7 @@ def random_minilm(seed: int = 0):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--checkpoint", default=DEFAULT_CKPT)
     ap.add_argument("--head-presets", default="frozen_queue,frozen_inbatch",
@@ -69,13 +68,9 @@ def main(argv=None) -> int:
     ap.add_argument("--head-epochs", type=int, default=None, help="epochs of the trained head (default: the preset's; quick 1)")
     ap.add_argument("--max-queries", type=int, default=1000, help="queries of the pool (0: all 3,283); quick 300")
     ap.add_argument("--max-docs", type=int, default=2400, help="documents of the pool (0: all 3,283; every relevant one kept); quick 600")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", type=Path, default=None)
-    cli.add_locations(ap)
+    cli.add_common(ap)
     args = ap.parse_args(argv)
     cli.apply(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     from moco_retrieval.config import ModelConfig
     from moco_retrieval.data.sources import cap_eval_set
     from moco_retrieval.evaluation.encode import evaluate_encoder
@@ -139,7 +134,7 @@ def main(argv=None) -> int:
         ckpt_note = f"no fine-tuned checkpoint at {ckpt}: row left out"
         log(ckpt_note)
 
-    out_dir = args.out or Path(__file__).resolve().parent / "results"
+    out_dir = cli.out_dir(args)
     out_dir.mkdir(parents=True, exist_ok=True)
     prefix = NAME if not quick else f"{NAME}_quick"
     plot_cosine_histograms(results, out_dir / f"{prefix}_hist.png")

@@ -29,7 +29,6 @@ one epoch, written into the work folder (a smoke test of the script, not a measu
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -112,7 +111,7 @@ def mean_std(xs):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.parser(__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small slice, one seed, one epoch")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=2)
@@ -121,10 +120,8 @@ def main() -> None:
     ap.add_argument("--objective", default="inbatch", choices=["inbatch", "moco"])
     ap.add_argument("--n-negatives", type=int, default=4)
     ap.add_argument("--range-max", type=int, default=50)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy machine)")
     ap.add_argument("--work-dir", default=None, help="runs and mined files (default: a temporary folder)")
-    ap.add_argument("--out", default=str(RESULTS))
-    cli.add_locations(ap)
+    cli.add_common(ap, threads=1, out=RESULTS)
     args = ap.parse_args()
     cli.apply(args)
     if args.quick:
@@ -136,7 +133,6 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     import torch
 
-    torch.set_num_threads(args.threads)
     from moco_retrieval.config import DataConfig
     from moco_retrieval.data.sources import load
 
@@ -226,7 +222,7 @@ def main() -> None:
     mining = {k: {kk: v["stats"][kk] for kk in ("candidates", "rows_written", "queries_without_negatives",
                                                  "mean_positive_score", "mean_negative_score", "mean_negative_rank")}
               for k, v in mined.items() if k != "common_rows"}
-    out = work if (args.quick and args.out == str(RESULTS)) else Path(args.out)  # a smoke test is not a result
+    out = work if (args.quick and args.out == RESULTS) else Path(args.out)  # a smoke test is not a result
     out.mkdir(parents=True, exist_ok=True)
     suffix = ""
     (out / f"hard_negatives{suffix}.json").write_text(json.dumps({"setup": setup, "results": table, "mining": mining}, indent=2) + "\n")

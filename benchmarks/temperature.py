@@ -18,7 +18,6 @@ Writes benchmarks/results/temperature.{md,json} and temperature.png.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,6 @@ from _common import Bench, Runner, bench_cache, environment, f3, figure, log, me
 from harness import cli  # noqa: E402
 from harness.runs import md_table, write_results  # noqa: E402
 
-import torch  # noqa: E402
 
 NAME = "temperature"
 TAUS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
@@ -47,21 +45,17 @@ def setups(variant: str, queue_epochs: int | None) -> dict[str, list[str]]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--epochs", type=int, default=None, help="epochs of every run (default 3; quick 1)")
     ap.add_argument("--queue-epochs", type=int, default=None, help="epochs of the queue runs (default: --epochs)")
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--queue-variant", choices=["preset", "naive"], default="preset")
     ap.add_argument("--taus", type=str, default=None, help="comma-separated temperatures")
-    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--fresh", action="store_true")
-    ap.add_argument("--out", type=Path, default=None)
-    cli.add_locations(ap)
+    cli.add_common(ap)
     args = ap.parse_args(argv)
     cli.apply(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     quick = args.quick
     epochs = args.epochs or (1 if quick else 3)
     taus = [float(t) for t in args.taus.split(",")] if args.taus else ([0.01, 0.05, 1.0] if quick else TAUS)
@@ -103,7 +97,7 @@ def main(argv=None) -> int:
         "wall_s": time.time() - t0, "peak_rss_mb": peak_rss_mb(), "environment": environment(),
     }
     prefix = (NAME if not quick else f"{NAME}_quick") + ("" if args.queue_variant == "preset" else f"_{args.queue_variant}")
-    out_dir = args.out or Path(__file__).resolve().parent / "results"
+    out_dir = cli.out_dir(args)
     md = [f"# B2: temperature ({mode})", "",
           f"Frozen bag-of-wordpieces + random linear head, Debian set ({data['train_pairs']:,} pairs; pool "
           f"{data['eval_docs']:,} documents). {epochs} epoch(s) (queue runs: {data['queue_epochs']}), lr and warmup "

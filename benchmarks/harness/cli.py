@@ -42,13 +42,23 @@ def add_locations(ap: argparse.ArgumentParser) -> None:
                          "else ~/.cache/moco_retrieval)")
 
 
+def add_out(ap: argparse.ArgumentParser, default: Optional[Path] = None,
+            help: str = "results folder (default benchmarks/results)") -> None:
+    """``--out``: the results folder (``default`` None: the script picks, e.g. benchmarks/results
+    or a temporary folder for a smoke run; ``out_dir`` resolves it)."""
+    ap.add_argument("--out", type=Path, default=default, help=help)
+
+
+def add_threads(ap: argparse.ArgumentParser, default: Optional[int] = None, help: Optional[str] = None) -> None:
+    ap.add_argument("--threads", type=int, default=default,
+                    help=help or f"torch threads (default {default if default else chr(39).join(['torch', 's'])})")
+
+
 def add_common(ap: argparse.ArgumentParser, *, out: Optional[Path] = None, threads: Optional[int] = None,
                out_help: str = "results folder (default benchmarks/results)") -> None:
-    """``--out`` (default ``out``; None: the script picks, e.g. benchmarks/results or a temporary
-    folder for a smoke run), ``--threads`` (default ``threads``; None: torch's) and the locations."""
-    ap.add_argument("--out", type=Path, default=out, help=out_help)
-    ap.add_argument("--threads", type=int, default=threads,
-                    help=f"torch threads (default {threads if threads else 'torch' + chr(39) + 's'})")
+    """What every benchmark on the Debian set takes: ``--out``, ``--threads`` and the locations."""
+    add_out(ap, out, out_help)
+    add_threads(ap, threads)
     add_locations(ap)
 
 
