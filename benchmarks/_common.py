@@ -40,7 +40,7 @@ for _name in ("lightning.pytorch", "lightning.fabric", "lightning", "faiss.loade
     logging.getLogger(_name).setLevel(logging.ERROR)
 
 from harness.cli import RESULTS, ROOT, set_locations  # noqa: E402,F401  (ROOT, RESULTS: the scripts' paths)
-from harness.runs import append_jsonl, past_deadline, read_jsonl  # noqa: E402
+from harness.runs import RunCache, past_deadline  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------- locations
@@ -161,37 +161,32 @@ def run_key(name: str, seed: int) -> str:
 
 
 class Runner:
-    """Runs configs once each (results cached in a JSONL file, so a restarted benchmark resumes)."""
+    """Runs configs once each through a run cache (``harness.runs.RunCache``), so a restarted
+    benchmark resumes and parallel processes share the work."""
 
     def __init__(self, bench: Bench, base: list[str], cache: Path, fresh: bool, deadline: Optional[str] = None):
-        self.bench, self.base, self.cache = bench, base, cache
+        self.bench, self.base = bench, base
+        self.cache = RunCache(cache, fresh)
         self.deadline = deadline  # UTC "HH:MM": runs not started by then are cut
         self.cut: list[str] = []
-        self.done: dict[str, dict] = {}
-        if fresh and cache.is_file():  # start a new cache (runs() re-reads it); keep the old one aside
-            cache.replace(cache.with_suffix(cache.suffix + ".old"))
-        self.reload()
-        cache.parent.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def done(self) -> dict[str, dict]:
+        return self.cache.done
 
     def runs(self, active: bool, specs: list[tuple]) -> list[dict]:
         """Run (when ``active``) or read from the cache each (group, name, overrides, seed, extra) spec;
         the records that exist, in order."""
         out = []
         for group, name, overrides, seed, extra in specs:
-            key = run_key(f"{group}:{name}", seed)
-            if key not in self.done:
-                self.reload()  # another process may have finished it meanwhile
-            if key in self.done:
-                out.append(self.done[key])
+            rec = self.cache.get(run_key(f"{group}:{name}", seed))
+            if rec is not None:
+                out.append(rec)
             elif active and not past_deadline(self.deadline):
                 out.append(self.run(group, name, overrides, seed, **extra))
             else:
                 self.cut.append(f"{group}: {name}, seed {seed}")
         return out
-
-    def reload(self) -> None:
-        for rec in read_jsonl(self.cache):
-            self.done.setdefault(rec["key"], rec)
 
     def run(self, group: str, name: str, overrides: list[str], seed: int, untrained: bool = False, **info) -> dict:
         key = run_key(f"{group}:{name}", seed)
@@ -217,8 +212,7 @@ class Runner:
             "last_step": r.get("last_step", {}), "queue_age_end": r.get("queue_age_end"),
             "wall_s": time.perf_counter() - t0, **info,
         }
-        self.done[key] = rec
-        append_jsonl(self.cache, rec)
+        self.cache.add(rec)
         log(f"{group}: {name} seed {seed}: recall@1 {rec['metrics']['recall@1']:.3f} "
             f"({rec['steps']} steps, {rec['train_s']:.0f}s)")
         return rec

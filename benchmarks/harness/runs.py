@@ -32,8 +32,36 @@ def past_deadline(deadline: Optional[str]) -> bool:
     return bool(deadline) and time.strftime("%H:%M", time.gmtime()) >= deadline
 
 
+class RunCache:
+    """A run cache file and its records by key; the first record of a key wins (a finished run is
+    never redone, so a later line of the same key is a parallel process's duplicate)."""
+
+    def __init__(self, path: Path, fresh: bool = False, key_field: str = "key"):
+        if fresh and path.is_file():  # start a new cache; keep the old one aside
+            path.replace(path.with_suffix(path.suffix + ".old"))
+        self.path, self.key_field = path, key_field
+        self.done: dict[str, dict] = {}
+        self.reload()
+
+    def reload(self) -> None:
+        for rec in read_jsonl(self.path):
+            self.done.setdefault(rec[self.key_field], rec)
+
+    def get(self, key: str) -> Optional[dict]:
+        """The record of ``key``, reading the file again when it is not known yet (a parallel
+        process may have finished it meanwhile)."""
+        if key not in self.done:
+            self.reload()
+        return self.done.get(key)
+
+    def add(self, rec: dict) -> dict:
+        self.done.setdefault(rec[self.key_field], rec)
+        append_jsonl(self.path, rec)
+        return rec
+
+
 def cached_keys(path: Path, field: str = "key") -> set[str]:
-    return {r[field] for r in read_jsonl(path)}
+    return set(RunCache(path, key_field=field).done)
 
 
 def run_missing(cache: Path, names: Iterable[str], seeds: Sequence[int], deadline: Optional[str],
@@ -42,15 +70,16 @@ def run_missing(cache: Path, names: Iterable[str], seeds: Sequence[int], deadlin
     each: a parallel process may have finished it), appending ``run(name, seed)``'s record;
     returns those ``deadline`` cut, as "name seed s". ``key_field``: the records' key (an older
     cache may key its records by another field)."""
+    runs = RunCache(cache, key_field=key_field)
     cut: list[str] = []
     for name in names:
         for seed in seeds:
-            if key_of(name, seed) in cached_keys(cache, key_field):
+            if runs.get(key_of(name, seed)) is not None:
                 continue
             if past_deadline(deadline):
                 cut.append(f"{name} seed {seed}")
                 continue
-            append_jsonl(cache, run(name, seed))
+            runs.add(run(name, seed))
     return cut
 
 
