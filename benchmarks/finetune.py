@@ -40,7 +40,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import TRAINER, Bench, compose_cfg, environment, figure, log, quiet_trainer  # noqa: E402
 from harness import cli  # noqa: E402
-from harness.runs import md_table, read_jsonl, run_missing, write_results  # noqa: E402
+from harness.runs import md_table, read_jsonl, run_selected, write_results  # noqa: E402
+from harness.runs import records as cached_records  # noqa: E402
 from harness.steps import PeerTrainer  # noqa: E402
 
 import torch  # noqa: E402
@@ -565,22 +566,23 @@ def main(argv=None) -> int:
     out_dir = cli.out_dir(args)
     prefix = f"{NAME}_quick" if q else (NAME if args.pairs == 18240 else f"{NAME}_{args.pairs}pairs")  # B4's setup: 4800
     cache = out_dir / f"{prefix}_runs.jsonl"
-    cut: list[str] = []
-    if not args.report:
-        from moco_retrieval.data.sources import cap_eval_set
-
-        bench = Bench()
-        pool = cap_eval_set(bench.eval_set, args.max_queries or None, args.max_docs or None, seed=0)
-        cut = run_missing(cache, cli.names(args.only, ["base", *RUNS]), cli.seeds(args.seeds), args.deadline,
-                          lambda name, seed: run_key(name, seed, args),
-                          lambda name, seed: base_record(bench, pool, run_key(name, seed, args), args) if name == "base"
-                          else do_run(bench, pool, name, seed, args))
+    cut = run_selected(cache, args, ["base", *RUNS], lambda name, seed: run_key(name, seed, args), lambda: runner(args))
     # read again: runs finished by parallel processes since belong in the report too
-    records = [r for r in read_jsonl(cache) if r["key"].endswith(f"|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}")]
+    records = cached_records(cache, f"|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}")
     if not any(r["name"] == "base" for r in records):
         records += base_from_other_caches(out_dir, args)
     report(records, args, out_dir, prefix, cut)
     return 0
+
+
+def runner(args):
+    """Loads the Debian set and the pool once; returns what makes one run's record."""
+    from moco_retrieval.data.sources import cap_eval_set
+
+    bench = Bench()
+    pool = cap_eval_set(bench.eval_set, args.max_queries or None, args.max_docs or None, seed=0)
+    return lambda name, seed: (base_record(bench, pool, run_key(name, seed, args), args) if name == "base"
+                               else do_run(bench, pool, name, seed, args))
 
 
 def base_from_other_caches(out_dir: Path, args) -> list[dict]:

@@ -35,7 +35,8 @@ import finetune as b6  # noqa: E402
 import finetune_cost  # noqa: E402
 from _common import Bench, environment, log  # noqa: E402
 from harness import cli  # noqa: E402
-from harness.runs import md_table, read_jsonl, run_missing, write_results  # noqa: E402
+from harness.runs import md_table, run_selected, write_results  # noqa: E402
+from harness.runs import records as cached_records  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -57,6 +58,15 @@ def do_run(bench, pool, name: str, seed: int, args) -> dict:
     rec = b6.trained(bench, pool, f"B12 {name}", RUNS[name], batches, seed, args.eval_every, dims=DIMS)
     rec.pop("curve")  # scored once, at the end: the curve is its final point
     return {"key": run_key(name, seed, args), "name": name, **rec}
+
+
+def runner(args):
+    """Loads the Debian set and the pool once; returns what makes one run's record."""
+    from moco_retrieval.data.sources import cap_eval_set
+
+    bench = Bench()
+    pool = cap_eval_set(bench.eval_set, args.max_queries or None, args.max_docs or None, seed=0)
+    return lambda name, seed: do_run(bench, pool, name, seed, args)
 
 
 def run_key(name: str, seed: int, args) -> str:
@@ -155,18 +165,10 @@ def main(argv=None) -> int:
     args.max_docs = args.max_docs if args.max_docs is not None else 2400
     out_dir = cli.out_dir(args)
     cache = out_dir / f"{NAME}_runs.jsonl"
-    cut: list[str] = []
     if args.cost:
-        cost(args, out_dir)
-    elif not args.report:
-        from moco_retrieval.data.sources import cap_eval_set
-
-        bench = Bench()
-        pool = cap_eval_set(bench.eval_set, args.max_queries or None, args.max_docs or None, seed=0)
-        cut = run_missing(cache, cli.names(args.only, list(RUNS)), cli.seeds(args.seeds), args.deadline,
-                          lambda n, s: run_key(n, s, args), lambda n, s: do_run(bench, pool, n, s, args))
-    suffix = f"|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}"
-    report([r for r in read_jsonl(cache) if r["key"].endswith(suffix)], args, out_dir, cut)
+        cost(args, out_dir)  # then the report, from the cache
+    cut = [] if args.cost else run_selected(cache, args, list(RUNS), lambda n, s: run_key(n, s, args), lambda: runner(args))
+    report(cached_records(cache, f"|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}"), args, out_dir, cut)
     return 0
 
 

@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import finetune as b6  # noqa: E402
 from _common import Bench, bench_cache, compose_cfg, environment, log, quiet_trainer  # noqa: E402
 from harness import cli  # noqa: E402
-from harness.runs import md_table, read_jsonl, run_missing, write_results  # noqa: E402
+from harness.runs import md_table, run_selected, write_results  # noqa: E402
+from harness.runs import records as cached_records  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -170,6 +171,12 @@ def paired_lines(by: dict) -> list[str]:
     return out or ["Not enough runs yet."]
 
 
+def runner(args, pydoc: Path):
+    """Loads both sources' sets and pools once; returns what makes one run's record."""
+    the_pools = pools(Bench(), pydoc, args)
+    return lambda name, seed: do_run(the_pools, pydoc, name, seed, args)
+
+
 def main(argv=None) -> int:
     ap = cli.parser(__doc__)
     b6.add_run_args(ap, default="base," + ",".join(RUNS), runs=["base", *RUNS], small="--pairs-per-source")
@@ -182,13 +189,8 @@ def main(argv=None) -> int:
     args.pairs_per_source = args.pairs_per_source or json.loads((pydoc / "manifest.json").read_text())["counts"]["train_pairs"]
     out_dir = cli.out_dir(args)
     cache = out_dir / f"{NAME}_runs.jsonl"
-    cut: list[str] = []
-    if not args.report:
-        the_pools = pools(Bench(), pydoc, args)
-        cut = run_missing(cache, cli.names(args.only, ["base", *RUNS]), cli.seeds(args.seeds), args.deadline,
-                          lambda n, s: run_key(n, s, args), lambda n, s: do_run(the_pools, pydoc, n, s, args))
-    suffix = f"|per_source={args.pairs_per_source}|pool={args.max_queries}x{args.max_docs}"
-    report([r for r in read_jsonl(cache) if r["key"].endswith(suffix)], args, out_dir, cut)
+    cut = run_selected(cache, args, ["base", *RUNS], lambda n, s: run_key(n, s, args), lambda: runner(args, pydoc))
+    report(cached_records(cache, f"|per_source={args.pairs_per_source}|pool={args.max_queries}x{args.max_docs}"), args, out_dir, cut)
     return 0
 
 

@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import finetune as b6  # noqa: E402
 from _common import RESULTS, Bench, environment, figure, log, peak_rss_mb  # noqa: E402
 from harness import cli  # noqa: E402
-from harness.runs import md_table, read_jsonl, run_missing, write_results  # noqa: E402
+from harness.runs import md_table, read_jsonl, run_selected, write_results  # noqa: E402
+from harness.runs import records as cached_records  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -115,6 +116,15 @@ def do_run(bench, pool, name: str, seed: int, args) -> dict:
     mem = Memory()
     rec = b6.trained(bench, pool, f"B11 {name}", RUNS[name], batches, seed, args.eval_every)
     return {"key": run_key(name, seed, args), "name": name, **rec, **mem.record(), "model": args.model}
+
+
+def runner(args):
+    """Loads the Debian set and the pool once; returns what makes one run's record."""
+    from moco_retrieval.data.sources import cap_eval_set
+
+    bench = Bench()
+    pool = cap_eval_set(bench.eval_set, args.max_queries or None, args.max_docs or None, seed=0)
+    return lambda name, seed: do_run(bench, pool, name, seed, args)
 
 
 def run_key(name: str, seed: int, args) -> str:
@@ -248,17 +258,10 @@ def main(argv=None) -> int:
     out_dir = cli.out_dir(args, Path(tempfile.mkdtemp(prefix="b11-dry-")) if d else RESULTS)
     prefix = f"{NAME}_dry_run" if d else (NAME if args.pairs == 18240 else f"{NAME}_{args.pairs}pairs")
     cache = out_dir / f"{prefix}_runs.jsonl"
-    cut: list[str] = []
-    if not args.report:
-        from moco_retrieval.data.sources import cap_eval_set
-
-        names = cli.names(args.only, list(RUNS))  # before the data loads: a typo exits at once
-        bench = Bench()
-        pool = cap_eval_set(bench.eval_set, args.max_queries or None, args.max_docs or None, seed=0)
-        cut = run_missing(cache, names, cli.seeds(args.seeds), args.deadline, lambda name, seed: run_key(name, seed, args),
-                          lambda name, seed: do_run(bench, pool, name, seed, args))
+    cli.names(args.only, list(RUNS))  # before anything loads: a typo exits at once, even with --report
+    cut = run_selected(cache, args, list(RUNS), lambda name, seed: run_key(name, seed, args), lambda: runner(args))
     suffix = f"|model={args.model}|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}"
-    records = [r for r in read_jsonl(cache) if r["key"].endswith(suffix)] + references(args)
+    records = cached_records(cache, suffix) + references(args)
     report(records, args, out_dir, prefix, cut)
     return 0
 

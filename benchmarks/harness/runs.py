@@ -14,6 +14,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
+from harness import cli
+
 
 def read_jsonl(path: Path) -> list[dict]:
     """The records of a JSONL results cache (none while it does not exist)."""
@@ -81,6 +83,25 @@ def run_missing(cache: Path, names: Iterable[str], seeds: Sequence[int], deadlin
                 continue
             runs.add(run(name, seed))
     return cut
+
+
+def run_selected(cache: Path, args, known: Sequence[str], key_of: Callable[[str, int], str],
+                 make_run: Callable[[], Callable[[str, int], dict]]) -> list[str]:
+    """The runs ``--only`` x ``--seeds`` (names checked against ``known`` first) through the run
+    cache until ``--deadline``; none under ``--report``. ``make_run`` loads what the runs need and
+    returns the function that makes one record; it is called only when a run is missing."""
+    if args.report:
+        return []
+    names, seeds = cli.names(args.only, known), cli.seeds(args.seeds)
+    done = cached_keys(cache)
+    if all(key_of(n, s) in done for n in names for s in seeds):
+        return []
+    return run_missing(cache, names, seeds, args.deadline, key_of, make_run())
+
+
+def records(cache: Path, suffix: str) -> list[dict]:
+    """The cached records whose key ends with ``suffix`` (the setting the report is about)."""
+    return [r for r in read_jsonl(cache) if r["key"].endswith(suffix)]
 
 
 def json_default(o):
