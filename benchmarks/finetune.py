@@ -42,7 +42,7 @@ from _common import TRAINER, Bench, compose_cfg, environment, figure, log, quiet
 from harness import cli  # noqa: E402
 from harness.runs import md_table, read_jsonl, run_selected, write_results  # noqa: E402
 from harness.runs import records as cached_records  # noqa: E402
-from harness.steps import PeerTrainer  # noqa: E402
+from harness.steps import PeerTrainer, step_clock  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -206,7 +206,6 @@ def miss_in_group(run: dict, pool) -> float:
 
 def run_ours(bench, overrides, batches, seed, ev: Evaluator) -> dict:
     import lightning as L
-    from lightning.pytorch.callbacks import Callback
     from torch.utils.data import DataLoader
 
     from moco_retrieval.data.collate import Collator, PairDataset
@@ -218,14 +217,8 @@ def run_ours(bench, overrides, batches, seed, ev: Evaluator) -> dict:
     module = RetrievalModule.from_config(cfg)
     loader = DataLoader(PairDataset(bench.train_pairs), batch_sampler=batches, collate_fn=Collator(module.encoder.tokenize))
 
-    class Clock(Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            ev.start()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            ev.step_done(trainer.global_step, pl_module.encoder)
-
-    trainer = quiet_trainer(cfg, callbacks=[Clock()])
+    clock = step_clock(on_start=ev.start, on_end=lambda trainer, m: ev.step_done(trainer.global_step, m.encoder))
+    trainer = quiet_trainer(cfg, callbacks=[clock])
     trainer.fit(module, train_dataloaders=loader)
     out = {"objective": cfg.objective.name, "temperature": cfg.objective.temperature, "lr": cfg.optim.lr,
            "last_step": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}}

@@ -30,61 +30,31 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Bench, bench_cache, compose_cfg, environment, f3, figure, log, peak_rss_mb, quiet_trainer  # noqa: E402
+from _common import TRAINER, Bench, bench_cache, compose_cfg, environment, f3, figure, log, peak_rss_mb  # noqa: E402
 from harness import cli  # noqa: E402
 from harness.runs import md_table, read_jsonl, run_missing, write_results  # noqa: E402
-from harness.steps import PeerTrainer  # noqa: E402
+from harness.steps import PeerTrainer, step_clock  # noqa: E402
 
 import torch  # noqa: E402
 
 NAME = "peer"
-from _common import TRAINER  # noqa: E402
 
 BASE = [f"trainer={TRAINER}", "logger=none", "data=debian"]
 
 
-class StepTimer:
-    """Lightning callback: wall seconds of every training step (batch start -> batch end)."""
-
-    def __new__(cls):
-        from lightning.pytorch.callbacks import Callback
-
-        class _T(Callback):
-            def __init__(self):
-                self.times, self._t = [], None
-
-            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-                self._t = time.perf_counter()
-
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                self.times.append(time.perf_counter() - self._t)
-
-        return _T()
-
-
 def run_ours(bench: Bench, preset: str, steps: int, batch: int, pool, extra=()) -> dict:
-    import lightning as L
-
     from moco_retrieval.evaluation.encode import evaluate_encoder
-    from moco_retrieval.lightning_module import RetrievalModule
 
     cfg = compose_cfg(BASE + [f"+experiment={preset}", f"data.batch_size={batch}", f"trainer.max_steps={steps}",
                               "trainer.max_epochs=-1", "trainer.val_check_interval=null", "seed=0", "data.seed=0", *extra])
-    L.seed_everything(0, verbose=False)
-    module = RetrievalModule.from_config(cfg)
-    dm = bench.datamodule(cfg)
-    dm.tokenize = module.encoder.tokenize
-    timer = StepTimer()
-    trainer = quiet_trainer(cfg, callbacks=[timer])
-    t0 = time.perf_counter()
-    trainer.fit(module, datamodule=dm)
-    train_s = time.perf_counter() - t0
+    clock = step_clock()
+    run = bench.fit_eval(cfg, callbacks=[clock], evaluate=False)
+    module = run["module"]
     res = evaluate_encoder(module.encoder, pool, module.eval_cfg, batch_size=64, show_progress=False)
-    info = {"steps": trainer.global_step, "train_s": train_s, "step_times": timer.times, "metrics": res.metrics,
+    info = {"steps": run["steps"], "train_s": run["train_s"], "step_times": clock.times, "metrics": res.metrics,
             "geometry": res.geometry, "preset": preset, "lr": cfg.optim.lr, "temperature": cfg.objective.temperature}
-    queue = module.objective.stats(trainer.global_step)
-    if queue:
-        info["queue_fill"] = queue["queue_fill"]
+    if "queue_fill" in run:
+        info["queue_fill"] = run["queue_fill"]
         info["queue_size"] = cfg.objective.queue_size
     return info
 

@@ -35,6 +35,7 @@ import finetune as b6  # noqa: E402
 from _common import Bench, bench_cache, compose_cfg, environment, log, quiet_trainer  # noqa: E402
 from harness import cli  # noqa: E402
 from harness.runs import md_table, run_selected, write_results  # noqa: E402
+from harness.steps import step_clock  # noqa: E402
 from harness.runs import records as cached_records  # noqa: E402
 
 import torch  # noqa: E402
@@ -87,7 +88,6 @@ def score(encoder, pools: dict, eval_cfg) -> dict:
 
 def do_run(pools: dict, pydoc: Path, name: str, seed: int, args) -> dict:
     import lightning as L
-    from lightning.pytorch.callbacks import Callback
 
     from moco_retrieval.data.datamodule import RetrievalDataModule
     from moco_retrieval.lightning_module import RetrievalModule
@@ -98,19 +98,14 @@ def do_run(pools: dict, pydoc: Path, name: str, seed: int, args) -> dict:
     if name == "base":
         return {"key": run_key(name, seed, args), "name": name, "seed": seed, "final": score(module.encoder, pools, module.eval_cfg)}
     dm = RetrievalDataModule(cfg.data, tokenize=module.encoder.tokenize)
-    times: list[float] = []
+    def progress(trainer, _module) -> None:
+        if trainer.global_step % 25 == 0:
+            log(f"  step {trainer.global_step}: {statistics.median(clock.times):.1f} s/step")
 
-    class Clock(Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.t = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            times.append(time.perf_counter() - self.t)
-            if trainer.global_step % 25 == 0:
-                log(f"  step {trainer.global_step}: {statistics.median(times):.1f} s/step")
-
+    clock = step_clock(on_end=progress)
+    times = clock.times
     log(f"B13 {name} seed {seed}: {len(dm.batch_sampler)} steps of 32, {torch.get_num_threads()} thread(s)")
-    trainer = quiet_trainer(cfg, callbacks=[Clock()])
+    trainer = quiet_trainer(cfg, callbacks=[clock])
     trainer.fit(module, datamodule=dm)
     stats = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
     return {"key": run_key(name, seed, args), "name": name, "seed": seed, "what": RUNS[name][1], "steps": int(trainer.global_step),

@@ -171,3 +171,20 @@ def test_shared_options_parse_the_same_everywhere_and_unknown_runs_exit(tmp_path
     assert cli.out_dir(args).is_dir() and cli.out_dir(ap.parse_args([]), tmp_path / "d") == tmp_path / "d"
     with pytest.raises(SystemExit, match="--only: unknown x; expected some of a, b"):
         cli.names("a,x", ["a", "b"])
+
+
+def test_step_clock_times_every_lightning_step_between_its_hooks(tiny_dir, tmp_path, one_thread):
+    import lightning as L
+
+    from harness.steps import step_clock
+
+    m = moco_module(tiny_dir)
+    events: list[str] = []
+    clock = step_clock(on_start=lambda: events.append("start"), on_end=lambda trainer, module: events.append(
+        f"end {trainer.global_step} {module is m}"))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+                        callbacks=[clock], num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(m, datamodule=SyntheticData(m.encoder.tokenize, batch_size=4))
+    assert events == ["start", "end 1 True", "start", "end 2 True", "start", "end 3 True"]
+    assert len(clock.times) == 3 and all(t > 0 for t in clock.times)

@@ -9,12 +9,15 @@ was), clip, optimizer step, EMA update of the key encoder (the module's ``optimi
 the main job's optimizer (AdamW over ``decay_groups``, clipping 1.0, optionally the linear
 warmup-then-decay schedule): tokenise a batch (``features``; timed or not, as the caller
 chooses), take a step (``step``), copy its weights into our encoder for scoring (``copy_into``).
+
+``step_clock`` times each step of a Lightning run of our module (batch start to batch end).
 """
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -107,3 +110,26 @@ class PeerTrainer:
         so both are scored by the same code; only the unused pooler may be missing."""
         missing, _ = encoder.tower.backbone.load_state_dict(self.model[0].auto_model.state_dict(), strict=False)
         assert not [k for k in missing if "pooler" not in k], missing
+
+
+def step_clock(on_start: Optional[Callable[[], None]] = None, on_end: Optional[Callable[..., None]] = None):
+    """A Lightning callback whose ``times`` are the seconds of every training step (batch start to
+    batch end); ``on_start()`` runs as a step starts, ``on_end(trainer, module)`` after it ends."""
+    from lightning.pytorch.callbacks import Callback  # here: the hand-written steps need no Lightning
+
+    class StepClock(Callback):
+        def __init__(self):
+            self.times: list[float] = []
+            self._t = 0.0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if on_start is not None:
+                on_start()
+            self._t = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.times.append(time.perf_counter() - self._t)
+            if on_end is not None:
+                on_end(trainer, pl_module)
+
+    return StepClock()
