@@ -559,7 +559,7 @@ def main(argv=None) -> int:
     out_dir = cli.out_dir(args)
     prefix = f"{NAME}_quick" if q else (NAME if args.pairs == 18240 else f"{NAME}_{args.pairs}pairs")  # B4's setup: 4800
     cache = out_dir / f"{prefix}_runs.jsonl"
-    cut = run_selected(cache, args, ["base", *RUNS], lambda name, seed: run_key(name, seed, args), lambda: runner(args))
+    cut = run_selected(cache, args, ["base", *RUNS], lambda name, seed: run_key(name, seed, args), lambda: runner(args, run_or_base))
     # read again: runs finished by parallel processes since belong in the report too
     records = cached_records(cache, f"|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}")
     if not any(r["name"] == "base" for r in records):
@@ -568,14 +568,18 @@ def main(argv=None) -> int:
     return 0
 
 
-def runner(args):
-    """Loads the Debian set and the pool once; returns what makes one run's record."""
+def runner(args, make):
+    """Loads the Debian set and the pool (``--max-queries`` x ``--max-docs``) once; returns what
+    makes one run's record: ``make(bench, pool, name, seed, args)``."""
     from moco_retrieval.data.sources import cap_eval_set
 
     bench = Bench()
     pool = cap_eval_set(bench.eval_set, args.max_queries or None, args.max_docs or None, seed=0)
-    return lambda name, seed: (base_record(bench, pool, run_key(name, seed, args), args) if name == "base"
-                               else do_run(bench, pool, name, seed, args))
+    return lambda name, seed: make(bench, pool, name, seed, args)
+
+
+def run_or_base(bench, pool, name, seed, args) -> dict:
+    return base_record(bench, pool, run_key(name, seed, args), args) if name == "base" else do_run(bench, pool, name, seed, args)
 
 
 def base_from_other_caches(out_dir: Path, args) -> list[dict]:

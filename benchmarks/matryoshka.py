@@ -60,15 +60,6 @@ def do_run(bench, pool, name: str, seed: int, args) -> dict:
     return {"key": run_key(name, seed, args), "name": name, **rec}
 
 
-def runner(args):
-    """Loads the Debian set and the pool once; returns what makes one run's record."""
-    from moco_retrieval.data.sources import cap_eval_set
-
-    bench = Bench()
-    pool = cap_eval_set(bench.eval_set, args.max_queries or None, args.max_docs or None, seed=0)
-    return lambda name, seed: do_run(bench, pool, name, seed, args)
-
-
 def run_key(name: str, seed: int, args) -> str:
     return f"{name}|seed={seed}|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}"
 
@@ -167,7 +158,7 @@ def main(argv=None) -> int:
     cache = out_dir / f"{NAME}_runs.jsonl"
     if args.cost:
         cost(args, out_dir)  # then the report, from the cache
-    cut = [] if args.cost else run_selected(cache, args, list(RUNS), lambda n, s: run_key(n, s, args), lambda: runner(args))
+    cut = [] if args.cost else run_selected(cache, args, list(RUNS), lambda n, s: run_key(n, s, args), lambda: b6.runner(args, do_run))
     report(cached_records(cache, f"|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}"), args, out_dir, cut)
     return 0
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import finetune as b6  # noqa: E402
-from _common import RESULTS, Bench, environment, figure, log, peak_rss_mb  # noqa: E402
+from _common import RESULTS, environment, figure, log, peak_rss_mb  # noqa: E402
 from harness import cli  # noqa: E402
 from harness.runs import md_table, read_jsonl, run_selected, write_results  # noqa: E402
 from harness.runs import records as cached_records  # noqa: E402
@@ -116,15 +116,6 @@ def do_run(bench, pool, name: str, seed: int, args) -> dict:
     mem = Memory()
     rec = b6.trained(bench, pool, f"B11 {name}", RUNS[name], batches, seed, args.eval_every)
     return {"key": run_key(name, seed, args), "name": name, **rec, **mem.record(), "model": args.model}
-
-
-def runner(args):
-    """Loads the Debian set and the pool once; returns what makes one run's record."""
-    from moco_retrieval.data.sources import cap_eval_set
-
-    bench = Bench()
-    pool = cap_eval_set(bench.eval_set, args.max_queries or None, args.max_docs or None, seed=0)
-    return lambda name, seed: do_run(bench, pool, name, seed, args)
 
 
 def run_key(name: str, seed: int, args) -> str:
@@ -259,7 +250,7 @@ def main(argv=None) -> int:
     prefix = f"{NAME}_dry_run" if d else (NAME if args.pairs == 18240 else f"{NAME}_{args.pairs}pairs")
     cache = out_dir / f"{prefix}_runs.jsonl"
     cli.names(args.only, list(RUNS))  # before anything loads: a typo exits at once, even with --report
-    cut = run_selected(cache, args, list(RUNS), lambda name, seed: run_key(name, seed, args), lambda: runner(args))
+    cut = run_selected(cache, args, list(RUNS), lambda name, seed: run_key(name, seed, args), lambda: b6.runner(args, do_run))
     suffix = f"|model={args.model}|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}"
     records = cached_records(cache, suffix) + references(args)
     report(records, args, out_dir, prefix, cut)
