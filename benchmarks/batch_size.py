@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--queue-seeds", type=int, default=1, help="seeds for every queue / remedy configuration")
     ap.add_argument("--epochs", type=int, default=None, help="epochs of every run (default 3; quick 1)")
     ap.add_argument("--batches", type=str, default=None, help="comma-separated in-batch batch sizes")
-    ap.add_argument("--fresh", action="store_true", help="ignore the cache of finished runs")
+    cli.add_fresh(ap)
     ap.add_argument("--only", type=str, default="untrained,inbatch,naive,remedies,winner,controls",
                     help="sections to run now (finished runs of any section are read from the cache for the report)")
     ap.add_argument("--queue-ks", type=str, default=None, help="comma-separated K of the naive grid (default 1024,4096,16384,65536)")

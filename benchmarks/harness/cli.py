@@ -2,7 +2,7 @@
 
 A script builds its parser with ``parser(__doc__)``, adds the shared options it takes with
 ``add_common`` (always ``--out``, ``--threads``, ``--debian-dir``, ``--cache``), ``add_selection``
-(``--only``, ``--seeds``), ``add_report`` and ``add_deadline``, then its own; ``apply(args)`` sets
+(``--only``, ``--seeds``), ``add_report``, ``add_deadline`` and ``add_fresh``, then its own; ``apply(args)`` sets
 the locations and the thread count before anything is loaded.
 """
 from __future__ import annotations
@@ -72,6 +72,10 @@ def add_selection(ap: argparse.ArgumentParser, *, runs: Sequence[str], default: 
 
 def add_report(ap: argparse.ArgumentParser, help: str = "only write the report from the cache") -> None:
     ap.add_argument("--report", action="store_true", help=help)
+
+
+def add_fresh(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--fresh", action="store_true", help="ignore the cache of finished runs (kept aside as .old)")
 
 
 def add_deadline(ap: argparse.ArgumentParser, what: str = "runs") -> None:
