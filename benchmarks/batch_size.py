@@ -26,6 +26,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
@@ -123,7 +124,6 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")] if args.batches else ([4, 32, 256] if quick else [4, 8, 16, 32, 64, 128, 256])
     only = {s for s in args.only.split(",") if s}
     ks = [int(k) for k in args.queue_ks.split(",")] if args.queue_ks else ([1024, 4096] if quick else [1024, 4096, 16384, 65536])
-    moms = [0.99, 0.999]
     t_start = time.time()
     bench = Bench(max_train_examples=6000 if quick else None, max_eval_queries=None)
     mode = "quick" if quick else "full"
@@ -132,6 +132,24 @@ def main(argv=None) -> int:
     log(f"B1 {mode}: {len(bench.train_pairs):,} train pairs, pool {len(bench.eval_set.corpus):,} docs / "
         f"{len(bench.eval_set.queries):,} queries; epochs {epochs}; seeds {seeds}")
 
+    grid = Grid(seeds, queue_seeds, batches, ks, only)
+    report(run_sections(runner, args, grid), runner, bench, args, grid, t_start)
+    return 0
+
+
+class Grid(NamedTuple):
+    """What this invocation covers: seeds, queue seeds, in-batch batch sizes, naive-queue K, sections."""
+    seeds: list[int]
+    queue_seeds: list[int]
+    batches: list[int]
+    ks: list[int]
+    only: set[str]
+
+
+def run_sections(runner: Runner, args, grid: Grid) -> dict:
+    """Each section's runs (run now when ``--only`` names the section, else read from the cache)."""
+    quick, seeds, queue_seeds, batches, ks, only = args.quick, grid.seeds, grid.queue_seeds, grid.batches, grid.ks, grid.only
+    moms = [0.99, 0.999]
     # 1-2. untrained head and in-batch negatives, batch sweep (each seed sweeps every batch, so a cut
     # run still has every batch size)
     untrained = runner.runs("untrained" in only, [("untrained", "untrained head", INBATCH, s, {"untrained": True}) for s in seeds])
@@ -190,9 +208,19 @@ def main(argv=None) -> int:
                  INBATCH + [f"data.batch_size={b}", f"objective.temperature={win_tau}"], s, {})
                 for s in (seeds if b == max(batches) else seeds[:1])])
 
-    # ------------------------------------------------------------------------------- report
+    return {"untrained": untrained, "inbatch": inbatch, "naive": naive, "remedies": rem, "winner": winner,
+            "controls": controls, "win_tau": win_tau}
+
+
+def report(sections: dict, runner: Runner, bench: Bench, args, grid: Grid, t_start: float) -> None:
+    untrained, inbatch, naive, rem = sections["untrained"], sections["inbatch"], sections["naive"], sections["remedies"]
+    winner, controls, win_tau = sections["winner"], sections["controls"], sections["win_tau"]
+    quick, seeds, queue_seeds = args.quick, grid.seeds, grid.queue_seeds
+    mode = "quick" if quick else "full"
+    epochs = args.epochs or (1 if quick else 3)
+
+
     out_dir = cli.out_dir(args)
-    out_dir.mkdir(parents=True, exist_ok=True)
     prefix = NAME if not quick else f"{NAME}_quick"
     ib = {b: r1(v) for b, v in inbatch.items() if v}
     b256 = ib.get(max(ib)) if ib else []
@@ -238,7 +266,7 @@ def main(argv=None) -> int:
     write_results(prefix, md, data, out_dir)
     plots(ib, untrained, naive, rem, winner, out_dir, prefix)
     log(f"wrote {out_dir / (prefix + '.md')} ({time.time() - t_start:.0f}s, peak RSS {peak_rss_mb():.0f} MB)")
-    return 0
+
 
 
 def _row(rec: dict) -> list:
