@@ -59,7 +59,8 @@ def main(argv=None) -> None:
     ap.add_argument("--models", nargs="+", default=["tiny", "minilm"])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--K", type=int, default=65536)
-    cli.add_common(ap)
+    cli.add_out(ap)
+    cli.add_threads(ap)  # no data locations: the batches are random tokens
     args = ap.parse_args(argv)
     cli.apply(args)
     out = cli.out_dir(args)
