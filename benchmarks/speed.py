@@ -334,28 +334,10 @@ def main(argv=None) -> int:
     t0 = time.time()
     prefix = NAME if not q else f"{NAME}_quick"
     out_dir = cli.out_dir(args)
-    results = {}
-    prev = out_dir / f"{prefix}.json"
-    if prev.is_file():  # sections not re-run now keep their last measurement
-        try:
-            results = dict(json.loads(prev.read_text()).get("sections", {}))
-        except ValueError:
-            results = {}
+    results = previous_sections(out_dir / f"{prefix}.json")  # sections not re-run now keep their last measurement
     passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
-    for s in [s for s in args.sections.split(",") if s]:
-        out_file = Path(tempfile.gettempdir()) / f"mr-bench-speed-{s}-{os.getpid()}.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), *passthrough, "--section", s, "--child-out", str(out_file)]
-        log(f"section {s}")
-        t = time.time()
-        rc = subprocess.call(cmd)
-        if rc != 0 or not out_file.is_file():
-            results[s] = {"error": f"exit status {rc}"}
-            log(f"section {s} failed ({rc})")
-            continue
-        results[s] = json.loads(out_file.read_text())
-        results[s]["wall_s"] = time.time() - t
-        results[s]["measured_at_utc"] = time.strftime("%H:%M", time.gmtime())
-        out_file.unlink()
+    for section in [x for x in args.sections.split(",") if x]:
+        results[section] = run_section(section, passthrough)
     memory = other_benchmarks_memory()
     data = {"benchmark": "B5 speed and memory", "mode": "quick" if q else "full", "sections": results,
             "other_benchmarks_peak_rss_mb": memory, "wall_s": time.time() - t0, "environment": environment()}
@@ -363,6 +345,30 @@ def main(argv=None) -> int:
     plots(data, out_dir, prefix)
     log(f"wrote {out_dir / (prefix + '.md')}")
     return 0
+
+
+def previous_sections(path: Path) -> dict:
+    try:
+        return dict(json.loads(path.read_text()).get("sections", {})) if path.is_file() else {}
+    except ValueError:
+        return {}
+
+
+def run_section(section: str, passthrough: list[str]) -> dict:
+    """One section in a child process of its own (so its peak RSS is its own)."""
+    out_file = Path(tempfile.gettempdir()) / f"mr-bench-speed-{section}-{os.getpid()}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), *passthrough, "--section", section, "--child-out", str(out_file)]
+    log(f"section {section}")
+    t = time.time()
+    rc = subprocess.call(cmd)
+    if rc != 0 or not out_file.is_file():
+        log(f"section {section} failed ({rc})")
+        return {"error": f"exit status {rc}"}
+    res = json.loads(out_file.read_text())
+    res["wall_s"] = time.time() - t
+    res["measured_at_utc"] = time.strftime("%H:%M", time.gmtime())
+    out_file.unlink()
+    return res
 
 
 def other_benchmarks_memory() -> dict:
