@@ -110,6 +110,36 @@ def mean_std(xs):
     return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
+# the mined files' filters: name -> mine_variants' options
+VARIANTS = {
+    "unfiltered": {"relative_margin": None, "drop_group": False},
+    "group_only": {"relative_margin": None, "drop_group": True},
+    "filtered": {"relative_margin": 0.05, "drop_group": True},
+}
+# the runs (a_none on every row; the others on the rows every mined file could give negatives)
+LABELS = {
+    "a_none": "(a) no hard negatives, all rows",
+    "a_none_common": "(a) no hard negatives, common rows",
+    "b_unfiltered": "(b) mined, no false-negative filter (only the positive removed; trainer mask off)",
+    "b_group_only": "(b+) mined, same-group documents removed, no relative margin",
+    "c_filtered": "(c) mined with the filter: group removed + relative margin 0.05",
+}
+
+
+def summarise(runs: dict[str, list], all_rows: int, common_rows: int) -> list[dict]:
+    """Per run: mean ± std of each metric over seeds, its rows and its mean training seconds."""
+    table = []
+    for name, rs in runs.items():
+        row = {"run": name, "label": LABELS[name], "seeds": len(rs)}
+        for m in METRICS:
+            mu, sd = mean_std([r["metrics"][m] for r in rs])
+            row[m] = {"mean": mu, "std": sd, "per_seed": [r["metrics"][m] for r in rs]}
+        row["rows"] = all_rows if name == "a_none" else common_rows
+        row["train_seconds_mean"] = statistics.mean(r["seconds"] for r in rs)
+        table.append(row)
+    return table
+
+
 def main() -> None:
     ap = cli.parser(__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small slice, one seed, one epoch")
@@ -170,13 +200,8 @@ def main() -> None:
     for s in seeds:
         run("a_none", [f"data.train_path={train_file}"], s)
 
-    variants = {
-        "unfiltered": {"relative_margin": None, "drop_group": False},
-        "group_only": {"relative_margin": None, "drop_group": True},
-        "filtered": {"relative_margin": 0.05, "drop_group": True},
-    }
     t0 = time.perf_counter()
-    mined = mine_variants(work / "a_none-s0" / "checkpoints" / "last.ckpt", pairs, work, variants,
+    mined = mine_variants(work / "a_none-s0" / "checkpoints" / "last.ckpt", pairs, work, VARIANTS,
                           args.n_negatives, args.range_max)
     mine_seconds = time.perf_counter() - t0
     common_keys = mined.pop("common_keys")
@@ -193,22 +218,7 @@ def main() -> None:
         for s in seeds:
             run(name, extra, s)
 
-    labels = {
-        "a_none": "(a) no hard negatives, all rows",
-        "a_none_common": "(a) no hard negatives, common rows",
-        "b_unfiltered": "(b) mined, no false-negative filter (only the positive removed; trainer mask off)",
-        "b_group_only": "(b+) mined, same-group documents removed, no relative margin",
-        "c_filtered": "(c) mined with the filter: group removed + relative margin 0.05",
-    }
-    table = []
-    for name, rs in runs.items():
-        row = {"run": name, "label": labels[name], "seeds": len(rs)}
-        for m in METRICS:
-            mu, sd = mean_std([r["metrics"][m] for r in rs])
-            row[m] = {"mean": mu, "std": sd, "per_seed": [r["metrics"][m] for r in rs]}
-        row["rows"] = len(pairs) if name == "a_none" else mined["common_rows"]
-        row["train_seconds_mean"] = statistics.mean(r["seconds"] for r in rs)
-        table.append(row)
+    table = summarise(runs, len(pairs), mined["common_rows"])
 
     setup = {
         "quick": args.quick, "seeds": seeds, "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr,
