@@ -179,11 +179,13 @@ class Runner:
         the records that exist, in order."""
         out = []
         for group, name, overrides, seed, extra in specs:
-            rec = self.cache.get(run_key(f"{group}:{name}", seed))
+            key = run_key(f"{group}:{name}", seed)
+            rec = self.cache.get(key)
+            if rec is None and active and not past_deadline(self.deadline):
+                with self.cache.claimed(key) as mine:
+                    rec = self.run(group, name, overrides, seed, **extra) if mine else self.cache.get(key)
             if rec is not None:
                 out.append(rec)
-            elif active and not past_deadline(self.deadline):
-                out.append(self.run(group, name, overrides, seed, **extra))
             else:
                 self.cut.append(f"{group}: {name}, seed {seed}")
         return out

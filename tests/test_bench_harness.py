@@ -188,3 +188,34 @@ def test_step_clock_times_every_lightning_step_between_its_hooks(tiny_dir, tmp_p
     trainer.fit(m, datamodule=SyntheticData(m.encoder.tokenize, batch_size=4))
     assert events == ["start", "end 1 True", "start", "end 2 True", "start", "end 3 True"]
     assert len(clock.times) == 3 and all(t > 0 for t in clock.times)
+
+
+def test_a_claimed_run_is_left_to_its_process_and_a_dead_process_claim_is_taken_over(tmp_path):
+    import hashlib
+    import os
+    import socket
+    import subprocess
+
+    cache = tmp_path / "x_runs.jsonl"
+    ran = []
+
+    def run(name, seed):
+        ran.append(name)
+        # while "a" runs, a second process given the same runs leaves it alone
+        if name == "a":
+            assert runs.run_missing(cache, ["a"], [0], None, lambda n, s: n, lambda n, s: ran.append("twice")) == []
+        return {"key": name}
+
+    runs.run_missing(cache, ["a"], [0], None, lambda n, s: n, run)
+    assert ran == ["a"] and not (tmp_path / "x_runs.jsonl.claims").exists()  # released, folder gone
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    folder = tmp_path / "x_runs.jsonl.claims"
+    folder.mkdir()
+    (folder / (hashlib.sha1(b"b").hexdigest()[:20] + ".json")).write_text(
+        json.dumps({"key": "b", "pid": dead.pid, "host": socket.gethostname()}))
+    (folder / (hashlib.sha1(b"c").hexdigest()[:20] + ".json")).write_text(
+        json.dumps({"key": "c", "pid": os.getpid(), "host": socket.gethostname()}))  # alive: this process
+    runs.run_missing(cache, ["b", "c"], [0], None, lambda n, s: n, lambda n, s: ran.append(n) or {"key": n})
+    assert ran == ["a", "b"]  # b taken over from the dead process; c left to its live one
+    assert [r["key"] for r in runs.read_jsonl(cache)] == ["a", "b"]

@@ -2,12 +2,19 @@
 
 A run cache is a JSONL file, one finished run per line, each with a ``key``: a run whose key is
 there is skipped (the file is read again before each run, so parallel processes share the work),
-a finished one is appended as one whole line, and a run not started by ``--deadline`` is cut
-(listed in the report). ``write_results`` writes a benchmark's ``<name>.md`` and ``<name>.json``.
+a run is claimed before it starts (a file in ``<cache>.claims/``, created atomically and removed
+when the run ends; a claim whose process is gone is taken over), so two processes given the same
+runs do not both train one, a finished one is appended as one whole line, and a run not started
+by ``--deadline`` is cut (listed in the report). ``write_results`` writes a benchmark's
+``<name>.md`` and ``<name>.json``.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import os
+import socket
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -62,6 +69,57 @@ class RunCache:
         return rec
 
 
+    @contextlib.contextmanager
+    def claimed(self, key: str):
+        """Yields whether this process holds ``key``'s claim (False: another live process runs it,
+        or it finished meanwhile); the claim is released on exit."""
+        folder = self.path.with_name(self.path.name + ".claims")
+        folder.mkdir(parents=True, exist_ok=True)
+        claim = folder / (hashlib.sha1(key.encode()).hexdigest()[:20] + ".json")
+        took = _take(claim, key)
+        try:
+            yield took and self.get(key) is None
+        finally:
+            if took:
+                claim.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    folder.rmdir()  # only when no other claim is left in it
+
+
+def _take(claim: Path, key: str) -> bool:
+    """Creates ``claim`` (atomically); a claim left by a process of this machine that is gone is
+    replaced."""
+    for _ in range(2):
+        try:
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            if not _stale(claim):
+                return False
+            claim.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump({"key": key, "pid": os.getpid(), "host": socket.gethostname(),
+                       "since_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}, f)
+        return True
+    return False
+
+
+def _stale(claim: Path) -> bool:
+    try:
+        info = json.loads(claim.read_text())
+    except (OSError, ValueError):
+        return False  # being written, or gone: not ours to take
+    if info.get("host") != socket.gethostname():
+        return False  # another machine's process: nothing here can tell whether it lives
+    try:
+        os.kill(int(info["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, KeyError, ValueError):
+        return False
+    return False
+
+
 def cached_keys(path: Path, field: str = "key") -> set[str]:
     return set(RunCache(path, key_field=field).done)
 
@@ -70,18 +128,22 @@ def run_missing(cache: Path, names: Iterable[str], seeds: Sequence[int], deadlin
                 key_of: Callable[[str, int], str], run: Callable[[str, int], dict], key_field: str = "key") -> list[str]:
     """Runs every (name, seed) whose ``key_of(name, seed)`` is not in ``cache`` yet (read before
     each: a parallel process may have finished it), appending ``run(name, seed)``'s record;
-    returns those ``deadline`` cut, as "name seed s". ``key_field``: the records' key (an older
-    cache may key its records by another field)."""
+    returns those ``deadline`` cut, as "name seed s"; a run another live process has claimed is
+    left to it. ``key_field``: the records' key (an older cache may key its records by another
+    field)."""
     runs = RunCache(cache, key_field=key_field)
     cut: list[str] = []
     for name in names:
         for seed in seeds:
-            if runs.get(key_of(name, seed)) is not None:
+            key = key_of(name, seed)
+            if runs.get(key) is not None:
                 continue
             if past_deadline(deadline):
                 cut.append(f"{name} seed {seed}")
                 continue
-            runs.add(run(name, seed))
+            with runs.claimed(key) as mine:
+                if mine:  # else another process runs it (or has just finished it)
+                    runs.add(run(name, seed))
     return cut
 
 
