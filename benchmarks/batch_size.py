@@ -63,6 +63,9 @@ KEY_GRAD = ["+experiment=frozen_queue", "objective.temperature=0.02"]
 # 0.05 / 0.1, lr 3e-4 / 2e-3, K 4k / 16k) or by the current head without gradient.
 
 
+SECTIONS = ["untrained", "inbatch", "naive", "remedies", "winner", "controls"]
+
+
 def remedies(quick: bool) -> dict[str, tuple[str, list[str]]]:
     """name -> (what it changes, overrides), in order of priority (a deadline cuts the last ones).
     The naive queue itself (K=4,096, m 0.99 / 0.999) is in the naive grid."""
@@ -106,8 +109,8 @@ def main(argv=None) -> int:
     ap.add_argument("--epochs", type=int, default=None, help="epochs of every run (default 3; quick 1)")
     ap.add_argument("--batches", type=str, default=None, help="comma-separated in-batch batch sizes")
     cli.add_fresh(ap)
-    ap.add_argument("--only", type=str, default="untrained,inbatch,naive,remedies,winner,controls",
-                    help="sections to run now (finished runs of any section are read from the cache for the report)")
+    cli.add_only(ap, SECTIONS, ",".join(SECTIONS),
+                 "sections to run now (finished runs of any section are read from the cache for the report)")
     ap.add_argument("--queue-ks", type=str, default=None, help="comma-separated K of the naive grid (default 1024,4096,16384,65536)")
     ap.add_argument("--remedies", type=str, default=None, help="';'-separated remedy names to run now (default: all, in order)")
     ap.add_argument("--winner-seeds", type=str, default=None, help="comma-separated seeds to run now for --winner")
@@ -122,7 +125,7 @@ def main(argv=None) -> int:
     queue_seeds = list(range(max(1, args.queue_seeds)))
     epochs = args.epochs or (1 if quick else 3)
     batches = [int(b) for b in args.batches.split(",")] if args.batches else ([4, 32, 256] if quick else [4, 8, 16, 32, 64, 128, 256])
-    only = {s for s in args.only.split(",") if s}
+    only = set(cli.names(args.only, SECTIONS))
     ks = [int(k) for k in args.queue_ks.split(",")] if args.queue_ks else ([1024, 4096] if quick else [1024, 4096, 16384, 65536])
     t_start = time.time()
     bench = Bench(max_train_examples=6000 if quick else None, max_eval_queries=None)

@@ -165,9 +165,9 @@ def finetune_records(out_dir: Path) -> list[dict]:
 def main(argv=None) -> int:
     ap = cli.parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="a 6,000-pair slice, 1 epoch, seed 0 (minutes)")
-    ap.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2; quick 0)")
+    cli.add_seeds(ap, None, "comma-separated seeds (default 0,1,2; quick 0)")
     ap.add_argument("--epochs", type=int, default=None, help="epochs of every run (default 1)")
-    ap.add_argument("--only", default=",".join(RUNS), help="runs to do now (the others are read from the cache)")
+    cli.add_only(ap, list(RUNS), ",".join(RUNS), "runs to do now (the others are read from the cache)")
     cli.add_deadline(ap)
     ap.add_argument("--finetune", action="store_true", help="run the fine-tune section (see above) instead")
     ap.add_argument("--finetune-only", default=None, help="';'-separated fine-tune runs to do now")
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cli.apply(args)
     q = args.quick
-    seeds = [int(s) for s in (args.seeds or ("0" if q else "0,1,2")).split(",")]
+    seeds = cli.seeds(args.seeds or ("0" if q else "0,1,2"))
     epochs = args.epochs or 1
     out_dir = cli.out_dir(args)
     prefix = f"{NAME}_quick" if q else NAME
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     bench = Bench(max_train_examples=6000 if q else None)
     hidden = withheld(bench)
     log(f"B7: {len(bench.train_pairs):,} pairs, pool {len(bench.eval_set.corpus):,} docs; epochs {epochs}, seeds {seeds}")
-    only = set() if args.report else {n for n in args.only.split(",") if n}
+    only = set() if args.report else set(cli.names(args.only, list(RUNS)))
     guides = {}
     for name in () if args.report else ("base", "minilm"):  # base always (free: the backbone's cached features); minilm when its runs are on
         if name == "base" or any(f"guide={name}" in " ".join(ov) for run, (_, ov) in RUNS.items() if run in only):

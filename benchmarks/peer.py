@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--max-queries", type=int, default=1000, help="queries of the pool (0: all 3,283); quick 200")
     ap.add_argument("--max-docs", type=int, default=2400, help="documents of the pool (0: all; every relevant one kept); quick 400")
-    cli.add_selection(ap, runs=list(RUNS), default=",".join(RUNS), seeds=None)
+    cli.add_only(ap, list(RUNS), ",".join(RUNS))
     cli.add_common(ap)
     args = ap.parse_args(argv)
     cli.apply(args)

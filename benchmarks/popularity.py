@@ -134,17 +134,18 @@ def run_table(cache: Path, bench, table: dict, names: list[str], seeds: list[int
 def main(argv=None) -> int:
     ap = cli.parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="8,000 training pairs, 1 epoch, seed 0, in-batch only")
-    ap.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2; quick 0)")
+    cli.add_seeds(ap, None, "comma-separated seeds (default 0,1,2; quick 0)")
     ap.add_argument("--epochs", type=int, default=None, help="epochs (default 3; quick 1)")
-    ap.add_argument("--only", default=None, help=f"runs to do now, of: {', '.join(list(RUNS) + list(CONTROLS))}")
+    cli.add_only(ap, [*RUNS, *CONTROLS], None)
     cli.add_deadline(ap)
     cli.add_common(ap)
     args = ap.parse_args(argv)
     cli.apply(args)
     q = args.quick
-    seeds = [int(s) for s in (args.seeds or ("0" if q else "0,1,2")).split(",")]
+    seeds = cli.seeds(args.seeds or ("0" if q else "0,1,2"))
     epochs = args.epochs or (1 if q else 3)
-    only = args.only.split(",") if args.only else ([n for n in RUNS if n.startswith("in-batch")] if q else list(RUNS) + list(CONTROLS))
+    only = (cli.names(args.only, [*RUNS, *CONTROLS]) if args.only
+            else [n for n in RUNS if n.startswith("in-batch")] if q else [*RUNS, *CONTROLS])
     out_dir = cli.out_dir(args)
     prefix = f"{NAME}_quick" if q else NAME
     cache = out_dir / f"{prefix}_runs.jsonl"

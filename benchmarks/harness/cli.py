@@ -62,12 +62,21 @@ def add_common(ap: argparse.ArgumentParser, *, out: Optional[Path] = None, threa
     add_locations(ap)
 
 
-def add_selection(ap: argparse.ArgumentParser, *, runs: Sequence[str], default: Optional[str],
-                  seeds: Optional[str] = "0", seeds_help: str = "comma-separated seeds to run now") -> None:
-    """``--only`` (comma-separated names of ``runs``) and, unless ``seeds`` is None, ``--seeds``."""
-    ap.add_argument("--only", default=default, help=f"runs to do now, of: {', '.join(runs)}")
-    if seeds is not None:
-        ap.add_argument("--seeds", default=seeds, help=seeds_help)
+def add_only(ap: argparse.ArgumentParser, runs: Sequence[str], default: Optional[str], help: Optional[str] = None) -> None:
+    """``--only``: comma-separated names of ``runs`` (checked by ``names``)."""
+    ap.add_argument("--only", default=default, help=help or f"runs to do now, of: {', '.join(runs)}")
+
+
+def add_seeds(ap: argparse.ArgumentParser, default: Optional[str] = "0", help: str = "comma-separated seeds to run now") -> None:
+    """``--seeds``: comma-separated seeds (``seeds`` parses them)."""
+    ap.add_argument("--seeds", default=default, help=help)
+
+
+def add_selection(ap: argparse.ArgumentParser, *, runs: Sequence[str], default: Optional[str], seeds: bool = True) -> None:
+    """``--only`` and, with ``seeds``, ``--seeds`` (default 0)."""
+    add_only(ap, runs, default)
+    if seeds:
+        add_seeds(ap)
 
 
 def add_report(ap: argparse.ArgumentParser, help: str = "only write the report from the cache") -> None:
