@@ -278,6 +278,15 @@ def _row(rec: dict) -> list:
             f"{rec['ms_per_step']:.1f}" if rec.get("ms_per_step") else "-"]
 
 
+def runs_section(title: str, recs: list[dict], what: bool = False) -> list[str]:
+    """A section of one row per run (none when no run); ``what``: with the column saying what each changes."""
+    if not recs:
+        return []
+    header = ["configuration", "seed", "negatives/query", "recall@1", "MRR@10", "pos cos", "unrel cos", "ms/step"]
+    rows = [_row(r) + ([r.get("what", "")] if what else []) for r in recs]
+    return [f"## {title}", "", md_table(header + (["what it changes"] if what else []), rows), ""]
+
+
 def render(data, ib, untrained, naive, rem, winner, controls, prefix) -> str:
     L = [f"# B1: batch size, and batch 32 + queue ({data['mode']})", ""]
     L.append(f"Frozen bag-of-wordpieces backbone + random linear head (384 -> 384), Debian set: "
@@ -318,24 +327,9 @@ def render(data, ib, untrained, naive, rem, winner, controls, prefix) -> str:
         L.append(f"Difference from the stronger baseline ({against}): {v['difference']:+.3f}, its std {v['inbatch_max_std']:.3f}: "
                  f"{verdict}.")
         L.append("")
-    if naive:
-        L.append("## Batch 32 + naive MoCo queue (keys stored as the key encoder made them)")
-        L.append("")
-        L.append(md_table(["configuration", "seed", "negatives/query", "recall@1", "MRR@10", "pos cos", "unrel cos", "ms/step"],
-                          [_row(r) for r in naive]))
-        L.append("")
-    if rem:
-        L.append("## Remedies for stale keys, and queue variants (batch 32)")
-        L.append("")
-        L.append(md_table(["configuration", "seed", "negatives/query", "recall@1", "MRR@10", "pos cos", "unrel cos", "ms/step", "what it changes"],
-                          [_row(r) + [r.get("what", "")] for r in rem]))
-        L.append("")
-    if winner:
-        L.append("## The winner (best queue configuration of seed 0) over seeds")
-        L.append("")
-        L.append(md_table(["configuration", "seed", "negatives/query", "recall@1", "MRR@10", "pos cos", "unrel cos", "ms/step"],
-                          [_row(r) for r in winner]))
-        L.append("")
+    L += runs_section("Batch 32 + naive MoCo queue (keys stored as the key encoder made them)", naive)
+    L += runs_section("Remedies for stale keys, and queue variants (batch 32)", rem, what=True)
+    L += runs_section("The winner (best queue configuration of seed 0) over seeds", winner)
     # other queue configurations that were also run over several seeds (e.g. as ``--winner`` candidates)
     multi: dict[str, list[dict]] = {}
     for r in data["runs"]:
