@@ -140,6 +140,19 @@ def summarise(runs: dict[str, list], all_rows: int, common_rows: int) -> list[di
     return table
 
 
+def shared_overrides(args, eval_dir: Path) -> list[str]:
+    """Every run's training overrides (the runs add their data and seed)."""
+    common = [
+        "model=frozen_head", f"objective={args.objective}", "trainer=cpu", "logger=none", "data=jsonl",
+        f"data.eval_dir={eval_dir}", f"data.batch_size={args.batch_size}", f"trainer.max_epochs={args.epochs}",
+        "trainer.val_check_interval=null", "trainer.enable_progress_bar=false", f"optim.lr={args.lr}",
+        "optim.warmup_ratio=0.05", "data.eval_batch_size=1024",
+    ]
+    if args.objective == "moco":
+        common += ["objective.queue_size=4096", "objective.momentum=0.99"]
+    return common
+
+
 def main() -> None:
     ap = cli.parser(__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small slice, one seed, one epoch")
@@ -178,14 +191,7 @@ def main() -> None:
     print(f"{len(pairs):,} training pairs, eval pool {len(pool.eval_set.queries):,} queries / "
           f"{len(pool.eval_set.corpus):,} documents; work dir {work}", flush=True)
 
-    common = [
-        "model=frozen_head", f"objective={args.objective}", "trainer=cpu", "logger=none", "data=jsonl",
-        f"data.eval_dir={eval_dir}", f"data.batch_size={args.batch_size}", f"trainer.max_epochs={args.epochs}",
-        "trainer.val_check_interval=null", "trainer.enable_progress_bar=false", f"optim.lr={args.lr}",
-        "optim.warmup_ratio=0.05", "data.eval_batch_size=1024",
-    ]
-    if args.objective == "moco":
-        common += ["objective.queue_size=4096", "objective.momentum=0.99"]
+    common = shared_overrides(args, eval_dir)
     seeds = list(range(args.seeds))
     runs: dict[str, list] = {}
 
@@ -234,9 +240,8 @@ def main() -> None:
               for k, v in mined.items() if k != "common_rows"}
     out = work if (args.quick and args.out == RESULTS) else Path(args.out)  # a smoke test is not a result
     out.mkdir(parents=True, exist_ok=True)
-    suffix = ""
-    (out / f"hard_negatives{suffix}.json").write_text(json.dumps({"setup": setup, "results": table, "mining": mining}, indent=2) + "\n")
-    (out / f"hard_negatives{suffix}.md").write_text(render(setup, table, mining))
+    (out / "hard_negatives.json").write_text(json.dumps({"setup": setup, "results": table, "mining": mining}, indent=2) + "\n")
+    (out / "hard_negatives.md").write_text(render(setup, table, mining))
     print(render(setup, table, mining))
 
 
