@@ -1,21 +1,17 @@
-"""Shared helpers of the benchmark scripts (not a benchmark itself).
+"""What the training benchmarks share besides the harness (``harness/``: CLI, run cache, steps).
 
 * ``compose_cfg(overrides)``: the training config through Hydra's compose API (strict schema).
-* data and cache locations: ``$MOCO_RETRIEVAL_DEBIAN_DIR`` (default ``../shared/data/debian-bookworm``
-  next to the repository, when it is there; else the package's own fallback, ``/var/lib/apt/lists``)
-  and ``$MOCO_RETRIEVAL_CACHE`` (default ``moco_retrieval.config.cache_root()``:
-  ``~/.cache/moco_retrieval``), or the ``--debian-dir`` / ``--cache`` flags of every benchmark
-  (``add_location_args``, ``apply_location_args``). Finished-run caches go to ``bench_cache(name)``.
+* the data and cache locations' defaults (``harness.cli.set_locations``) are set on import;
+  finished-run caches outside the results folder go to ``bench_cache(name)``.
 * ``Bench``: one process, many runs: the Debian set is read once, the frozen feature cache is
   warmed once and kept alive, and ``fit_eval(cfg)`` trains a ``RetrievalModule`` with a quiet
   Lightning ``Trainer`` (no logger, no progress bar, no checkpoints, no validation loop) and scores
-  the held-out pool with ``evaluate_encoder``.
-* ``write_results(name, md, data)``: benchmarks/results/<name>.md and .json.
+  the held-out pool with ``evaluate_encoder``; ``Runner`` runs frozen-head configs once each
+  through a run cache.
 * small statistics (median, std) and environment notes (threads, peak RSS).
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
@@ -43,40 +39,13 @@ warnings.filterwarnings("ignore", category=UserWarning, module="lightning")
 for _name in ("lightning.pytorch", "lightning.fabric", "lightning", "faiss.loader", "pytorch_lightning"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-DEFAULT_DEBIAN_DIR = ROOT.parent / "shared" / "data" / "debian-bookworm"
+from harness.cli import RESULTS, ROOT, set_locations  # noqa: E402,F401  (ROOT, RESULTS: the scripts' paths)
+from harness.runs import RunCache, past_deadline  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------- locations
 
-
-def set_locations(debian_dir: Optional[str] = None, cache: Optional[str] = None) -> None:
-    """The apt lists and the cache: a given value wins, then the environment, then the defaults
-    (``DEFAULT_DEBIAN_DIR`` when it exists; the package's ``cache_root()``, so nothing is set)."""
-    if debian_dir:
-        os.environ["MOCO_RETRIEVAL_DEBIAN_DIR"] = str(Path(debian_dir).expanduser().resolve())
-    elif not os.environ.get("MOCO_RETRIEVAL_DEBIAN_DIR") and DEFAULT_DEBIAN_DIR.is_dir():
-        os.environ["MOCO_RETRIEVAL_DEBIAN_DIR"] = str(DEFAULT_DEBIAN_DIR)
-    if cache:
-        os.environ["MOCO_RETRIEVAL_CACHE"] = str(Path(cache).expanduser().resolve())
-
-
-set_locations()
-
-
-def add_location_args(ap) -> None:
-    """``--debian-dir`` and ``--cache`` on a benchmark's argument parser."""
-    ap.add_argument("--debian-dir", default=None,
-                    help="folder with the apt Packages and Translation-en files (default $MOCO_RETRIEVAL_DEBIAN_DIR, "
-                         f"else {DEFAULT_DEBIAN_DIR} when it exists)")
-    ap.add_argument("--cache", default=None,
-                    help="built data sets, frozen features and finished-run caches (default $MOCO_RETRIEVAL_CACHE, "
-                         "else ~/.cache/moco_retrieval)")
-
-
-def apply_location_args(args) -> None:
-    set_locations(args.debian_dir, args.cache)
+set_locations()  # the defaults before any script loads data; cli.apply(args) applies its flags
 
 
 def bench_cache(name: str) -> Path:
@@ -191,34 +160,19 @@ def run_key(name: str, seed: int) -> str:
     return f"{name}|seed={seed}"
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The records of a JSONL results cache (none while it does not exist)."""
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-
-
-def append_jsonl(path: Path, rec: dict) -> None:
-    """Appends one record: parallel benchmark processes share a cache file, one whole line each."""
-    with path.open("a") as f:
-        f.write(json.dumps(rec, default=_json_default) + "\n")
-
-
 class Runner:
-    """Runs configs once each (results cached in a JSONL file, so a restarted benchmark resumes)."""
+    """Runs configs once each through a run cache (``harness.runs.RunCache``), so a restarted
+    benchmark resumes and parallel processes share the work."""
 
     def __init__(self, bench: Bench, base: list[str], cache: Path, fresh: bool, deadline: Optional[str] = None):
-        self.bench, self.base, self.cache = bench, base, cache
+        self.bench, self.base = bench, base
+        self.cache = RunCache(cache, fresh)
         self.deadline = deadline  # UTC "HH:MM": runs not started by then are cut
         self.cut: list[str] = []
-        self.done: dict[str, dict] = {}
-        if fresh and cache.is_file():  # start a new cache (runs() re-reads it); keep the old one aside
-            cache.replace(cache.with_suffix(cache.suffix + ".old"))
-        self.reload()
-        cache.parent.mkdir(parents=True, exist_ok=True)
 
-    def past_deadline(self) -> bool:
-        if not self.deadline:
-            return False
-        return time.strftime("%H:%M", time.gmtime()) >= self.deadline
+    @property
+    def done(self) -> dict[str, dict]:
+        return self.cache.done
 
     def runs(self, active: bool, specs: list[tuple]) -> list[dict]:
         """Run (when ``active``) or read from the cache each (group, name, overrides, seed, extra) spec;
@@ -226,19 +180,15 @@ class Runner:
         out = []
         for group, name, overrides, seed, extra in specs:
             key = run_key(f"{group}:{name}", seed)
-            if key not in self.done:
-                self.reload()  # another process may have finished it meanwhile
-            if key in self.done:
-                out.append(self.done[key])
-            elif active and not self.past_deadline():
-                out.append(self.run(group, name, overrides, seed, **extra))
+            rec = self.cache.get(key)
+            if rec is None and active and not past_deadline(self.deadline):
+                with self.cache.claimed(key) as mine:
+                    rec = self.run(group, name, overrides, seed, **extra) if mine else self.cache.get(key)
+            if rec is not None:
+                out.append(rec)
             else:
                 self.cut.append(f"{group}: {name}, seed {seed}")
         return out
-
-    def reload(self) -> None:
-        for rec in read_jsonl(self.cache):
-            self.done.setdefault(rec["key"], rec)
 
     def run(self, group: str, name: str, overrides: list[str], seed: int, untrained: bool = False, **info) -> dict:
         key = run_key(f"{group}:{name}", seed)
@@ -264,8 +214,7 @@ class Runner:
             "last_step": r.get("last_step", {}), "queue_age_end": r.get("queue_age_end"),
             "wall_s": time.perf_counter() - t0, **info,
         }
-        self.done[key] = rec
-        append_jsonl(self.cache, rec)
+        self.cache.add(rec)
         log(f"{group}: {name} seed {seed}: recall@1 {rec['metrics']['recall@1']:.3f} "
             f"({rec['steps']} steps, {rec['train_s']:.0f}s)")
         return rec
@@ -324,31 +273,6 @@ def environment() -> dict:
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
     }
-
-
-def _json_default(o):
-    if isinstance(o, (np.floating, np.integer)):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, Path):
-        return str(o)
-    raise TypeError(type(o).__name__)
-
-
-def write_results(name: str, markdown: str, data: dict, out_dir: Path = RESULTS) -> tuple[Path, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    md, js = out_dir / f"{name}.md", out_dir / f"{name}.json"
-    md.write_text(markdown.rstrip() + "\n", encoding="utf-8")
-    js.write_text(json.dumps(data, indent=2, default=_json_default) + "\n", encoding="utf-8")
-    return md, js
-
-
-def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    for r in rows:
-        lines.append("| " + " | ".join(map(str, r)) + " |")
-    return "\n".join(lines)
 
 
 def f3(x: float) -> str:

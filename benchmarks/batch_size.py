@@ -23,19 +23,18 @@ batch_size_vs_negatives.png. ``--quick``: a 6,000-pair slice, 1 epoch, fewer poi
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    FROZEN_BASE, Bench, Runner, add_location_args, apply_location_args, bench_cache, compose_cfg, environment, f3,
-    figure, log, md_table, mean, median, peak_rss_mb, std, write_results,
+    FROZEN_BASE, Bench, Runner, bench_cache, compose_cfg, environment, f3, figure, log, mean, median, peak_rss_mb, std,
 )
+from harness import cli  # noqa: E402
+from harness.runs import md_table, write_results  # noqa: E402
 
-import torch  # noqa: E402
 
 NAME = "batch_size"
 REFERENCE = {4: .151, 8: .195, 16: .257, 32: .284, 64: .321, 128: .343, 256: .348}  # the issue's table
@@ -62,6 +61,9 @@ KEY_GRAD = ["+experiment=frozen_queue", "objective.temperature=0.02"]
 # Not re-run since the objectives redesign (the objective they used is gone; their numbers stay in
 # results/batch_size.md): a feature queue re-projected by an EMA key head (m 0.99 / 0.999, tau 0.02 /
 # 0.05 / 0.1, lr 3e-4 / 2e-3, K 4k / 16k) or by the current head without gradient.
+
+
+SECTIONS = ["untrained", "inbatch", "naive", "remedies", "winner", "controls"]
 
 
 def remedies(quick: bool) -> dict[str, tuple[str, list[str]]]:
@@ -100,37 +102,31 @@ def negatives_per_query(rec: dict) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="a slice of the data, 1 epoch, fewer points (minutes)")
     ap.add_argument("--seeds", type=int, default=None, help="seeds for in-batch and the winner (default 3; quick 1)")
     ap.add_argument("--queue-seeds", type=int, default=1, help="seeds for every queue / remedy configuration")
     ap.add_argument("--epochs", type=int, default=None, help="epochs of every run (default 3; quick 1)")
     ap.add_argument("--batches", type=str, default=None, help="comma-separated in-batch batch sizes")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--fresh", action="store_true", help="ignore the cache of finished runs")
-    ap.add_argument("--only", type=str, default="untrained,inbatch,naive,remedies,winner,controls",
-                    help="sections to run now (finished runs of any section are read from the cache for the report)")
+    cli.add_fresh(ap)
+    cli.add_only(ap, SECTIONS, ",".join(SECTIONS),
+                 "sections to run now (finished runs of any section are read from the cache for the report)")
     ap.add_argument("--queue-ks", type=str, default=None, help="comma-separated K of the naive grid (default 1024,4096,16384,65536)")
     ap.add_argument("--remedies", type=str, default=None, help="';'-separated remedy names to run now (default: all, in order)")
     ap.add_argument("--winner-seeds", type=str, default=None, help="comma-separated seeds to run now for --winner")
     ap.add_argument("--winner", type=str, default=None,
                     help="name of the remedy to run over every seed as the winner (default: the best of seed 0)")
-    ap.add_argument("--deadline", type=str, default=None,
-                    help="UTC HH:MM: runs not started by then are skipped (and listed as cut in the report)")
-    ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
-    add_location_args(ap)
+    cli.add_deadline(ap)
+    cli.add_common(ap)
     args = ap.parse_args(argv)
-    apply_location_args(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    cli.apply(args)
     quick = args.quick
     seeds = list(range(args.seeds if args.seeds is not None else (1 if quick else 3)))
     queue_seeds = list(range(max(1, args.queue_seeds)))
     epochs = args.epochs or (1 if quick else 3)
     batches = [int(b) for b in args.batches.split(",")] if args.batches else ([4, 32, 256] if quick else [4, 8, 16, 32, 64, 128, 256])
-    only = {s for s in args.only.split(",") if s}
+    only = set(cli.names(args.only, SECTIONS))
     ks = [int(k) for k in args.queue_ks.split(",")] if args.queue_ks else ([1024, 4096] if quick else [1024, 4096, 16384, 65536])
-    moms = [0.99, 0.999]
     t_start = time.time()
     bench = Bench(max_train_examples=6000 if quick else None, max_eval_queries=None)
     mode = "quick" if quick else "full"
@@ -139,6 +135,24 @@ def main(argv=None) -> int:
     log(f"B1 {mode}: {len(bench.train_pairs):,} train pairs, pool {len(bench.eval_set.corpus):,} docs / "
         f"{len(bench.eval_set.queries):,} queries; epochs {epochs}; seeds {seeds}")
 
+    grid = Grid(seeds, queue_seeds, batches, ks, only)
+    report(run_sections(runner, args, grid), runner, bench, args, grid, t_start)
+    return 0
+
+
+class Grid(NamedTuple):
+    """What this invocation covers: seeds, queue seeds, in-batch batch sizes, naive-queue K, sections."""
+    seeds: list[int]
+    queue_seeds: list[int]
+    batches: list[int]
+    ks: list[int]
+    only: set[str]
+
+
+def run_sections(runner: Runner, args, grid: Grid) -> dict:
+    """Each section's runs (run now when ``--only`` names the section, else read from the cache)."""
+    quick, seeds, queue_seeds, batches, ks, only = args.quick, grid.seeds, grid.queue_seeds, grid.batches, grid.ks, grid.only
+    moms = [0.99, 0.999]
     # 1-2. untrained head and in-batch negatives, batch sweep (each seed sweeps every batch, so a cut
     # run still has every batch size)
     untrained = runner.runs("untrained" in only, [("untrained", "untrained head", INBATCH, s, {"untrained": True}) for s in seeds])
@@ -197,9 +211,19 @@ def main(argv=None) -> int:
                  INBATCH + [f"data.batch_size={b}", f"objective.temperature={win_tau}"], s, {})
                 for s in (seeds if b == max(batches) else seeds[:1])])
 
-    # ------------------------------------------------------------------------------- report
-    out_dir = args.out or Path(__file__).resolve().parent / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    return {"untrained": untrained, "inbatch": inbatch, "naive": naive, "remedies": rem, "winner": winner,
+            "controls": controls, "win_tau": win_tau}
+
+
+def report(sections: dict, runner: Runner, bench: Bench, args, grid: Grid, t_start: float) -> None:
+    untrained, inbatch, naive, rem = sections["untrained"], sections["inbatch"], sections["naive"], sections["remedies"]
+    winner, controls, win_tau = sections["winner"], sections["controls"], sections["win_tau"]
+    quick, seeds, queue_seeds = args.quick, grid.seeds, grid.queue_seeds
+    mode = "quick" if quick else "full"
+    epochs = args.epochs or (1 if quick else 3)
+
+
+    out_dir = cli.out_dir(args)
     prefix = NAME if not quick else f"{NAME}_quick"
     ib = {b: r1(v) for b, v in inbatch.items() if v}
     b256 = ib.get(max(ib)) if ib else []
@@ -245,13 +269,22 @@ def main(argv=None) -> int:
     write_results(prefix, md, data, out_dir)
     plots(ib, untrained, naive, rem, winner, out_dir, prefix)
     log(f"wrote {out_dir / (prefix + '.md')} ({time.time() - t_start:.0f}s, peak RSS {peak_rss_mb():.0f} MB)")
-    return 0
+
 
 
 def _row(rec: dict) -> list:
     return [rec["name"], rec["seed"], f"{negatives_per_query(rec):,.0f}", f3(rec["metrics"]["recall@1"]),
             f3(rec["metrics"]["mrr@10"]), f3(rec["positive_cos_mean"]), f3(rec["unrelated_cos_mean"]),
             f"{rec['ms_per_step']:.1f}" if rec.get("ms_per_step") else "-"]
+
+
+def runs_section(title: str, recs: list[dict], what: bool = False) -> list[str]:
+    """A section of one row per run (none when no run); ``what``: with the column saying what each changes."""
+    if not recs:
+        return []
+    header = ["configuration", "seed", "negatives/query", "recall@1", "MRR@10", "pos cos", "unrel cos", "ms/step"]
+    rows = [_row(r) + ([r.get("what", "")] if what else []) for r in recs]
+    return [f"## {title}", "", md_table(header + (["what it changes"] if what else []), rows), ""]
 
 
 def render(data, ib, untrained, naive, rem, winner, controls, prefix) -> str:
@@ -294,24 +327,9 @@ def render(data, ib, untrained, naive, rem, winner, controls, prefix) -> str:
         L.append(f"Difference from the stronger baseline ({against}): {v['difference']:+.3f}, its std {v['inbatch_max_std']:.3f}: "
                  f"{verdict}.")
         L.append("")
-    if naive:
-        L.append("## Batch 32 + naive MoCo queue (keys stored as the key encoder made them)")
-        L.append("")
-        L.append(md_table(["configuration", "seed", "negatives/query", "recall@1", "MRR@10", "pos cos", "unrel cos", "ms/step"],
-                          [_row(r) for r in naive]))
-        L.append("")
-    if rem:
-        L.append("## Remedies for stale keys, and queue variants (batch 32)")
-        L.append("")
-        L.append(md_table(["configuration", "seed", "negatives/query", "recall@1", "MRR@10", "pos cos", "unrel cos", "ms/step", "what it changes"],
-                          [_row(r) + [r.get("what", "")] for r in rem]))
-        L.append("")
-    if winner:
-        L.append("## The winner (best queue configuration of seed 0) over seeds")
-        L.append("")
-        L.append(md_table(["configuration", "seed", "negatives/query", "recall@1", "MRR@10", "pos cos", "unrel cos", "ms/step"],
-                          [_row(r) for r in winner]))
-        L.append("")
+    L += runs_section("Batch 32 + naive MoCo queue (keys stored as the key encoder made them)", naive)
+    L += runs_section("Remedies for stale keys, and queue variants (batch 32)", rem, what=True)
+    L += runs_section("The winner (best queue configuration of seed 0) over seeds", winner)
     # other queue configurations that were also run over several seeds (e.g. as ``--winner`` candidates)
     multi: dict[str, list[dict]] = {}
     for r in data["runs"]:

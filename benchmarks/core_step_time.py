@@ -1,28 +1,30 @@
 """Training-step time with an empty queue (K = 0) and a full 65,536-key queue, side by side.
 
-One step = query forward + EMA key forward + MoCo loss + backward + AdamW step + EMA update +
-enqueue, on random token batches (the text does not matter for timing). The two settings are
+One step (``harness.steps.OurStep``, the module's order) = query forward + EMA key forward + MoCo
+loss + backward + enqueue + AdamW step + EMA update, on random token batches (the text does not matter for timing). The two settings are
 interleaved repeat by repeat so machine noise hits both alike; medians are reported.
 
-    python benchmarks/core_step_time.py [--quick] [--models tiny minilm] [--batch 32]
-Writes benchmarks/results/core_step_time.{md,json}.
+    python benchmarks/core_step_time.py [--quick] [--models tiny minilm] [--batch 32] [--out DIR]
+Writes core_step_time.{md,json} to --out (default benchmarks/results).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from moco_retrieval.config import MoCoConfig, ModelConfig, OptimConfig
-from moco_retrieval.lightning_module import RetrievalModule
-from moco_retrieval.model.tiny import build_tiny_bert
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import cli  # noqa: E402
+from harness.steps import OurStep  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
+from moco_retrieval.config import MoCoConfig, ModelConfig, OptimConfig  # noqa: E402
+from moco_retrieval.lightning_module import RetrievalModule  # noqa: E402
+from moco_retrieval.model.tiny import build_tiny_bert  # noqa: E402
 
 
 def make(model: str, K: int, tiny_dir: str) -> RetrievalModule:
@@ -45,52 +47,52 @@ def batch(m: RetrievalModule, B: int, q_len: int, d_len: int, g: torch.Generator
             "group": torch.full((B,), -1)}
 
 
-def step(m: RetrievalModule, opt, b: dict) -> float:
+def timed(step: OurStep, b: dict) -> float:
     t0 = time.perf_counter()
-    loss, _ = m.shared_step(b)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
-    m.key_encoder.update(m.encoder, 0.999)
-    m.objective.after_backward()
+    step(b)
     return time.perf_counter() - t0
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> None:
+    ap = cli.parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer repeats")
     ap.add_argument("--models", nargs="+", default=["tiny", "minilm"])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--K", type=int, default=65536)
-    args = ap.parse_args()
+    cli.add_out(ap)
+    cli.add_threads(ap)  # no data locations: the batches are random tokens
+    args = ap.parse_args(argv)
+    cli.apply(args)
+    out = cli.out_dir(args)
     repeats, warmup = (5, 1) if args.quick else (15, 3)
     tiny_dir = str(build_tiny_bert(Path(tempfile.mkdtemp()) / "tiny"))
     rows = []
     for model in args.models:
         g = torch.Generator().manual_seed(0)
         mods = {K: make(model, K, tiny_dir) for K in (0, args.K)}
-        opts = {K: torch.optim.AdamW([p for p in m.encoder.parameters() if p.requires_grad], lr=1e-5) for K, m in mods.items()}
+        # no clipping, as before; the momentum is MoCoConfig's constant 0.999
+        steps = {K: OurStep(m, torch.optim.AdamW([p for p in m.encoder.parameters() if p.requires_grad], lr=1e-5))
+                 for K, m in mods.items()}
         times = {K: [] for K in mods}
         for r in range(warmup + repeats):
             b = batch(mods[0], args.batch, 32, 128, g)
             for K in mods:  # interleaved, same batch
                 if K == 0:  # the K = 0 module's queue stays empty
                     mods[K].objective.docs.reset()
-                t = step(mods[K], opts[K], b)
+                t = timed(steps[K], b)
                 if r >= warmup:
                     times[K].append(t)
         med = {K: statistics.median(v) for K, v in times.items()}
         rows.append({"model": model, "batch": args.batch, "K": args.K, "step_s_K0": med[0], "step_s_K": med[args.K],
                      "ratio": med[args.K] / med[0], "repeats": repeats, "threads": torch.get_num_threads()})
         print(rows[-1], flush=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "core_step_time.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (out / "core_step_time.json").write_text(json.dumps(rows, indent=2) + "\n")
     lines = ["# Training-step time, empty queue vs full queue (CPU)", "",
              f"Batch {args.batch}, query length 32, document length 128 tokens, median of {repeats} interleaved repeats "
              f"({rows[0]['threads']} torch threads).", "",
              "| model | K = 0 (s/step) | K = 65,536 (s/step) | ratio |", "|---|---|---|---|"]
     lines += [f"| {r['model']} | {r['step_s_K0']:.4f} | {r['step_s_K']:.4f} | {r['ratio']:.3f} |" for r in rows]
-    (RESULTS / "core_step_time.md").write_text("\n".join(lines) + "\n")
+    (out / "core_step_time.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ negatives are other rows' documents, as mined negatives are), written as JSONL. 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -34,7 +33,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, environment, md_table, write_results  # noqa: E402
+from _common import ROOT, environment  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import md_table, write_results  # noqa: E402
 
 WORDS, QUERY_WORDS, DOC_WORDS = 20_000, 8, 90
 STEP1 = re.compile(r"\bstep 1/\d+")
@@ -347,7 +348,7 @@ def report(res: dict) -> str:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
         return worker(sys.argv[2:])
-    ap = argparse.ArgumentParser()
+    ap = cli.parser(__doc__)
     ap.add_argument("--sizes", type=int, nargs="*", default=[1_000_000])
     ap.add_argument("--before", type=int, nargs="*", default=[1_000_000], help="sizes to run today's loader at")
     ap.add_argument("--negatives", type=int, default=0, help="also a file of --neg-rows rows with this many negatives")
@@ -355,22 +356,24 @@ def main() -> None:
     ap.add_argument("--train-negatives", type=int, default=0, help="data.n_negatives of the negatives file's runs")
     ap.add_argument("--work", default="/tmp/data_scale")
     ap.add_argument("--cut", default="", help="what was left out, for the report")
-    ap.add_argument("--merge", action="store_true", help="add to benchmarks/results/data_scale.json (earlier sizes kept)")
+    ap.add_argument("--merge", action="store_true", help="add to --out's data_scale.json (earlier sizes kept)")
     ap.add_argument("--tag", default="", help="appended to this invocation's 1k reference labels (side by side)")
     ap.add_argument("--note", action="append", default=[], help="a line for the report (kept in the JSON)")
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from the JSON (with --note)")
     ap.add_argument("--debian-batches", type=int, default=0,
                     help="only: ms per batch on the Debian set, store vs in memory (added to the results)")
+    cli.add_out(ap)  # no --threads: the measured processes are torchrun's; the Debian set: $MOCO_RETRIEVAL_DEBIAN_DIR
     args = ap.parse_args()
+    out = cli.out_dir(args)
     if args.debian_batches:
-        res = json.loads((ROOT / "benchmarks" / "results" / "data_scale.json").read_text())
+        res = json.loads((out / "data_scale.json").read_text())
         res["debian_batches"] = {"batches": args.debian_batches, **debian_batches(Path(args.work), args.debian_batches)}
-        write_results("data_scale", report(res), res)
+        write_results("data_scale", report(res), res, out)
         return
     if args.report_only:
-        res = json.loads((ROOT / "benchmarks" / "results" / "data_scale.json").read_text())
+        res = json.loads((out / "data_scale.json").read_text())
         res["notes"] = res.get("notes", []) + args.note
-        write_results("data_scale", report(res), res)
+        write_results("data_scale", report(res), res, out)
         return
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -406,8 +409,8 @@ def main() -> None:
         res["runs"].append(run(f"{n:,} before (today's loader)", f, work / "stores" / "unused", eval_dir, work, before=True))
         print(res["runs"][-1], flush=True)
     if args.merge:
-        res = merged(json.loads((ROOT / "benchmarks" / "results" / "data_scale.json").read_text()), res)
-    write_results("data_scale", report(res), res)
+        res = merged(json.loads((out / "data_scale.json").read_text()), res)
+    write_results("data_scale", report(res), res, out)
 
 
 def merged(old: dict, new: dict) -> dict:

@@ -37,7 +37,6 @@ benchmarks/results/false_negatives_e<epochs>_runs.jsonl and false_negatives_fine
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import json
@@ -46,10 +45,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    FROZEN_BASE, Bench, Runner, add_location_args, append_jsonl, apply_location_args, compose_cfg, environment, f3,
-    figure, log, md_table, median, read_jsonl, std, write_results,
-)
+from _common import FROZEN_BASE, Bench, Runner, compose_cfg, environment, f3, figure, log, median, std  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import cached_keys, md_table, read_jsonl, run_missing, write_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -137,23 +135,21 @@ def finetune(args, out_dir: Path) -> list[dict]:
     from moco_retrieval.data.sources import cap_eval_set
 
     cache = out_dir / "false_negatives_finetune_runs.jsonl"
-    done = {r["key"]: r for r in read_jsonl(cache)}
     todo = [n for n in (args.finetune_only.split(";") if args.finetune_only else FT_RUNS) if n]
-    if not all(f"{n}|seed=0" in done for n in todo):
+    if not all(f"{n}|seed=0" in cached_keys(cache) for n in todo):
         bench = Bench()
         hidden = withheld(bench)
         pool = cap_eval_set(bench.eval_set, *FT_POOL, seed=0)
         batches = ft.pair_batches(bench, 0, FT_PAIRS, 32)  # the groups-known run's batches
-        for name in todo:
-            key = f"{name}|seed=0"
-            if key in {r["key"] for r in read_jsonl(cache)}:
-                continue
+
+        def run(name: str, seed: int) -> dict:
             ev = ft.Evaluator(pool, compose_cfg(ft.BASE + ft.INBATCH).eval, 1600, 32, len(batches))
             log(f"B7 fine-tune {name}: {len(batches)} steps of 32, groups withheld")
             info = ft.run_ours(hidden, ft.TWO_QUEUE + FT_RUNS[name], batches, 0, ev)
-            rec = {"key": key, "name": name, "seed": 0, "final": ev.curve[-1], "curve": ev.curve, "train_s": ev.train_s,
-                   "last_step": info.get("last_step", {})}
-            append_jsonl(cache, rec)
+            return {"key": f"{name}|seed=0", "name": name, "seed": 0, "final": ev.curve[-1], "curve": ev.curve,
+                    "train_s": ev.train_s, "last_step": info.get("last_step", {})}
+
+        run_missing(cache, todo, [0], None, lambda name, seed: f"{name}|seed={seed}", run)
     return finetune_records(out_dir)
 
 
@@ -167,27 +163,22 @@ def finetune_records(out_dir: Path) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="a 6,000-pair slice, 1 epoch, seed 0 (minutes)")
-    ap.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2; quick 0)")
+    cli.add_seeds(ap, None, "comma-separated seeds (default 0,1,2; quick 0)")
     ap.add_argument("--epochs", type=int, default=None, help="epochs of every run (default 1)")
-    ap.add_argument("--only", default=",".join(RUNS), help="runs to do now (the others are read from the cache)")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--deadline", default=None, help="UTC HH:MM: runs not started by then are cut")
+    cli.add_only(ap, list(RUNS), ",".join(RUNS), "runs to do now (the others are read from the cache)")
+    cli.add_deadline(ap)
     ap.add_argument("--finetune", action="store_true", help="run the fine-tune section (see above) instead")
     ap.add_argument("--finetune-only", default=None, help="';'-separated fine-tune runs to do now")
-    ap.add_argument("--report", action="store_true", help="only write the report from the caches")
-    ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
-    add_location_args(ap)
+    cli.add_report(ap, "only write the report from the caches")
+    cli.add_common(ap)
     args = ap.parse_args(argv)
-    apply_location_args(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    cli.apply(args)
     q = args.quick
-    seeds = [int(s) for s in (args.seeds or ("0" if q else "0,1,2")).split(",")]
+    seeds = cli.seeds(args.seeds or ("0" if q else "0,1,2"))
     epochs = args.epochs or 1
-    out_dir = args.out or Path(__file__).resolve().parent / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = cli.out_dir(args)
     prefix = f"{NAME}_quick" if q else NAME
     if args.finetune:
         finetune(args, out_dir)
@@ -196,7 +187,7 @@ def main(argv=None) -> int:
     bench = Bench(max_train_examples=6000 if q else None)
     hidden = withheld(bench)
     log(f"B7: {len(bench.train_pairs):,} pairs, pool {len(bench.eval_set.corpus):,} docs; epochs {epochs}, seeds {seeds}")
-    only = set() if args.report else {n for n in args.only.split(",") if n}
+    only = set() if args.report else set(cli.names(args.only, list(RUNS)))
     guides = {}
     for name in () if args.report else ("base", "minilm"):  # base always (free: the backbone's cached features); minilm when its runs are on
         if name == "base" or any(f"guide={name}" in " ".join(ov) for run, (_, ov) in RUNS.items() if run in only):

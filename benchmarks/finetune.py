@@ -38,10 +38,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    TRAINER, Bench, add_location_args, append_jsonl, apply_location_args, compose_cfg, environment, f3, figure, log, md_table, quiet_trainer, read_jsonl,
-    write_results,
-)
+from _common import TRAINER, Bench, compose_cfg, environment, figure, log, quiet_trainer  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import md_table, read_jsonl, run_selected, write_results  # noqa: E402
+from harness.runs import records as cached_records  # noqa: E402
+from harness.steps import PeerTrainer, step_clock  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -205,7 +206,6 @@ def miss_in_group(run: dict, pool) -> float:
 
 def run_ours(bench, overrides, batches, seed, ev: Evaluator) -> dict:
     import lightning as L
-    from lightning.pytorch.callbacks import Callback
     from torch.utils.data import DataLoader
 
     from moco_retrieval.data.collate import Collator, PairDataset
@@ -217,14 +217,8 @@ def run_ours(bench, overrides, batches, seed, ev: Evaluator) -> dict:
     module = RetrievalModule.from_config(cfg)
     loader = DataLoader(PairDataset(bench.train_pairs), batch_sampler=batches, collate_fn=Collator(module.encoder.tokenize))
 
-    class Clock(Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            ev.start()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            ev.step_done(trainer.global_step, pl_module.encoder)
-
-    trainer = quiet_trainer(cfg, callbacks=[Clock()])
+    clock = step_clock(on_start=ev.start, on_end=lambda trainer, m: ev.step_done(trainer.global_step, m.encoder))
+    trainer = quiet_trainer(cfg, callbacks=[clock])
     trainer.fit(module, train_dataloaders=loader)
     out = {"objective": cfg.objective.name, "temperature": cfg.objective.temperature, "lr": cfg.optim.lr,
            "last_step": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}}
@@ -233,83 +227,51 @@ def run_ours(bench, overrides, batches, seed, ev: Evaluator) -> dict:
 
 
 def run_peer(bench, kind, options, batches, seed, ev: Evaluator) -> dict:
-    """sentence-transformers' MNRL / CachedMNRL with a plain loop over the same batches."""
-    from sentence_transformers import SentenceTransformer
-
-    from moco_retrieval.lightning_module import decay_groups, lr_lambda
+    """sentence-transformers' MNRL / CachedMNRL / MatryoshkaLoss over the same batches (the clock
+    includes tokenisation, as ours includes collation)."""
+    from moco_retrieval.model.backbone import resolve_backbone_path
     from moco_retrieval.model.encoder import build_encoder
 
     cfg = compose_cfg(BASE + INBATCH + [f"seed={seed}"])
     torch.manual_seed(seed)
     device = "cuda" if TRAINER == "gpu" and torch.cuda.is_available() else "cpu"
-    model = SentenceTransformer(str(_backbone_path(cfg.model)), device=device)
-    model.train()
-    loss_fn = peer_loss(model, kind, options)
-    opt = torch.optim.AdamW(decay_groups(model.named_parameters(), cfg.optim.weight_decay), lr=cfg.optim.lr)
     steps = len(batches)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda("linear", int(cfg.optim.warmup_ratio * steps), steps))
+    peer = PeerTrainer(str(resolve_backbone_path(cfg.model)), kind, options, lr=cfg.optim.lr,
+                       weight_decay=cfg.optim.weight_decay, lengths=(cfg.model.query_max_len, cfg.model.doc_max_len),
+                       steps=steps, warmup=int(cfg.optim.warmup_ratio * steps), device=device)
     scorer = build_encoder(cfg.model).to(device)  # our encoder, the peer's weights: same pooling + normalisation
-    q_len, d_len = cfg.model.query_max_len, cfg.model.doc_max_len
     pairs = bench.train_pairs
     for step, idx in enumerate(batches, start=1):
         ev.start()
-        model.max_seq_length = q_len
-        fq = _to(model.tokenize([pairs[i].query for i in idx]), device)
-        model.max_seq_length = d_len
-        fd = _to(model.tokenize([pairs[i].positive for i in idx]), device)
-        loss = loss_fn([fq, fd], torch.empty(0))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        peer.step(peer.features([pairs[i].query for i in idx], [pairs[i].positive for i in idx]))
         if step in ev.at:
-            scorer.tower.backbone.load_state_dict(model[0].auto_model.state_dict(), strict=False)
+            peer.copy_into(scorer)
         ev.step_done(step, scorer)
-    return {"objective": kind, "temperature": 1 / getattr(loss_fn, "loss", loss_fn).scale, "lr": cfg.optim.lr, **{k: list(v) if isinstance(v, tuple) else v
-                                                                                      for k, v in options.items()}}
+    return {"objective": kind, "temperature": peer.temperature, "lr": cfg.optim.lr,
+            **{k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}}
 
 
-def peer_loss(model, kind: str, options: dict):
-    """sentence-transformers' MNRL (``mnrl``), CachedMNRL (``cmnrl``) or ``MatryoshkaLoss`` around
-    MNRL (``mnrl_mrl``, options ``matryoshka_dims``) at their defaults: scale 20 = 1 / 0.05,
-    cosine similarity."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from sentence_transformers import losses
-
-    if kind == "mnrl_mrl":
-        return losses.MatryoshkaLoss(model, losses.MultipleNegativesRankingLoss(model), **options)
-    cls = losses.CachedMultipleNegativesRankingLoss if kind == "cmnrl" else losses.MultipleNegativesRankingLoss
-    return cls(model, **options)
-
-
-def _to(features: dict, device: str) -> dict:
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in features.items()}
-
-
-def _backbone_path(model_cfg):
-    from moco_retrieval.model.backbone import resolve_backbone_path
-
-    return resolve_backbone_path(model_cfg)
+def trained(bench, pool, label: str, run: tuple, batches: list[list[int]], seed: int, eval_every: int,
+            dims: tuple[int, ...] = ()) -> dict:
+    """Trains one entry of a RUNS table, ``(kind, batch, overrides or loss options, what)``, over
+    ``batches``, scored every ``eval_every`` pairs and at the end (also at ``dims``): what a
+    record of B6 and the scripts built on it measures (they add its key and name)."""
+    kind, batch, spec, what = run
+    ev = Evaluator(pool, compose_cfg(BASE + INBATCH).eval, eval_every, batch, len(batches), dims=dims)
+    log(f"{label} seed {seed}: {len(batches)} steps of {batch} ({len(batches) * batch:,} pairs), {torch.get_num_threads()} thread(s)")
+    t0 = time.perf_counter()
+    info = run_ours(bench, spec, batches, seed, ev) if kind == "ours" else run_peer(bench, kind, spec, batches, seed, ev)
+    ts = ev.step_times[3:] or ev.step_times
+    return {"seed": seed, "kind": kind, "batch_size": batch, "what": what, "steps": len(batches), "pairs": len(batches) * batch,
+            "train_s": ev.train_s, "eval_s": ev.eval_s, "s_per_step": statistics.median(ts), "final": ev.curve[-1],
+            "curve": ev.curve, "wall_s": time.perf_counter() - t0, "threads": torch.get_num_threads(),
+            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), **info}
 
 
 def do_run(bench, pool, name, seed, args) -> dict:
-    kind, batch, spec, what = RUNS[name]
-    batches = pair_batches(bench, seed, args.pairs, batch)
-    base_eval = compose_cfg(BASE + INBATCH).eval
-    ev = Evaluator(pool, base_eval, args.eval_every, batch, len(batches))
-    log(f"B6 {name} seed {seed}: {len(batches)} steps of {batch} ({len(batches) * batch:,} pairs), {torch.get_num_threads()} thread(s)")
-    t0 = time.perf_counter()
-    info = run_ours(bench, spec, batches, seed, ev) if kind == "ours" else run_peer(bench, kind, spec, batches, seed, ev)
-    final = ev.curve[-1]
-    ts = ev.step_times[3:] or ev.step_times
-    return {"key": run_key(name, seed, args), "name": name, "seed": seed, "kind": kind, "batch_size": batch, "what": what,
-            "steps": len(batches), "pairs": len(batches) * batch, "train_s": ev.train_s, "eval_s": ev.eval_s,
-            "s_per_step": statistics.median(ts), "final": final, "curve": ev.curve, "wall_s": time.perf_counter() - t0,
-            "threads": torch.get_num_threads(), "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), **info}
+    batches = pair_batches(bench, seed, args.pairs, RUNS[name][1])
+    return {"key": run_key(name, seed, args), "name": name,
+            **trained(bench, pool, f"B6 {name}", RUNS[name], batches, seed, args.eval_every)}
 
 
 def run_key(name: str, seed: int, args) -> str:
@@ -569,71 +531,55 @@ def curves(by: dict, x: str, xlabel: str, title: str, path: Path) -> None:
 # ----------------------------------------------------------------------------------- main
 
 
-def run_missing(cache: Path, args: argparse.Namespace, key_of, run) -> list[str]:
-    """Runs every (name, seed) of ``--only`` x ``--seeds`` whose ``key_of(name, seed)`` is not in
-    ``cache`` yet (read before each: a parallel process may have finished it), appending
-    ``run(name, seed)``'s record; returns those ``--deadline`` cut."""
-    cut: list[str] = []
-    for name in [n for n in args.only.split(",") if n]:
-        for seed in [int(s) for s in args.seeds.split(",")]:
-            if any(r["key"] == key_of(name, seed) for r in read_jsonl(cache)):
-                continue
-            if args.deadline and time.strftime("%H:%M", time.gmtime()) >= args.deadline:
-                cut.append(f"{name} seed {seed}")
-                continue
-            append_jsonl(cache, run(name, seed))
-    return cut
-
-
-def add_run_args(ap: argparse.ArgumentParser, *, default: str, runs: str, small: str) -> None:
-    """The options every B6-style benchmark takes: which runs and seeds, the data and pool sizes
-    (``small``: the name of the script's smoke mode, whose sizes the help mentions), threads, the
-    report, a deadline, the results folder and the data's location."""
-    ap.add_argument("--only", default=default, help=f"runs to do now, of: {runs}")
-    ap.add_argument("--seeds", default="0", help="comma-separated seeds to run now")
+def add_run_args(ap: argparse.ArgumentParser, *, default: str, runs: list[str], small: str) -> None:
+    """The options of every B6-style benchmark: the harness's (runs, seeds, threads, report,
+    deadline, results folder, data location) and the data and pool sizes (``small``: the name of
+    the script's smoke mode, whose sizes the help mentions)."""
+    cli.add_selection(ap, runs=runs, default=default)
     ap.add_argument("--pairs", type=int, default=None, help=f"training pairs per run (default 18,240; {small}: smaller)")
     ap.add_argument("--eval-every", type=int, default=None, help="pairs between evaluations (default 6,080)")
     ap.add_argument("--max-queries", type=int, default=None, help="queries of the pool (default 1,000)")
     ap.add_argument("--max-docs", type=int, default=None, help="documents of the pool (default 2,400)")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--report", action="store_true", help="only write the report from the cache")
-    ap.add_argument("--deadline", default=None, help="UTC HH:MM: runs not started by then are cut")
-    ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
-    add_location_args(ap)
+    cli.add_report(ap)
+    cli.add_deadline(ap)
+    cli.add_common(ap)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="a few steps on a small pool (smoke check; results to --out)")
-    add_run_args(ap, default=",".join(HEADLINE), runs=f"base, {', '.join(RUNS)}", small="quick")
+    add_run_args(ap, default=",".join(HEADLINE), runs=["base", *RUNS], small="quick")
     args = ap.parse_args(argv)
-    apply_location_args(args)
+    cli.apply(args)
     q = args.quick
     args.pairs = args.pairs or (256 if q else 18240)
     args.eval_every = args.eval_every or (128 if q else 6080)
     args.max_queries = args.max_queries if args.max_queries is not None else (200 if q else 1000)
     args.max_docs = args.max_docs if args.max_docs is not None else (400 if q else 2400)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    out_dir = args.out or Path(__file__).resolve().parent / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = cli.out_dir(args)
     prefix = f"{NAME}_quick" if q else (NAME if args.pairs == 18240 else f"{NAME}_{args.pairs}pairs")  # B4's setup: 4800
     cache = out_dir / f"{prefix}_runs.jsonl"
-    cut: list[str] = []
-    if not args.report:
-        from moco_retrieval.data.sources import cap_eval_set
-
-        bench = Bench()
-        pool = cap_eval_set(bench.eval_set, args.max_queries or None, args.max_docs or None, seed=0)
-        cut = run_missing(cache, args, lambda name, seed: run_key(name, seed, args),
-                          lambda name, seed: base_record(bench, pool, run_key(name, seed, args), args) if name == "base"
-                          else do_run(bench, pool, name, seed, args))
+    cut = run_selected(cache, args, ["base", *RUNS], lambda name, seed: run_key(name, seed, args), lambda: runner(args, run_or_base))
     # read again: runs finished by parallel processes since belong in the report too
-    records = [r for r in read_jsonl(cache) if r["key"].endswith(f"|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}")]
+    records = cached_records(cache, f"|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}")
     if not any(r["name"] == "base" for r in records):
         records += base_from_other_caches(out_dir, args)
     report(records, args, out_dir, prefix, cut)
     return 0
+
+
+def runner(args, make):
+    """Loads the Debian set and the pool (``--max-queries`` x ``--max-docs``) once; returns what
+    makes one run's record: ``make(bench, pool, name, seed, args)``."""
+    from moco_retrieval.data.sources import cap_eval_set
+
+    bench = Bench()
+    pool = cap_eval_set(bench.eval_set, args.max_queries or None, args.max_docs or None, seed=0)
+    return lambda name, seed: make(bench, pool, name, seed, args)
+
+
+def run_or_base(bench, pool, name, seed, args) -> dict:
+    return base_record(bench, pool, run_key(name, seed, args), args) if name == "base" else do_run(bench, pool, name, seed, args)
 
 
 def base_from_other_caches(out_dir: Path, args) -> list[dict]:

@@ -18,15 +18,17 @@ Writes benchmarks/results/finetune_cost.{md,json}; ``finetune.py --report`` read
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Bench, add_location_args, apply_location_args, compose_cfg, environment, log, md_table, write_results  # noqa: E402
-from finetune import BASE, HEADLINE, INBATCH, RUNS, pair_batches, peer_loss  # noqa: E402
+from _common import Bench, compose_cfg, environment, log  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import md_table, write_results  # noqa: E402
+from finetune import BASE, HEADLINE, INBATCH, RUNS, pair_batches  # noqa: E402
+from harness.steps import OurStep, PeerTrainer  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -35,7 +37,8 @@ MEAN_FILL = 9120  # half of the 18,240 keys a B6 run has queued by its end
 
 
 class OursStep:
-    """One training step of our module, outside Lightning (the same work its loop does per step)."""
+    """One training step of our module (``harness.steps.OurStep``) on a B6 run's config, its
+    queues pre-filled to ``MEAN_FILL``; ``prepare`` collates a batch outside the clock."""
 
     def __init__(self, bench: Bench, overrides, batch: int):
         from moco_retrieval.data.collate import Collator, PairDataset
@@ -44,8 +47,8 @@ class OursStep:
         cfg = compose_cfg(BASE + list(overrides) + [f"data.batch_size={batch}", "seed=0", "data.seed=0"])
         torch.manual_seed(0)
         self.m = RetrievalModule.from_config(cfg).train()
-        self.clip = cfg.trainer.gradient_clip_val
-        self.opt = torch.optim.AdamW(decay_groups(self.m.named_parameters(), cfg.optim.weight_decay), lr=cfg.optim.lr)
+        opt = torch.optim.AdamW(decay_groups(self.m.named_parameters(), cfg.optim.weight_decay), lr=cfg.optim.lr)
+        self.step = OurStep(self.m, opt, clip=cfg.trainer.gradient_clip_val)
         self.data, self.collate = PairDataset(bench.train_pairs), Collator(self.m.encoder.tokenize)
         for memory in self.m.objective.memories():
             keys = torch.nn.functional.normalize(torch.randn(MEAN_FILL, self.m.encoder.dim), dim=1)
@@ -65,46 +68,27 @@ class OursStep:
         return self.collate([self.data[i] for i in idx])
 
     def __call__(self, batch) -> None:
-        loss, _ = self.m.shared_step(batch)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        self.m.on_after_backward()  # the module's hook: the objective enqueues there
-        if self.clip:
-            torch.nn.utils.clip_grad_norm_([p for g in self.opt.param_groups for p in g["params"]], self.clip)
-        self.opt.step()
-        if self.m.key_encoder is not None:
-            self.m.key_encoder.update(self.m.encoder, self.m.momentum())
+        self.step(batch)
 
 
 class PeerStep:
-    """One step of sentence-transformers' MNRL / CachedMNRL, as ``finetune.run_peer`` takes it."""
+    """One step of sentence-transformers' MNRL / CachedMNRL (``harness.steps.PeerTrainer``, as
+    ``finetune.run_peer`` trains it, without the schedule); ``prepare`` tokenises outside the clock."""
 
     def __init__(self, bench: Bench, kind: str, options: dict):
-        from sentence_transformers import SentenceTransformer
-
-        from moco_retrieval.lightning_module import decay_groups
         from moco_retrieval.model.backbone import resolve_backbone_path
 
         cfg = compose_cfg(BASE + INBATCH)
         torch.manual_seed(0)
-        self.model = SentenceTransformer(str(resolve_backbone_path(cfg.model)), device="cpu").train()
-        self.loss_fn = peer_loss(self.model, kind, options)
-        self.opt = torch.optim.AdamW(decay_groups(self.model.named_parameters(), cfg.optim.weight_decay), lr=cfg.optim.lr)
-        self.lens, self.pairs = (cfg.model.query_max_len, cfg.model.doc_max_len), bench.train_pairs
+        self.peer = PeerTrainer(str(resolve_backbone_path(cfg.model)), kind, options, lr=cfg.optim.lr,
+                                weight_decay=cfg.optim.weight_decay, lengths=(cfg.model.query_max_len, cfg.model.doc_max_len))
+        self.pairs = bench.train_pairs
 
     def prepare(self, idx: list[int]):
-        out = []
-        for length, texts in zip(self.lens, ([self.pairs[i].query for i in idx], [self.pairs[i].positive for i in idx])):
-            self.model.max_seq_length = length
-            out.append(self.model.tokenize(texts))
-        return out
+        return self.peer.features([self.pairs[i].query for i in idx], [self.pairs[i].positive for i in idx])
 
     def __call__(self, features) -> None:
-        loss = self.loss_fn(features, torch.empty(0))
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
+        self.peer.step(features)
 
 
 def make_step(bench: Bench, name: str, runs: dict = RUNS):
@@ -143,20 +127,14 @@ def summarise(times: dict[str, list[float]], ref: str, runs: dict = RUNS) -> lis
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__doc__)
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds (one step of each run per round)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     ap.add_argument("--runs", default=",".join(HEADLINE), help=f"of: {', '.join(RUNS)}")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (B6's runs used 1)")
-    ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
-    add_location_args(ap)
+    cli.add_common(ap, threads=1)  # B6's runs used 1
     args = ap.parse_args(argv)
-    apply_location_args(args)
-    names = [n for n in args.runs.split(",") if n]
-    unknown = [n for n in names if n not in RUNS]
-    if unknown:
-        raise SystemExit(f"--runs: unknown {', '.join(unknown)}; expected some of {', '.join(RUNS)}")
-    torch.set_num_threads(args.threads)
+    cli.apply(args)
+    names = cli.names(args.runs, list(RUNS), "--runs")
     ref = "inbatch-32" if "inbatch-32" in names else names[0]
     log(f"B6 cost: {', '.join(names)}; {args.warmup} + {args.rounds} rounds, {args.threads} thread(s)")
     rows = summarise(measure(Bench(), names, args.rounds, args.warmup), ref)
@@ -169,8 +147,8 @@ def main(argv=None) -> int:
                     "a smaller queue keeps its newest). "
                     "At equal data the training seconds of two runs are in the ratio of their per-pair costs.", "",
                     table, ""])
-    out = args.out or Path(__file__).resolve().parent / "results"
-    write_results(NAME, md, {"ref": ref, "rounds": args.rounds, "threads": args.threads, "rows": rows, "env": environment()}, out)
+    write_results(NAME, md, {"ref": ref, "rounds": args.rounds, "threads": args.threads, "rows": rows, "env": environment()},
+                  cli.out_dir(args))
     print(md)
     return 0
 

@@ -23,16 +23,14 @@ encodings (``--max-queries 0 --max-docs 0``: all). ``--quick``: 300 queries / 60
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    FROZEN_BASE, ROOT, Bench, add_location_args, apply_location_args, compose_cfg, environment, f3, log, md_table,
-    peak_rss_mb, write_results,
-)
+from _common import FROZEN_BASE, ROOT, Bench, compose_cfg, environment, f3, log, peak_rss_mb  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import md_table, write_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -61,8 +59,78 @@ def random_minilm(seed: int = 0):
     return enc
 
 
+def bag_of_wordpieces():
+    from moco_retrieval.config import ModelConfig
+    from moco_retrieval.model.encoder import build_encoder
+
+    return build_encoder(ModelConfig(backbone="minilm", backbone_kind="bag_of_wordpieces", head="none"))
+
+
+def released_minilm():
+    from moco_retrieval.config import ModelConfig
+    from moco_retrieval.model.encoder import build_encoder
+
+    return build_encoder(ModelConfig(backbone="minilm", head="none"))
+
+
+# the encoders every invocation scores: name -> (factory, what it is); then the trained heads
+# (--head-presets) and the fine-tuned checkpoint (--checkpoint)
+ENCODERS = {
+    "MiniLM, random init": (random_minilm, "all-MiniLM-L6-v2 architecture, AutoConfig + random init, mean pooling"),
+    "bag-of-wordpieces": (bag_of_wordpieces, "mean of MiniLM's input word embeddings, no head"),
+    "all-MiniLM-L6-v2": (released_minilm, "as released, mean pooling"),
+}
+
+
+class Scores:
+    """Each encoder's evaluation on the pool, its note and its encode + score seconds."""
+
+    def __init__(self, pool, ecfg):
+        self.pool, self.ecfg = pool, ecfg
+        self.results, self.notes, self.timing = {}, {}, {}
+
+    def measure(self, name: str, encoder, note: str) -> None:
+        from moco_retrieval.evaluation.encode import evaluate_encoder
+
+        t = time.perf_counter()
+        encoder.eval()
+        with torch.no_grad():
+            self.results[name] = evaluate_encoder(encoder, self.pool, self.ecfg, batch_size=64, show_progress=False)
+        self.timing[name] = time.perf_counter() - t
+        self.notes[name] = note
+        g, r1 = self.results[name].geometry, self.results[name].metrics["recall@1"]
+        log(f"{name}: unrelated {g['unrelated_cos_mean']:+.3f} [{g['unrelated_cos_p05']:+.2f}, {g['unrelated_cos_p95']:+.2f}], "
+            f"positive {g['positive_cos_mean']:+.3f}, recall@1 {r1:.3f} ({self.timing[name]:.0f}s)")
+
+
+def train_heads(scores: Scores, bench: Bench, presets: list[str], epochs: int | None) -> None:
+    for preset in presets:
+        hcfg = compose_cfg(FROZEN_BASE + [f"+experiment={preset}"] + ([f"trainer.max_epochs={epochs}"] if epochs else []))
+        t = time.perf_counter()
+        run = bench.fit_eval(hcfg, evaluate=False)
+        head_train_s = time.perf_counter() - t
+        scores.measure(f"our head ({preset}, tau {hcfg.objective.temperature})", run["module"].encoder,
+                       f"bag-of-wordpieces + linear head trained with +experiment={preset}, batch {hcfg.data.batch_size}, "
+                       f"{hcfg.trainer.max_epochs} epoch(s), {run['steps']} steps ({head_train_s:.0f}s)")
+        del run
+
+
+def score_checkpoint(scores: Scores, ckpt: Path | None) -> str | None:
+    """The fine-tuned MiniLM of ``ckpt``; else the note saying why its row is left out."""
+    if ckpt is None or not ckpt.is_file():
+        note = f"no fine-tuned checkpoint at {ckpt}: row left out"
+        log(note)
+        return note
+    from moco_retrieval.lightning_module import RetrievalModule
+
+    m = RetrievalModule.load_from_checkpoint(str(ckpt), map_location="cpu", weights_only=False)
+    step = torch.load(str(ckpt), map_location="cpu", weights_only=False).get("global_step")
+    scores.measure("MiniLM fine-tuned (queue65k)", m.encoder, f"{ckpt} (global step {step}), query encoder")
+    return None
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--checkpoint", default=DEFAULT_CKPT)
     ap.add_argument("--head-presets", default="frozen_queue,frozen_inbatch",
@@ -70,18 +138,10 @@ def main(argv=None) -> int:
     ap.add_argument("--head-epochs", type=int, default=None, help="epochs of the trained head (default: the preset's; quick 1)")
     ap.add_argument("--max-queries", type=int, default=1000, help="queries of the pool (0: all 3,283); quick 300")
     ap.add_argument("--max-docs", type=int, default=2400, help="documents of the pool (0: all 3,283; every relevant one kept); quick 600")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", type=Path, default=None)
-    add_location_args(ap)
+    cli.add_common(ap)
     args = ap.parse_args(argv)
-    apply_location_args(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from moco_retrieval.config import ModelConfig
+    cli.apply(args)
     from moco_retrieval.data.sources import cap_eval_set
-    from moco_retrieval.evaluation.encode import evaluate_encoder
-    from moco_retrieval.evaluation.report import plot_cosine_histograms, plot_recall_curves
-    from moco_retrieval.model.encoder import build_encoder
 
     quick = args.quick
     t0 = time.time()
@@ -89,60 +149,20 @@ def main(argv=None) -> int:
     md_ = (600 if quick else args.max_docs) or None
     bench = Bench(max_train_examples=6000 if quick else None)
     pool = cap_eval_set(bench.eval_set, mq, md_, seed=0)
-    ecfg = compose_cfg(FROZEN_BASE).eval
     log(f"B3: pool {len(pool.corpus):,} documents / {len(pool.queries):,} queries")
+    scores = Scores(pool, compose_cfg(FROZEN_BASE).eval)
+    for name, (make, note) in ENCODERS.items():
+        scores.measure(name, make(), note)
+    train_heads(scores, bench, [p for p in args.head_presets.split(",") if p], args.head_epochs or (1 if quick else None))
+    ckpt_note = score_checkpoint(scores, Path(args.checkpoint) if args.checkpoint else None)
+    report(scores, ckpt_note, quick, time.time() - t0, cli.out_dir(args), NAME if not quick else f"{NAME}_quick")
+    return 0
 
-    results, notes, timing = {}, {}, {}
 
-    def measure(name: str, encoder, note: str) -> None:
-        t = time.perf_counter()
-        encoder.eval()
-        results[name] = evaluate_encoder(encoder, pool, ecfg, batch_size=64, show_progress=False)
-        timing[name] = time.perf_counter() - t
-        notes[name] = note
-        g = results[name].geometry
-        log(f"{name}: unrelated {g['unrelated_cos_mean']:+.3f} [{g['unrelated_cos_p05']:+.2f}, {g['unrelated_cos_p95']:+.2f}], "
-            f"positive {g['positive_cos_mean']:+.3f}, recall@1 {results[name].metrics['recall@1']:.3f} ({timing[name]:.0f}s)")
+def report(scores: Scores, ckpt_note: str | None, quick: bool, wall_s: float, out_dir: Path, prefix: str) -> None:
+    from moco_retrieval.evaluation.report import plot_cosine_histograms, plot_recall_curves
 
-    with torch.no_grad():
-        measure("MiniLM, random init", random_minilm(0), "all-MiniLM-L6-v2 architecture, AutoConfig + random init, mean pooling")
-        bow = build_encoder(ModelConfig(backbone="minilm", backbone_kind="bag_of_wordpieces", head="none"))
-        measure("bag-of-wordpieces", bow, "mean of MiniLM's input word embeddings, no head")
-        del bow
-        measure("all-MiniLM-L6-v2", build_encoder(ModelConfig(backbone="minilm", head="none")), "as released, mean pooling")
-
-    for preset in [p for p in args.head_presets.split(",") if p]:
-        overrides = [f"+experiment={preset}"]
-        epochs = args.head_epochs or (1 if quick else None)
-        if epochs:
-            overrides.append(f"trainer.max_epochs={epochs}")
-        hcfg = compose_cfg(FROZEN_BASE + overrides)
-        t = time.perf_counter()
-        run = bench.fit_eval(hcfg, evaluate=False)
-        head_train_s = time.perf_counter() - t
-        with torch.no_grad():
-            measure(f"our head ({preset}, tau {hcfg.objective.temperature})", run["module"].encoder,
-                    f"bag-of-wordpieces + linear head trained with +experiment={preset}, batch {hcfg.data.batch_size}, "
-                    f"{hcfg.trainer.max_epochs} epoch(s), {run['steps']} steps ({head_train_s:.0f}s)")
-        del run
-
-    ckpt = Path(args.checkpoint) if args.checkpoint else None
-    ckpt_note = None
-    if ckpt is not None and ckpt.is_file():
-        from moco_retrieval.lightning_module import RetrievalModule
-
-        m = RetrievalModule.load_from_checkpoint(str(ckpt), map_location="cpu", weights_only=False)
-        step = torch.load(str(ckpt), map_location="cpu", weights_only=False).get("global_step")
-        with torch.no_grad():
-            measure("MiniLM fine-tuned (queue65k)", m.encoder, f"{ckpt} (global step {step}), query encoder")
-        del m
-    else:
-        ckpt_note = f"no fine-tuned checkpoint at {ckpt}: row left out"
-        log(ckpt_note)
-
-    out_dir = args.out or Path(__file__).resolve().parent / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    prefix = NAME if not quick else f"{NAME}_quick"
+    results, notes, pool = scores.results, scores.notes, scores.pool
     plot_cosine_histograms(results, out_dir / f"{prefix}_hist.png")
     plot_side_by_side(results, out_dir / f"{prefix}_hist_grid.png")
     plot_recall_curves(results, out_dir / f"{prefix}_recall.png")
@@ -155,9 +175,9 @@ def main(argv=None) -> int:
     data = {
         "benchmark": "B3 geometry", "mode": "quick" if quick else "full",
         "pool": {"docs": len(pool.corpus), "queries": len(pool.queries)},
-        "models": {n: {"note": notes[n], "geometry": r.geometry, "metrics": r.metrics, "encode_eval_s": timing[n]}
+        "models": {n: {"note": notes[n], "geometry": r.geometry, "metrics": r.metrics, "encode_eval_s": scores.timing[n]}
                    for n, r in results.items()},
-        "checkpoint_note": ckpt_note, "wall_s": time.time() - t0, "peak_rss_mb": peak_rss_mb(),
+        "checkpoint_note": ckpt_note, "wall_s": wall_s, "peak_rss_mb": peak_rss_mb(),
         "environment": environment(),
     }
     md = [f"# B3: geometry ({data['mode']})", "",
@@ -175,7 +195,6 @@ def main(argv=None) -> int:
            f"Wall time {data['wall_s'] / 60:.1f} min, peak RSS {data['peak_rss_mb']:.0f} MB."]
     write_results(prefix, "\n".join(md), data, out_dir)
     log(f"wrote {out_dir / (prefix + '.md')}")
-    return 0
 
 
 def plot_side_by_side(results: dict, path: Path, bins: int = 60) -> None:

@@ -29,7 +29,6 @@ one epoch, written into the work folder (a smoke test of the script, not a measu
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -42,7 +41,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_location_args, apply_location_args  # noqa: E402
+from harness import cli  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METRICS = ["recall@1", "recall@10", "mrr@10", "ndcg@10"]
@@ -111,8 +110,51 @@ def mean_std(xs):
     return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
+# the mined files' filters: name -> mine_variants' options
+VARIANTS = {
+    "unfiltered": {"relative_margin": None, "drop_group": False},
+    "group_only": {"relative_margin": None, "drop_group": True},
+    "filtered": {"relative_margin": 0.05, "drop_group": True},
+}
+# the runs (a_none on every row; the others on the rows every mined file could give negatives)
+LABELS = {
+    "a_none": "(a) no hard negatives, all rows",
+    "a_none_common": "(a) no hard negatives, common rows",
+    "b_unfiltered": "(b) mined, no false-negative filter (only the positive removed; trainer mask off)",
+    "b_group_only": "(b+) mined, same-group documents removed, no relative margin",
+    "c_filtered": "(c) mined with the filter: group removed + relative margin 0.05",
+}
+
+
+def summarise(runs: dict[str, list], all_rows: int, common_rows: int) -> list[dict]:
+    """Per run: mean ± std of each metric over seeds, its rows and its mean training seconds."""
+    table = []
+    for name, rs in runs.items():
+        row = {"run": name, "label": LABELS[name], "seeds": len(rs)}
+        for m in METRICS:
+            mu, sd = mean_std([r["metrics"][m] for r in rs])
+            row[m] = {"mean": mu, "std": sd, "per_seed": [r["metrics"][m] for r in rs]}
+        row["rows"] = all_rows if name == "a_none" else common_rows
+        row["train_seconds_mean"] = statistics.mean(r["seconds"] for r in rs)
+        table.append(row)
+    return table
+
+
+def shared_overrides(args, eval_dir: Path) -> list[str]:
+    """Every run's training overrides (the runs add their data and seed)."""
+    common = [
+        "model=frozen_head", f"objective={args.objective}", "trainer=cpu", "logger=none", "data=jsonl",
+        f"data.eval_dir={eval_dir}", f"data.batch_size={args.batch_size}", f"trainer.max_epochs={args.epochs}",
+        "trainer.val_check_interval=null", "trainer.enable_progress_bar=false", f"optim.lr={args.lr}",
+        "optim.warmup_ratio=0.05", "data.eval_batch_size=1024",
+    ]
+    if args.objective == "moco":
+        common += ["objective.queue_size=4096", "objective.momentum=0.99"]
+    return common
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.parser(__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small slice, one seed, one epoch")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=2)
@@ -121,12 +163,10 @@ def main() -> None:
     ap.add_argument("--objective", default="inbatch", choices=["inbatch", "moco"])
     ap.add_argument("--n-negatives", type=int, default=4)
     ap.add_argument("--range-max", type=int, default=50)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy machine)")
     ap.add_argument("--work-dir", default=None, help="runs and mined files (default: a temporary folder)")
-    ap.add_argument("--out", default=str(RESULTS))
-    add_location_args(ap)
+    cli.add_common(ap, threads=1, out=RESULTS)
     args = ap.parse_args()
-    apply_location_args(args)
+    cli.apply(args)
     if args.quick:
         args.seeds, args.epochs = 1, 1
 
@@ -136,7 +176,6 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     import torch
 
-    torch.set_num_threads(args.threads)
     from moco_retrieval.config import DataConfig
     from moco_retrieval.data.sources import load
 
@@ -152,14 +191,7 @@ def main() -> None:
     print(f"{len(pairs):,} training pairs, eval pool {len(pool.eval_set.queries):,} queries / "
           f"{len(pool.eval_set.corpus):,} documents; work dir {work}", flush=True)
 
-    common = [
-        "model=frozen_head", f"objective={args.objective}", "trainer=cpu", "logger=none", "data=jsonl",
-        f"data.eval_dir={eval_dir}", f"data.batch_size={args.batch_size}", f"trainer.max_epochs={args.epochs}",
-        "trainer.val_check_interval=null", "trainer.enable_progress_bar=false", f"optim.lr={args.lr}",
-        "optim.warmup_ratio=0.05", "data.eval_batch_size=1024",
-    ]
-    if args.objective == "moco":
-        common += ["objective.queue_size=4096", "objective.momentum=0.99"]
+    common = shared_overrides(args, eval_dir)
     seeds = list(range(args.seeds))
     runs: dict[str, list] = {}
 
@@ -174,13 +206,8 @@ def main() -> None:
     for s in seeds:
         run("a_none", [f"data.train_path={train_file}"], s)
 
-    variants = {
-        "unfiltered": {"relative_margin": None, "drop_group": False},
-        "group_only": {"relative_margin": None, "drop_group": True},
-        "filtered": {"relative_margin": 0.05, "drop_group": True},
-    }
     t0 = time.perf_counter()
-    mined = mine_variants(work / "a_none-s0" / "checkpoints" / "last.ckpt", pairs, work, variants,
+    mined = mine_variants(work / "a_none-s0" / "checkpoints" / "last.ckpt", pairs, work, VARIANTS,
                           args.n_negatives, args.range_max)
     mine_seconds = time.perf_counter() - t0
     common_keys = mined.pop("common_keys")
@@ -197,22 +224,7 @@ def main() -> None:
         for s in seeds:
             run(name, extra, s)
 
-    labels = {
-        "a_none": "(a) no hard negatives, all rows",
-        "a_none_common": "(a) no hard negatives, common rows",
-        "b_unfiltered": "(b) mined, no false-negative filter (only the positive removed; trainer mask off)",
-        "b_group_only": "(b+) mined, same-group documents removed, no relative margin",
-        "c_filtered": "(c) mined with the filter: group removed + relative margin 0.05",
-    }
-    table = []
-    for name, rs in runs.items():
-        row = {"run": name, "label": labels[name], "seeds": len(rs)}
-        for m in METRICS:
-            mu, sd = mean_std([r["metrics"][m] for r in rs])
-            row[m] = {"mean": mu, "std": sd, "per_seed": [r["metrics"][m] for r in rs]}
-        row["rows"] = len(pairs) if name == "a_none" else mined["common_rows"]
-        row["train_seconds_mean"] = statistics.mean(r["seconds"] for r in rs)
-        table.append(row)
+    table = summarise(runs, len(pairs), mined["common_rows"])
 
     setup = {
         "quick": args.quick, "seeds": seeds, "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr,
@@ -226,11 +238,10 @@ def main() -> None:
     mining = {k: {kk: v["stats"][kk] for kk in ("candidates", "rows_written", "queries_without_negatives",
                                                  "mean_positive_score", "mean_negative_score", "mean_negative_rank")}
               for k, v in mined.items() if k != "common_rows"}
-    out = work if (args.quick and args.out == str(RESULTS)) else Path(args.out)  # a smoke test is not a result
+    out = work if (args.quick and args.out == RESULTS) else Path(args.out)  # a smoke test is not a result
     out.mkdir(parents=True, exist_ok=True)
-    suffix = ""
-    (out / f"hard_negatives{suffix}.json").write_text(json.dumps({"setup": setup, "results": table, "mining": mining}, indent=2) + "\n")
-    (out / f"hard_negatives{suffix}.md").write_text(render(setup, table, mining))
+    (out / "hard_negatives.json").write_text(json.dumps({"setup": setup, "results": table, "mining": mining}, indent=2) + "\n")
+    (out / "hard_negatives.md").write_text(render(setup, table, mining))
     print(render(setup, table, mining))
 
 

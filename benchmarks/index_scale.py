@@ -35,7 +35,10 @@ from pathlib import Path
 
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import cli  # noqa: E402  (the harness loads no torch: a measuring child's RSS stays its own)
+from harness.cli import RESULTS  # noqa: E402
+from harness.runs import append_jsonl, md_table, past_deadline, read_jsonl, write_results  # noqa: E402
 
 NAME = "index_scale"
 DEFAULT_NLIST = {1_000_000: 1024, 10_000_000: 4096}  # about sqrt(n) to 1.3 sqrt(n); other sizes: 1024
@@ -239,10 +242,6 @@ def spec_key(n: int, clusters: int, seed: int, queries: int, spec: dict) -> str:
     return f"{GENERATOR}|n={n}|d={DIM}|k={clusters}|seed={seed}|q={queries}|{spec['index']}|{params}"
 
 
-def past_deadline(deadline: str | None) -> bool:
-    return bool(deadline) and time.strftime("%H:%M", time.gmtime()) >= deadline
-
-
 def run_size(n: int, args, cache: Path, done: dict, cut: list[str]) -> None:
     specs = [(spec_key(n, args.clusters, args.seed, args.queries, s), s) for s in plan(n, args.nlist)]
     todo = [(k, s) for k, s in specs if k not in done]
@@ -269,7 +268,7 @@ def run_size(n: int, args, cache: Path, done: dict, cut: list[str]) -> None:
     if exact_key not in done:
         rec = {"key": exact_key, "n": n, "index": "exact (chunked numpy)", "search_ms_per_query": 1000 * exact_s / args.queries,
                "generate_s": gen_s, "raw_bytes": n * DIM * 4}
-        _common().append_jsonl(cache, rec)
+        append_jsonl(cache, rec)
         done[exact_key] = rec
     for key, spec in todo:
         if past_deadline(args.deadline):
@@ -278,7 +277,7 @@ def run_size(n: int, args, cache: Path, done: dict, cut: list[str]) -> None:
         log(f"n={n:,}: {spec['index']} {spec}")
         res = run_child({**spec, "corpus": str(corpus), "queries": str(qpath), "exact": str(epath)})
         rec = {"key": key, "n": n, **spec, **res}
-        _common().append_jsonl(cache, rec)
+        append_jsonl(cache, rec)
         done[key] = rec
         log(f"  built in {res['build_s']:.1f}s, {res['index_bytes'] / 2**20:.0f} MiB, peak RSS {res['peak_rss_mb']:.0f} MB")
 
@@ -311,19 +310,19 @@ def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str]
         "serialized size; peak RSS = the measuring process (corpus read in 100k-row chunks, never whole), in "
         "parentheses its RSS before the build (Python, numpy, FAISS and the package's imports, torch among them).",
         "",
-        _common().md_table(["documents", "index", "build s", "nprobe", "index MiB", "peak RSS MB (before build)", "search ms/query", "recall@10"], rows),
+        md_table(["documents", "index", "build s", "nprobe", "index MiB", "peak RSS MB (before build)", "search ms/query", "recall@10"], rows),
         "",
     ]
     if cut:
         md += ["**Cut (not measured):** " + "; ".join(cut), ""]
     md += [args.notes] if args.notes else []
-    _common().write_results(prefix, "\n".join(md), {"records": records, "cut": cut, "args": {
+    write_results(prefix, "\n".join(md), {"records": records, "cut": cut, "args": {
         "clusters": args.clusters, "seed": args.seed, "queries": args.queries, "generator": GENERATOR, "dim": DIM}},
         out_dir=out_dir)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__doc__)
     ap.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # child process: one measurement
     ap.add_argument("--quick", action="store_true", help="50,000 documents, 100 queries (results index_scale_quick.*)")
     ap.add_argument("--sizes", default=None, help="comma-separated corpus sizes (default 1000000,10000000)")
@@ -332,21 +331,20 @@ def main(argv=None) -> int:
     ap.add_argument("--clusters", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work-dir", type=Path, default=None, help="generated corpora (default $MOCO_RETRIEVAL_CACHE/bench/index_scale)")
-    ap.add_argument("--deadline", default=None, help="UTC HH:MM: measurements not started by then are cut")
-    ap.add_argument("--report", action="store_true", help="only write the report from the run cache")
+    cli.add_deadline(ap, "measurements")
+    cli.add_report(ap, "only write the report from the run cache")
     ap.add_argument("--notes", default="", help="a paragraph appended to the report (what was cut and why)")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    cli.add_out(ap, RESULTS)  # no --threads: FAISS runs on one; no data locations: the vectors are synthetic
     args = ap.parse_args(argv)
     if args.measure:
         print(json.dumps(measure(json.loads(args.measure))))
         return 0
     sizes = [int(s) for s in (args.sizes or ("50000" if args.quick else "1000000,10000000")).split(",")]
     args.queries = args.queries or (100 if args.quick else 500)
-    common = _common()
-    args.work_dir = args.work_dir or common.bench_cache(NAME)
+    args.work_dir = args.work_dir or _common().bench_cache(NAME)
     prefix = f"{NAME}_quick" if args.quick else NAME
     cache = args.out / f"{prefix}_runs.jsonl"
-    done = {r["key"]: r for r in common.read_jsonl(cache)}
+    done = {r["key"]: r for r in read_jsonl(cache)}
     cut: list[str] = []
     if not args.report:
         for n in sizes:

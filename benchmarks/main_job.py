@@ -18,7 +18,6 @@ gpu.sh's short run).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -27,7 +26,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, ROOT, add_location_args, apply_location_args, append_jsonl, environment, log, md_table, read_jsonl, write_results  # noqa: E402
+from _common import RESULTS, ROOT, environment, log  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import append_jsonl, md_table, read_jsonl, write_results  # noqa: E402
 
 NAME = "main_job"
 JOBS = {"queue65k": [], "queue65k_inbatch": ["objective=inbatch"]}
@@ -113,15 +114,13 @@ def report(recs: list[dict], out_dir: Path = RESULTS) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = cli.parser(__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=0, help="trainer.max_steps for both jobs (0: the whole epoch)")
     ap.add_argument("--runs", type=Path, default=ROOT / "outputs" / NAME, help="where the run directories go")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--report", action="store_true", help="only rebuild the report from the cache")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder, with its run cache (default benchmarks/results)")
-    add_location_args(ap)
+    cli.add_report(ap, "only rebuild the report from the cache")
+    cli.add_common(ap, threads=1, out=RESULTS, out_help="results folder, with its run cache (default benchmarks/results)")
     args = ap.parse_args()
-    apply_location_args(args)
+    cli.apply(args)
     runs = args.out / f"{NAME}_runs.jsonl"
     recs = read_jsonl(runs)
     if not args.report and key_of(args.steps) not in {r["key"] for r in recs}:

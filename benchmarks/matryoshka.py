@@ -26,17 +26,18 @@ turn on real batches (``finetune_cost.measure``) and writes the side-by-side sec
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import finetune as b6  # noqa: E402
 import finetune_cost  # noqa: E402
-from _common import Bench, apply_location_args, environment, log, md_table, read_jsonl, write_results  # noqa: E402
+from _common import Bench, environment, log  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import md_table, run_selected, write_results  # noqa: E402
+from harness.runs import records as cached_records  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -65,18 +66,10 @@ def base_record(pool, args) -> dict:
 def do_run(bench, pool, name: str, seed: int, args) -> dict:
     if name == "base":
         return base_record(pool, args)
-    kind, batch, spec, what = RUNS[name]
-    batches = b6.pair_batches(bench, seed, args.pairs, batch)
-    ev = b6.Evaluator(pool, b6.compose_cfg(b6.BASE + b6.INBATCH).eval, args.eval_every, batch, len(batches), dims=DIMS)
-    log(f"B12 {name} seed {seed}: {len(batches)} steps of {batch}, {torch.get_num_threads()} thread(s)")
-    t0 = time.perf_counter()
-    info = (b6.run_ours(bench, spec, batches, seed, ev) if kind == "ours"
-            else b6.run_peer(bench, kind, spec, batches, seed, ev))
-    ts = ev.step_times[3:] or ev.step_times
-    return {"key": run_key(name, seed, args), "name": name, "seed": seed, "kind": kind, "batch_size": batch, "what": what,
-            "steps": len(batches), "pairs": len(batches) * batch, "train_s": ev.train_s, "eval_s": ev.eval_s,
-            "s_per_step": statistics.median(ts), "final": ev.curve[-1], "wall_s": time.perf_counter() - t0,
-            "threads": torch.get_num_threads(), "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), **info}
+    batches = b6.pair_batches(bench, seed, args.pairs, RUNS[name][1])
+    rec = b6.trained(bench, pool, f"B12 {name}", RUNS[name], batches, seed, args.eval_every, dims=DIMS)
+    rec.pop("curve")  # scored once, at the end: the curve is its final point
+    return {"key": run_key(name, seed, args), "name": name, **rec}
 
 
 def run_key(name: str, seed: int, args) -> str:
@@ -163,32 +156,22 @@ def cost(args, out_dir: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__doc__)
     ap.add_argument("--cost", action="store_true", help="time the runs' steps side by side, then report")
     ap.add_argument("--rounds", type=int, default=10, help="--cost: timed rounds")
-    b6.add_run_args(ap, default="base," + ",".join(RUNS), runs="base, " + ", ".join(RUNS), small="--pairs")
+    b6.add_run_args(ap, default="base," + ",".join(RUNS), runs=["base", *RUNS], small="--pairs")
     args = ap.parse_args(argv)
-    apply_location_args(args)
+    cli.apply(args)
     args.pairs = args.pairs or 18240
     args.eval_every = args.eval_every or args.pairs  # scored once, at the end
     args.max_queries = args.max_queries if args.max_queries is not None else 1000
     args.max_docs = args.max_docs if args.max_docs is not None else 2400
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    out_dir = args.out or Path(__file__).resolve().parent / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = cli.out_dir(args)
     cache = out_dir / f"{NAME}_runs.jsonl"
-    cut: list[str] = []
     if args.cost:
-        cost(args, out_dir)
-    elif not args.report:
-        from moco_retrieval.data.sources import cap_eval_set
-
-        bench = Bench()
-        pool = cap_eval_set(bench.eval_set, args.max_queries or None, args.max_docs or None, seed=0)
-        cut = b6.run_missing(cache, args, lambda n, s: run_key(n, s, args), lambda n, s: do_run(bench, pool, n, s, args))
-    suffix = f"|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}"
-    report([r for r in read_jsonl(cache) if r["key"].endswith(suffix)], args, out_dir, cut)
+        cost(args, out_dir)  # then the report, from the cache
+    cut = [] if args.cost else run_selected(cache, args, ["base", *RUNS], lambda n, s: run_key(n, s, args), lambda: b6.runner(args, do_run))
+    report(cached_records(cache, f"|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}"), args, out_dir, cut)
     return 0
 
 

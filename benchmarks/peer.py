@@ -24,101 +24,53 @@ Pool: 1,000 held-out queries against 2,400 documents (every relevant one kept) b
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    Bench, add_location_args, append_jsonl, apply_location_args, bench_cache, compose_cfg, environment, f3, figure, log,
-    md_table, peak_rss_mb, quiet_trainer, read_jsonl, write_results,
-)
+from _common import TRAINER, Bench, bench_cache, compose_cfg, environment, f3, figure, log, peak_rss_mb  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import md_table, read_jsonl, run_missing, write_results  # noqa: E402
+from harness.steps import PeerTrainer, step_clock  # noqa: E402
 
 import torch  # noqa: E402
 
 NAME = "peer"
-from _common import TRAINER  # noqa: E402
 
 BASE = [f"trainer={TRAINER}", "logger=none", "data=debian"]
 
 
-class StepTimer:
-    """Lightning callback: wall seconds of every training step (batch start -> batch end)."""
-
-    def __new__(cls):
-        from lightning.pytorch.callbacks import Callback
-
-        class _T(Callback):
-            def __init__(self):
-                self.times, self._t = [], None
-
-            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-                self._t = time.perf_counter()
-
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                self.times.append(time.perf_counter() - self._t)
-
-        return _T()
-
-
 def run_ours(bench: Bench, preset: str, steps: int, batch: int, pool, extra=()) -> dict:
-    import lightning as L
-
     from moco_retrieval.evaluation.encode import evaluate_encoder
-    from moco_retrieval.lightning_module import RetrievalModule
 
     cfg = compose_cfg(BASE + [f"+experiment={preset}", f"data.batch_size={batch}", f"trainer.max_steps={steps}",
                               "trainer.max_epochs=-1", "trainer.val_check_interval=null", "seed=0", "data.seed=0", *extra])
-    L.seed_everything(0, verbose=False)
-    module = RetrievalModule.from_config(cfg)
-    dm = bench.datamodule(cfg)
-    dm.tokenize = module.encoder.tokenize
-    timer = StepTimer()
-    trainer = quiet_trainer(cfg, callbacks=[timer])
-    t0 = time.perf_counter()
-    trainer.fit(module, datamodule=dm)
-    train_s = time.perf_counter() - t0
+    clock = step_clock()
+    run = bench.fit_eval(cfg, callbacks=[clock], evaluate=False)
+    module = run["module"]
     res = evaluate_encoder(module.encoder, pool, module.eval_cfg, batch_size=64, show_progress=False)
-    info = {"steps": trainer.global_step, "train_s": train_s, "step_times": timer.times, "metrics": res.metrics,
+    info = {"steps": run["steps"], "train_s": run["train_s"], "step_times": clock.times, "metrics": res.metrics,
             "geometry": res.geometry, "preset": preset, "lr": cfg.optim.lr, "temperature": cfg.objective.temperature}
-    queue = module.objective.stats(trainer.global_step)
-    if queue:
-        info["queue_fill"] = queue["queue_fill"]
+    if "queue_fill" in run:
+        info["queue_fill"] = run["queue_fill"]
         info["queue_size"] = cfg.objective.queue_size
     return info
 
 
 def run_peer(bench: Bench, steps: int, batch: int, pool, lr: float, warmup_ratio: float, q_len: int, d_len: int) -> dict:
     """sentence-transformers MNRL over our sampler's batches (same pairs, same order)."""
-    import warnings
-
-    from sentence_transformers import SentenceTransformer
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
-        except ImportError:
-            from sentence_transformers.losses import MultipleNegativesRankingLoss
-
     from moco_retrieval.config import ModelConfig
     from moco_retrieval.evaluation.encode import evaluate_encoder
-    from moco_retrieval.lightning_module import decay_groups, lr_lambda
     from moco_retrieval.model.backbone import resolve_backbone_path
     from moco_retrieval.model.encoder import build_encoder
 
     torch.manual_seed(0)
-    path = str(resolve_backbone_path(ModelConfig(backbone="minilm")))
-    model = SentenceTransformer(path, device="cpu")
-    model.train()
-    loss_fn = MultipleNegativesRankingLoss(model)  # scale 20 = 1 / 0.05, cosine similarity
+    peer = PeerTrainer(str(resolve_backbone_path(ModelConfig(backbone="minilm"))), "mnrl", {}, lr=lr, weight_decay=0.01,
+                       lengths=(q_len, d_len), steps=steps, warmup=int(warmup_ratio * steps))
     cfg = compose_cfg(BASE + ["+experiment=inbatch256", f"data.batch_size={batch}", "seed=0", "data.seed=0"])
-    dm = bench.datamodule(cfg)
-    sampler = dm.batch_sampler
-    opt = torch.optim.AdamW(decay_groups(model.named_parameters(), 0.01), lr=lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda("linear", int(warmup_ratio * steps), steps))
+    sampler = bench.datamodule(cfg).batch_sampler
     pairs = bench.train_pairs
     times, step, epoch = [], 0, 0
     t_all = time.perf_counter()
@@ -128,84 +80,84 @@ def run_peer(bench: Bench, steps: int, batch: int, pool, lr: float, warmup_ratio
             if step >= steps:
                 break
             t = time.perf_counter()
-            queries = [pairs[i].query for i in idx]
-            docs = [pairs[i].positive for i in idx]
-            model.max_seq_length = q_len
-            fq = model.tokenize(queries)
-            model.max_seq_length = d_len
-            fd = model.tokenize(docs)
-            loss = loss_fn([fq, fd], torch.empty(0))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
+            peer.step(peer.features([pairs[i].query for i in idx], [pairs[i].positive for i in idx]))
             times.append(time.perf_counter() - t)
             step += 1
         epoch += 1
     train_s = time.perf_counter() - t_all
     # score with our encoder code path: same mean pooling + normalisation, the peer's weights
     enc = build_encoder(ModelConfig(backbone="minilm", head="none", query_max_len=q_len, doc_max_len=d_len))
-    missing, unexpected = enc.tower.backbone.load_state_dict(model[0].auto_model.state_dict(), strict=False)
-    assert not [k for k in missing if "pooler" not in k], missing
+    peer.copy_into(enc)
     res = evaluate_encoder(enc, pool, cfg.eval, batch_size=64, show_progress=False)
     return {"steps": step, "train_s": train_s, "step_times": times, "metrics": res.metrics, "geometry": res.geometry,
-            "lr": lr, "temperature": 1 / loss_fn.scale}
+            "lr": lr, "temperature": peer.temperature}
+
+
+# --only name -> the run's name in the cache and the report
+RUNS = {"moco": "ours: MoCo queue K=65,536", "inbatch": "ours: in-batch negatives", "mnrl": "sentence-transformers MNRL",
+        "base": "base"}
+
+
+def do_run(short: str, bench: Bench, pool, setting: dict) -> dict:
+    from moco_retrieval.config import ModelConfig
+    from moco_retrieval.evaluation.encode import evaluate_encoder
+    from moco_retrieval.model.encoder import build_encoder
+
+    steps, batch = setting["steps"], setting["batch"]
+    if short == "moco":
+        return run_ours(bench, "queue65k", steps, batch, pool, ["objective=moco"])
+    if short == "inbatch":
+        return run_ours(bench, "inbatch256", steps, batch, pool)
+    if short == "mnrl":
+        return run_peer(bench, steps, batch, pool, setting["lr"], setting["warmup_ratio"], setting["q_len"], setting["d_len"])
+    return {"metrics": evaluate_encoder(build_encoder(ModelConfig(backbone="minilm", head="none")), pool,
+                                        setting["eval"], batch_size=64, show_progress=False).metrics}
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 150; quick 12)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--max-queries", type=int, default=1000, help="queries of the pool (0: all 3,283); quick 200")
     ap.add_argument("--max-docs", type=int, default=2400, help="documents of the pool (0: all; every relevant one kept); quick 400")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--only", default="moco,inbatch,mnrl,base", help="runs to do now (others: from the cache)")
-    ap.add_argument("--out", type=Path, default=None)
-    add_location_args(ap)
+    cli.add_only(ap, list(RUNS), ",".join(RUNS))
+    cli.add_common(ap)
     args = ap.parse_args(argv)
-    apply_location_args(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from moco_retrieval.config import ModelConfig
+    cli.apply(args)
     from moco_retrieval.data.sources import cap_eval_set
-    from moco_retrieval.evaluation.encode import evaluate_encoder
-    from moco_retrieval.model.encoder import build_encoder
 
     quick = args.quick
     steps = args.steps or (12 if quick else 150)
-    batch = args.batch_size
     mq = (200 if quick else args.max_queries) or None
     md_ = (400 if quick else args.max_docs) or None
+    only = cli.names(args.only, list(RUNS))
     t0 = time.time()
     bench = Bench()
     pool = cap_eval_set(bench.eval_set, mq, md_, seed=0)
     base = compose_cfg(BASE + ["+experiment=queue65k"])
-    q_len, d_len, lr, warm = base.model.query_max_len, base.model.doc_max_len, base.optim.lr, base.optim.warmup_ratio
-    only = set(args.only.split(","))
-    log(f"B4: {steps} steps at batch {batch}, lr {lr}, max lengths {q_len}/{d_len}, pool {len(pool.corpus):,} docs")
-    # finished runs are cached (JSONL), so the runs can go in parallel processes (--only) and a last
-    # invocation writes the report from all of them
-    cache = bench_cache(f"peer-{'quick' if quick else 'full'}-s{steps}-b{batch}-q{mq}-d{md_}.jsonl")
-    cache.parent.mkdir(parents=True, exist_ok=True)
+    setting = {"steps": steps, "batch": args.batch_size, "lr": base.optim.lr, "warmup_ratio": base.optim.warmup_ratio,
+               "q_len": base.model.query_max_len, "d_len": base.model.doc_max_len, "eval": base.eval}
+    log(f"B4: {steps} steps at batch {args.batch_size}, lr {setting['lr']}, max lengths {setting['q_len']}/{setting['d_len']}, "
+        f"pool {len(pool.corpus):,} docs")
+    # finished runs are cached (JSONL, keyed by the run's name), so the runs can go in parallel
+    # processes (--only) and a last invocation writes the report from all of them
+    cache = bench_cache(f"peer-{'quick' if quick else 'full'}-s{steps}-b{args.batch_size}-q{mq}-d{md_}.jsonl")
+
+    def run(name: str, seed: int) -> dict:
+        short = next(k for k, v in RUNS.items() if v == name)
+        rec = {"name": name, "run": do_run(short, bench, pool, setting)}
+        log(f"{name}: recall@1 {rec['run']['metrics']['recall@1']:.3f}")
+        return rec
+
+    run_missing(cache, [RUNS[k] for k in RUNS if k in only], [0], None, lambda name, seed: name, run, key_field="name")
     done = {rec["name"]: rec["run"] for rec in read_jsonl(cache)}
-    todo = {
-        "ours: MoCo queue K=65,536": lambda: run_ours(bench, "queue65k", steps, batch, pool, ["objective=moco"]),
-        "ours: in-batch negatives": lambda: run_ours(bench, "inbatch256", steps, batch, pool),
-        "sentence-transformers MNRL": lambda: run_peer(bench, steps, batch, pool, lr, warm, q_len, d_len),
-        "base": lambda: {"metrics": evaluate_encoder(build_encoder(ModelConfig(backbone="minilm", head="none")), pool,
-                                                     base.eval, batch_size=64, show_progress=False).metrics},
-    }
-    short = {"ours: MoCo queue K=65,536": "moco", "ours: in-batch negatives": "inbatch", "sentence-transformers MNRL": "mnrl",
-             "base": "base"}
-    for name, fn in todo.items():
-        if name in done or short[name] not in only:
-            continue
-        done[name] = fn()
-        append_jsonl(cache, {"name": name, "run": done[name]})
-        log(f"{name}: recall@1 {done[name]['metrics']['recall@1']:.3f}")
-    runs = {k: done[k] for k in ("ours: MoCo queue K=65,536", "ours: in-batch negatives", "sentence-transformers MNRL") if k in done}
+    report(done, setting, pool, quick, time.time() - t0, cli.out_dir(args))
+    return 0
+
+
+def report(done: dict, setting: dict, pool, quick: bool, wall_s: float, out_dir: Path) -> None:
+    runs = {RUNS[k]: done[RUNS[k]] for k in ("moco", "inbatch", "mnrl") if RUNS[k] in done}
     base_metrics = done.get("base", {}).get("metrics")
     for r in runs.values():
         ts = r["step_times"][3:] or r["step_times"]
@@ -214,20 +166,21 @@ def main(argv=None) -> int:
     if base_metrics is not None:
         m = base_metrics
         rows.append(["all-MiniLM-L6-v2, not fine-tuned", "-", f3(m["recall@1"]), f3(m["mrr@10"]), f3(m["ndcg@10"]), "-", "-"])
-    ref = runs.get("sentence-transformers MNRL", {}).get("s_per_step_median")
+    ref = runs.get(RUNS["mnrl"], {}).get("s_per_step_median")
     for name, r in runs.items():
         m = r["metrics"]
         rows.append([name, r["steps"], f3(m["recall@1"]), f3(m["mrr@10"]), f3(m["ndcg@10"]), f"{r['s_per_step_median']:.3f}",
                      f"{r['s_per_step_median'] / ref:.2f}" if ref else "-"])
+    steps, batch, lr, warm = setting["steps"], setting["batch"], setting["lr"], setting["warmup_ratio"]
+    q_len, d_len = setting["q_len"], setting["d_len"]
     data = {
         "benchmark": "B4 full fine-tune vs peer", "mode": "quick" if quick else "full", "steps": steps, "batch_size": batch,
         "lr": lr, "warmup_ratio": warm, "temperature": 0.05, "query_max_len": q_len, "doc_max_len": d_len,
         "pool": {"docs": len(pool.corpus), "queries": len(pool.queries)},
         "base_model": base_metrics,
-        "runs": runs, "wall_s": time.time() - t0, "peak_rss_mb": peak_rss_mb(), "environment": environment(),
+        "runs": runs, "wall_s": wall_s, "peak_rss_mb": peak_rss_mb(), "environment": environment(),
     }
     prefix = NAME if not quick else f"{NAME}_quick"
-    out_dir = args.out or Path(__file__).resolve().parent / "results"
     md = [f"# B4: full fine-tune of all-MiniLM-L6-v2 vs sentence-transformers ({data['mode']})", "",
           f"Same start weights, same batches (pairs and order), batch {batch}, {steps} steps, AdamW lr {lr} with "
           f"{int(warm * 100)}% linear warmup then linear decay, weight decay 0.01, clipping 1.0, tau 0.05 (MNRL scale 20), "
@@ -250,7 +203,6 @@ def main(argv=None) -> int:
     fig.tight_layout()
     fig.savefig(out_dir / f"{prefix}_step_times.png")
     log(f"wrote {out_dir / (prefix + '.md')}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ processes (``--only NAME --seeds S``) resume from it.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -33,9 +32,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import finetune as b6  # noqa: E402
-from _common import (  # noqa: E402
-    Bench, apply_location_args, bench_cache, compose_cfg, environment, log, md_table, quiet_trainer, read_jsonl, write_results,
-)
+from _common import Bench, bench_cache, compose_cfg, environment, log, quiet_trainer  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import md_table, run_selected, write_results  # noqa: E402
+from harness.steps import step_clock  # noqa: E402
+from harness.runs import records as cached_records  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -87,7 +88,6 @@ def score(encoder, pools: dict, eval_cfg) -> dict:
 
 def do_run(pools: dict, pydoc: Path, name: str, seed: int, args) -> dict:
     import lightning as L
-    from lightning.pytorch.callbacks import Callback
 
     from moco_retrieval.data.datamodule import RetrievalDataModule
     from moco_retrieval.lightning_module import RetrievalModule
@@ -98,19 +98,14 @@ def do_run(pools: dict, pydoc: Path, name: str, seed: int, args) -> dict:
     if name == "base":
         return {"key": run_key(name, seed, args), "name": name, "seed": seed, "final": score(module.encoder, pools, module.eval_cfg)}
     dm = RetrievalDataModule(cfg.data, tokenize=module.encoder.tokenize)
-    times: list[float] = []
+    def progress(trainer, _module) -> None:
+        if trainer.global_step % 25 == 0:
+            log(f"  step {trainer.global_step}: {statistics.median(clock.times):.1f} s/step")
 
-    class Clock(Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.t = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            times.append(time.perf_counter() - self.t)
-            if trainer.global_step % 25 == 0:
-                log(f"  step {trainer.global_step}: {statistics.median(times):.1f} s/step")
-
+    clock = step_clock(on_end=progress)
+    times = clock.times
     log(f"B13 {name} seed {seed}: {len(dm.batch_sampler)} steps of 32, {torch.get_num_threads()} thread(s)")
-    trainer = quiet_trainer(cfg, callbacks=[Clock()])
+    trainer = quiet_trainer(cfg, callbacks=[clock])
     trainer.fit(module, datamodule=dm)
     stats = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
     return {"key": run_key(name, seed, args), "name": name, "seed": seed, "what": RUNS[name][1], "steps": int(trainer.global_step),
@@ -171,27 +166,26 @@ def paired_lines(by: dict) -> list[str]:
     return out or ["Not enough runs yet."]
 
 
+def runner(args, pydoc: Path):
+    """Loads both sources' sets and pools once; returns what makes one run's record."""
+    the_pools = pools(Bench(), pydoc, args)
+    return lambda name, seed: do_run(the_pools, pydoc, name, seed, args)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    b6.add_run_args(ap, default="base," + ",".join(RUNS), runs="base, " + ", ".join(RUNS), small="--pairs-per-source")
+    ap = cli.parser(__doc__)
+    b6.add_run_args(ap, default="base," + ",".join(RUNS), runs=["base", *RUNS], small="--pairs-per-source")
     ap.add_argument("--pairs-per-source", type=int, default=None, help="pairs of each source (default: every docstring pair, as many Debian pairs)")
     args = ap.parse_args(argv)
-    apply_location_args(args)
+    cli.apply(args)
     args.max_queries = args.max_queries if args.max_queries is not None else 1000
     args.max_docs = args.max_docs if args.max_docs is not None else 2400
-    if args.threads:
-        torch.set_num_threads(args.threads)
     pydoc = pydoc_folder()
     args.pairs_per_source = args.pairs_per_source or json.loads((pydoc / "manifest.json").read_text())["counts"]["train_pairs"]
-    out_dir = args.out or Path(__file__).resolve().parent / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = cli.out_dir(args)
     cache = out_dir / f"{NAME}_runs.jsonl"
-    cut: list[str] = []
-    if not args.report:
-        the_pools = pools(Bench(), pydoc, args)
-        cut = b6.run_missing(cache, args, lambda n, s: run_key(n, s, args), lambda n, s: do_run(the_pools, pydoc, n, s, args))
-    suffix = f"|per_source={args.pairs_per_source}|pool={args.max_queries}x{args.max_docs}"
-    report([r for r in read_jsonl(cache) if r["key"].endswith(suffix)], args, out_dir, cut)
+    cut = run_selected(cache, args, ["base", *RUNS], lambda n, s: run_key(n, s, args), lambda: runner(args, pydoc))
+    report(cached_records(cache, f"|per_source={args.pairs_per_source}|pool={args.max_queries}x{args.max_docs}"), args, out_dir, cut)
     return 0
 
 

@@ -25,7 +25,6 @@ benchmarks/results/popularity_runs.jsonl (committed), so a rerun resumes.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import random
 import sys
@@ -33,12 +32,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    FROZEN_BASE, Bench, add_location_args, append_jsonl, apply_location_args, compose_cfg, environment, f3, figure,
-    log, md_table, median, read_jsonl, std, write_results,
-)
+from _common import FROZEN_BASE, Bench, compose_cfg, environment, f3, figure, log, median, std  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import md_table, read_jsonl, run_missing, write_results  # noqa: E402
 
-import torch  # noqa: E402
 
 NAME = "popularity"
 BUCKETS = [(0, 0, "0"), (1, 1, "1"), (2, 4, "2-4"), (5, 19, "5-19"), (20, 10**9, "20+")]
@@ -111,52 +108,45 @@ def by_bucket(result, eval_set, popularity) -> dict:
                 "ndcg@10": sum(x["ndcg@10"] for x in v) / len(v)} for b, v in per.items() if v}
 
 
-class Cached:
-    """Runs each (bench, name, seed) once; records appended to the JSONL cache, which later runs read."""
+def run_one(bench, name: str, overrides: list[str], seed: int, epochs: int, key: str, buckets) -> dict:
+    cfg = compose_cfg(FROZEN_BASE + overrides + [f"trainer.max_epochs={epochs}", f"seed={seed}", f"data.seed={seed}"])
+    r = bench.fit_eval(cfg)
+    rec = {"key": key, "name": name, "seed": seed, "metrics": dict(r["metrics"]), "train_s": r["train_s"],
+           "steps": r["steps"], "unrelated_cos_mean": r["geometry"].get("unrelated_cos_mean"),
+           "buckets": buckets(r["result"])}
+    log(f"{name} seed {seed}: recall@1 {rec['metrics']['recall@1']:.4f} ({rec['train_s']:.0f}s)")
+    return rec
 
-    def __init__(self, cache: Path, epochs: int, deadline: str | None):
-        self.cache, self.epochs, self.deadline = cache, epochs, deadline
-        self.done = {r["key"]: r for r in read_jsonl(cache)}
-        self.cut: list[str] = []
 
-    def run(self, bench, name: str, overrides: list[str], seed: int, buckets) -> None:
-        key = f"{name}|seed={seed}|epochs={self.epochs}|pairs={len(bench.train_pairs)}"
-        self.done.update({r["key"]: r for r in read_jsonl(self.cache)})  # a parallel process may have done it
-        if key in self.done:
-            return
-        if self.deadline and time.strftime("%H:%M", time.gmtime()) >= self.deadline:
-            self.cut.append(f"{name} seed {seed}")
-            return
-        cfg = compose_cfg(FROZEN_BASE + overrides + [f"trainer.max_epochs={self.epochs}", f"seed={seed}", f"data.seed={seed}"])
-        r = bench.fit_eval(cfg)
-        rec = {"key": key, "name": name, "seed": seed, "metrics": dict(r["metrics"]), "train_s": r["train_s"],
-               "steps": r["steps"], "unrelated_cos_mean": r["geometry"].get("unrelated_cos_mean"),
-               "buckets": buckets(r["result"])}
-        append_jsonl(self.cache, rec)
-        self.done[key] = rec
-        log(f"{name} seed {seed}: recall@1 {rec['metrics']['recall@1']:.4f} ({rec['train_s']:.0f}s)")
+def run_table(cache: Path, bench, table: dict, names: list[str], seeds: list[int], epochs: int, deadline, buckets) -> list[str]:
+    """Each run of ``table`` in ``names`` over ``seeds`` (seed by seed) once, through the run cache;
+    returns those the deadline cut."""
+    def key(name: str, seed: int) -> str:
+        return f"{name}|seed={seed}|epochs={epochs}|pairs={len(bench.train_pairs)}"
+
+    cut: list[str] = []
+    for s in seeds:
+        cut += run_missing(cache, [n for n in table if n in names], [s], deadline, key,
+                           lambda n, seed: run_one(bench, n, table[n], seed, epochs, key(n, seed), buckets))
+    return cut
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="8,000 training pairs, 1 epoch, seed 0, in-batch only")
-    ap.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2; quick 0)")
+    cli.add_seeds(ap, None, "comma-separated seeds (default 0,1,2; quick 0)")
     ap.add_argument("--epochs", type=int, default=None, help="epochs (default 3; quick 1)")
-    ap.add_argument("--only", default=None, help=f"runs to do now, of: {', '.join(list(RUNS) + list(CONTROLS))}")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--deadline", default=None, help="UTC HH:MM: runs not started by then are cut")
-    ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
-    add_location_args(ap)
+    cli.add_only(ap, [*RUNS, *CONTROLS], None)
+    cli.add_deadline(ap)
+    cli.add_common(ap)
     args = ap.parse_args(argv)
-    apply_location_args(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    cli.apply(args)
     q = args.quick
-    seeds = [int(s) for s in (args.seeds or ("0" if q else "0,1,2")).split(",")]
+    seeds = cli.seeds(args.seeds or ("0" if q else "0,1,2"))
     epochs = args.epochs or (1 if q else 3)
-    only = args.only.split(",") if args.only else ([n for n in RUNS if n.startswith("in-batch")] if q else list(RUNS) + list(CONTROLS))
-    out_dir = args.out or Path(__file__).resolve().parent / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    only = (cli.names(args.only, [*RUNS, *CONTROLS]) if args.only
+            else [n for n in RUNS if n.startswith("in-batch")] if q else [*RUNS, *CONTROLS])
+    out_dir = cli.out_dir(args)
     prefix = f"{NAME}_quick" if q else NAME
     cache = out_dir / f"{prefix}_runs.jsonl"
     t0 = time.time()
@@ -169,18 +159,11 @@ def main(argv=None) -> int:
     counts = collections.Counter(popularity[str(p.doc_id)] for p in pairs)
     log(f"B8: {len(pairs):,} pairs over {sum(1 for v in popularity.values() if v):,} documents "
         f"(most popular: {max(popularity.values())} pairs); pool {len(eval_set.corpus):,} docs, {len(eval_set.queries):,} queries")
-    runner = Cached(cache, epochs, args.deadline)
-    for s in seeds:
-        for name in RUNS:
-            if name in only:
-                runner.run(bench, name, RUNS[name], s, lambda res: by_bucket(res, eval_set, popularity))
+    cut = run_table(cache, bench, RUNS, only, seeds, epochs, args.deadline, lambda res: by_bucket(res, eval_set, popularity))
     if any(n in only for n in CONTROLS):
         std_bench = Bench(max_train_examples=8000 if q else None)
-        for s in seeds:
-            for name, ov in CONTROLS.items():
-                if name in only:
-                    runner.run(std_bench, name, ov, s, lambda res: {})
-    done, cut = runner.done, runner.cut
+        cut += run_table(cache, std_bench, CONTROLS, only, seeds, epochs, args.deadline, lambda res: {})
+    done = {r["key"]: r for r in read_jsonl(cache)}
     recs = [r for r in done.values() if r["key"].endswith(f"|epochs={epochs}|pairs={len(pairs)}")]
     controls = [r for r in done.values() if r["name"] in CONTROLS and r["key"].split("|")[2] == f"epochs={epochs}"]
     report(recs, controls, len(pairs), eval_set, counts, popularity, epochs, seeds, cut, out_dir, prefix, time.time() - t0, q)

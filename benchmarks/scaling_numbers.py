@@ -4,21 +4,22 @@ logits memory, and the measured step-time share of the queue logits on this mach
     python benchmarks/scaling_numbers.py            # tables + timing (several minutes on 2 cores)
     python benchmarks/scaling_numbers.py --no-timing  # the arithmetic only (instant)
 
-Writes benchmarks/results/scaling_numbers.md and benchmarks/results/scaling_numbers.json.
+Writes scaling_numbers.md and scaling_numbers.json to --out (default benchmarks/results).
 The arithmetic follows the queue layout of moco_retrieval.objectives.queue.py: per slot one key
 (d values in the queue dtype) plus three int64 values (document id, group id, enqueue step).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import cli  # noqa: E402
 
 KS = [65_536, 131_072, 262_144, 1_048_576]
 DIMS = [384, 768]
@@ -281,14 +282,15 @@ def render(data: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.parser(__doc__.splitlines()[0])
     ap.add_argument("--no-timing", action="store_true", help="skip the CPU measurements")
     # one thread by default: on a shared machine, multi-threaded timings swing with the others'
     # load far more than single-threaded ones; --threads 2 on an idle 2-core machine
-    ap.add_argument("--threads", type=int, default=1)
+    cli.add_threads(ap, 1, "torch threads of the timings")
     ap.add_argument("--rounds", type=int, default=9, help="timing rounds (median)")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    cli.add_out(ap)  # no data locations: nothing here reads the Debian set
     args = ap.parse_args()
+    out = cli.out_dir(args)
 
     data = {"queue_memory": queue_memory(), "allgather": allgather_volume(),
             "queue_vs_batch": queue_vs_batch(), "logits_memory": logits_memory(),
@@ -301,9 +303,8 @@ def main() -> None:
         import torch
 
         data["timing"]["torch"] = torch.__version__
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scaling_numbers.json").write_text(json.dumps(data, indent=1) + "\n")
-    (args.out / "scaling_numbers.md").write_text(render(data))
+    (out / "scaling_numbers.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / "scaling_numbers.md").write_text(render(data))
     print(render(data))
 
 

@@ -31,20 +31,17 @@ thread per run, runs in parallel processes (``--only NAME --seeds S``).
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import finetune as b6  # noqa: E402
-from _common import (  # noqa: E402
-    RESULTS, Bench, apply_location_args, environment, figure, log, md_table, peak_rss_mb,
-    read_jsonl,
-    write_results,
-)
+from _common import RESULTS, environment, figure, log, peak_rss_mb  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import md_table, read_jsonl, run_selected, write_results  # noqa: E402
+from harness.runs import records as cached_records  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -115,21 +112,10 @@ class Memory:
 
 
 def do_run(bench, pool, name: str, seed: int, args) -> dict:
-    kind, batch, spec, what = RUNS[name]
-    batches = batches_of(bench, seed, args.pairs, batch)
-    ev = b6.Evaluator(pool, b6.compose_cfg(b6.BASE + b6.INBATCH).eval, args.eval_every, batch, len(batches))
-    log(f"B11 {name} seed {seed}: {len(batches)} steps of {batch} ({len(batches) * batch:,} pairs), "
-        f"{torch.get_num_threads()} thread(s)")
+    batches = batches_of(bench, seed, args.pairs, RUNS[name][1])
     mem = Memory()
-    t0 = time.perf_counter()
-    info = (b6.run_ours(bench, spec, batches, seed, ev) if kind == "ours"
-            else b6.run_peer(bench, kind, spec, batches, seed, ev))
-    ts = ev.step_times[3:] or ev.step_times
-    return {"key": run_key(name, seed, args), "name": name, "seed": seed, "kind": kind, "batch_size": batch, "what": what,
-            "steps": len(batches), "pairs": len(batches) * batch, "train_s": ev.train_s, "eval_s": ev.eval_s,
-            "s_per_step": statistics.median(ts), "final": ev.curve[-1], "curve": ev.curve, **mem.record(),
-            "wall_s": time.perf_counter() - t0, "threads": torch.get_num_threads(), "model": args.model,
-            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), **info}
+    rec = b6.trained(bench, pool, f"B11 {name}", RUNS[name], batches, seed, args.eval_every)
+    return {"key": run_key(name, seed, args), "name": name, **rec, **mem.record(), "model": args.model}
 
 
 def run_key(name: str, seed: int, args) -> str:
@@ -246,12 +232,12 @@ def plot(by: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__doc__)
     ap.add_argument("--dry-run", action="store_true",
                     help="the tiny random model, 512 pairs, a 50 / 100 pool: checks the harness (results to --out or a temp folder)")
-    b6.add_run_args(ap, default=",".join(RUNS), runs=", ".join(RUNS), small="dry-run")
+    b6.add_run_args(ap, default=",".join(RUNS), runs=list(RUNS), small="dry-run")
     args = ap.parse_args(argv)
-    apply_location_args(args)
+    cli.apply(args)
     d = args.dry_run
     args.model = "tiny" if d else "minilm"
     if d and "model=tiny" not in b6.BASE:  # every composed config of B6's machinery on the tiny random encoder
@@ -260,25 +246,13 @@ def main(argv=None) -> int:
     args.eval_every = args.eval_every or (256 if d else 6080)
     args.max_queries = args.max_queries if args.max_queries is not None else (50 if d else 1000)
     args.max_docs = args.max_docs if args.max_docs is not None else (100 if d else 2400)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    out_dir = args.out or (Path(tempfile.mkdtemp(prefix="b11-dry-")) if d else RESULTS)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = cli.out_dir(args, Path(tempfile.mkdtemp(prefix="b11-dry-")) if d else RESULTS)
     prefix = f"{NAME}_dry_run" if d else (NAME if args.pairs == 18240 else f"{NAME}_{args.pairs}pairs")
     cache = out_dir / f"{prefix}_runs.jsonl"
-    cut: list[str] = []
-    if not args.report:
-        from moco_retrieval.data.sources import cap_eval_set
-
-        unknown = [n for n in args.only.split(",") if n and n not in RUNS]
-        if unknown:
-            raise SystemExit(f"--only: unknown run(s) {', '.join(unknown)}; expected some of {', '.join(RUNS)}")
-        bench = Bench()
-        pool = cap_eval_set(bench.eval_set, args.max_queries or None, args.max_docs or None, seed=0)
-        cut = b6.run_missing(cache, args, lambda name, seed: run_key(name, seed, args),
-                             lambda name, seed: do_run(bench, pool, name, seed, args))
+    cli.names(args.only, list(RUNS))  # before anything loads: a typo exits at once, even with --report
+    cut = run_selected(cache, args, list(RUNS), lambda name, seed: run_key(name, seed, args), lambda: b6.runner(args, do_run))
     suffix = f"|model={args.model}|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}"
-    records = [r for r in read_jsonl(cache) if r["key"].endswith(suffix)] + references(args)
+    records = cached_records(cache, suffix) + references(args)
     report(records, args, out_dir, prefix, cut)
     return 0
 

@@ -7,7 +7,8 @@ Sections (each runs in its own child process, so its peak RSS is its own):
   module per K (same weights, same real Debian batches), queues pre-filled to K, measured in
   interleaved rounds; median step time per K and its ratio to K = 0 (K = 0: the same MoCo step,
   EMA key encoder and batch negatives, with the queue kept empty). A step = query forward, key
-  encoder forward, objective, backward, clip, AdamW, EMA update, enqueue; without Lightning's
+  encoder forward, objective, backward, enqueue, clip, AdamW, EMA update (``harness.steps.OurStep``,
+  the module's order); without Lightning's
   per-step overhead (which would only make the ratios smaller). Target: <= 1.10 at K = 65,536.
 * ``queue``: our ``NegativeQueue`` (logits + enqueue of keys, ids, groups, steps) against lightly's
   ``MemoryBankModule`` (forward with update=True, then the logits; imported alone, as lightly's
@@ -36,10 +37,10 @@ import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    Bench, add_location_args, apply_location_args, compose_cfg, environment, figure, log, md_table, peak_rss_mb,
-    write_results,
-)
+from _common import Bench, compose_cfg, environment, figure, log, peak_rss_mb  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import md_table, write_results  # noqa: E402
+from harness.steps import OurStep  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -67,7 +68,7 @@ def section_step(args) -> dict:
     job = ["trainer=cpu", "logger=none", "data=debian", "+experiment=queue65k", "objective=moco", f"data.batch_size={batch}"]
     cfg0 = compose_cfg(job)
     dm = bench.datamodule(cfg0)
-    modules, opts = {}, {}
+    modules, steps = {}, {}
     for k in ks:
         cfg = compose_cfg(job + [f"objective.queue_size={max(k, batch)}"])
         torch.manual_seed(0)
@@ -83,7 +84,9 @@ def section_step(args) -> dict:
                 q.enqueue(keys, ids, torch.full((n,), -1, device=dev), 0, gather=False)
             assert q.fill == k
         params = [p for p in m.encoder.parameters() if p.requires_grad]
-        modules[k], opts[k] = m, (torch.optim.AdamW(params, lr=1e-6, weight_decay=0.01), params)
+        modules[k] = m
+        steps[k] = OurStep(m, torch.optim.AdamW(params, lr=1e-6, weight_decay=0.01), clip=1.0,
+                           amp=torch.bfloat16 if dev.type == "cuda" else None)
     dm.tokenize = modules[ks[0]].encoder.tokenize
     loader = iter(dm.train_dataloader())
     batches = [next(loader) for _ in range(args.batches)]
@@ -97,19 +100,11 @@ def section_step(args) -> dict:
     amp = dev.type == "cuda"
 
     def one_step(k: int, b: dict) -> float:
-        m, (opt, params) = modules[k], opts[k]
         sync(dev)
         t = time.perf_counter()
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
-            loss, stats = m.shared_step(b)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        m.key_encoder.update(m.encoder, 0.999)
-        m.objective.after_backward()
+        steps[k](b)  # the module's order; its momentum is the config's constant 0.999
         if k == 0:  # the queue stays empty
-            m.objective.docs.reset()
+            modules[k].objective.docs.reset()
         sync(dev)
         return time.perf_counter() - t
 
@@ -302,7 +297,7 @@ def child(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--sections", default="step,queue,faiss")
@@ -317,13 +312,11 @@ def main(argv=None) -> int:
     ap.add_argument("--queue-iters", type=int, default=None)
     ap.add_argument("--docs", type=int, default=None)
     ap.add_argument("--faiss-rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--section", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
-    add_location_args(ap)
+    cli.add_common(ap)
     args = ap.parse_args(argv)
-    apply_location_args(args)
+    cli.apply(args)
     q = args.quick
     args.ks = args.ks or ("0,4096,65536" if q else "0,4096,16384,65536,262144")
     args.rounds = args.rounds or (2 if q else 3)
@@ -331,36 +324,16 @@ def main(argv=None) -> int:
     args.queue_ks = args.queue_ks or ("4096,65536" if q else "4096,16384,65536,262144")
     args.queue_iters = args.queue_iters or (5 if q else 20)
     args.docs = args.docs or (20000 if q else 100000)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.section:
         return child(args)
 
     t0 = time.time()
     prefix = NAME if not q else f"{NAME}_quick"
-    out_dir = args.out or HERE / "results"
-    results = {}
-    prev = out_dir / f"{prefix}.json"
-    if prev.is_file():  # sections not re-run now keep their last measurement
-        try:
-            results = dict(json.loads(prev.read_text()).get("sections", {}))
-        except ValueError:
-            results = {}
+    out_dir = cli.out_dir(args)
+    results = previous_sections(out_dir / f"{prefix}.json")  # sections not re-run now keep their last measurement
     passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
-    for s in [s for s in args.sections.split(",") if s]:
-        out_file = Path(tempfile.gettempdir()) / f"mr-bench-speed-{s}-{os.getpid()}.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), *passthrough, "--section", s, "--child-out", str(out_file)]
-        log(f"section {s}")
-        t = time.time()
-        rc = subprocess.call(cmd)
-        if rc != 0 or not out_file.is_file():
-            results[s] = {"error": f"exit status {rc}"}
-            log(f"section {s} failed ({rc})")
-            continue
-        results[s] = json.loads(out_file.read_text())
-        results[s]["wall_s"] = time.time() - t
-        results[s]["measured_at_utc"] = time.strftime("%H:%M", time.gmtime())
-        out_file.unlink()
+    for section in [x for x in args.sections.split(",") if x]:
+        results[section] = run_section(section, passthrough)
     memory = other_benchmarks_memory()
     data = {"benchmark": "B5 speed and memory", "mode": "quick" if q else "full", "sections": results,
             "other_benchmarks_peak_rss_mb": memory, "wall_s": time.time() - t0, "environment": environment()}
@@ -368,6 +341,30 @@ def main(argv=None) -> int:
     plots(data, out_dir, prefix)
     log(f"wrote {out_dir / (prefix + '.md')}")
     return 0
+
+
+def previous_sections(path: Path) -> dict:
+    try:
+        return dict(json.loads(path.read_text()).get("sections", {})) if path.is_file() else {}
+    except ValueError:
+        return {}
+
+
+def run_section(section: str, passthrough: list[str]) -> dict:
+    """One section in a child process of its own (so its peak RSS is its own)."""
+    out_file = Path(tempfile.gettempdir()) / f"mr-bench-speed-{section}-{os.getpid()}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), *passthrough, "--section", section, "--child-out", str(out_file)]
+    log(f"section {section}")
+    t = time.time()
+    rc = subprocess.call(cmd)
+    if rc != 0 or not out_file.is_file():
+        log(f"section {section} failed ({rc})")
+        return {"error": f"exit status {rc}"}
+    res = json.loads(out_file.read_text())
+    res["wall_s"] = time.time() - t
+    res["measured_at_utc"] = time.strftime("%H:%M", time.gmtime())
+    out_file.unlink()
+    return res
 
 
 def other_benchmarks_memory() -> dict:

@@ -18,18 +18,15 @@ Writes benchmarks/results/temperature.{md,json} and temperature.png.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    Bench, Runner, add_location_args, apply_location_args, bench_cache, environment, f3, figure, log, md_table, median,
-    peak_rss_mb, write_results,
-)
+from _common import Bench, Runner, bench_cache, environment, f3, figure, log, median, peak_rss_mb  # noqa: E402
+from harness import cli  # noqa: E402
+from harness.runs import md_table, write_results  # noqa: E402
 
-import torch  # noqa: E402
 
 NAME = "temperature"
 TAUS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
@@ -48,21 +45,17 @@ def setups(variant: str, queue_epochs: int | None) -> dict[str, list[str]]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--epochs", type=int, default=None, help="epochs of every run (default 3; quick 1)")
     ap.add_argument("--queue-epochs", type=int, default=None, help="epochs of the queue runs (default: --epochs)")
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--queue-variant", choices=["preset", "naive"], default="preset")
     ap.add_argument("--taus", type=str, default=None, help="comma-separated temperatures")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--fresh", action="store_true")
-    ap.add_argument("--out", type=Path, default=None)
-    add_location_args(ap)
+    cli.add_fresh(ap)
+    cli.add_common(ap)
     args = ap.parse_args(argv)
-    apply_location_args(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    cli.apply(args)
     quick = args.quick
     epochs = args.epochs or (1 if quick else 3)
     taus = [float(t) for t in args.taus.split(",")] if args.taus else ([0.01, 0.05, 1.0] if quick else TAUS)
@@ -73,12 +66,18 @@ def main(argv=None) -> int:
     runner = Runner(bench, [f"trainer.max_epochs={epochs}"],
                     bench_cache(f"{NAME}-{mode}-e{epochs}-{args.queue_variant}.jsonl"), args.fresh)
     log(f"B2 {mode}: taus {taus}, epochs {epochs}, seeds {seeds}, queue variant {args.queue_variant}")
-    results: dict[str, dict[float, list[dict]]] = {}
-    for setup, ov in setups(args.queue_variant, args.queue_epochs).items():
-        results[setup] = {}
-        for tau in taus:
-            results[setup][tau] = [runner.run(setup, f"tau {tau}", ov + [f"objective.temperature={tau}"], s) for s in seeds]
+    results = {setup: {tau: [runner.run(setup, f"tau {tau}", ov + [f"objective.temperature={tau}"], s) for s in seeds]
+                       for tau in taus}
+               for setup, ov in setups(args.queue_variant, args.queue_epochs).items()}
+    setting = {"benchmark": "B2 temperature", "mode": mode, "epochs": epochs, "queue_epochs": args.queue_epochs or epochs,
+               "seeds": seeds, "taus": taus, "queue_variant": args.queue_variant}
+    prefix = (NAME if not quick else f"{NAME}_quick") + ("" if args.queue_variant == "preset" else f"_{args.queue_variant}")
+    report(results, setting, bench, time.time() - t0, cli.out_dir(args), prefix)
+    return 0
 
+
+def summarise(results: dict[str, dict[float, list[dict]]]) -> tuple[dict, list[list]]:
+    """Per setup and tau, the medians over seeds; and the table's rows (the best tau in bold)."""
     rows, summary = [], {}
     for setup, by_tau in results.items():
         summary[setup] = {}
@@ -95,21 +94,24 @@ def main(argv=None) -> int:
             summary[setup][str(tau)] = s
             rows.append([setup, tau, recs[0]["epochs"], ("**" + f3(s["recall@1"]) + "**") if tau == best else f3(s["recall@1"]),
                          f3(s["mrr@10"]), f3(s["positive_cos_mean"]), f3(s["unrelated_cos_mean"]), f3(s["gap"])])
+    return summary, rows
+
+
+def report(results: dict, setting: dict, bench: Bench, wall_s: float, out_dir, prefix: str) -> None:
+    summary, rows = summarise(results)
     checks = shape_checks(summary)
     data = {
-        "benchmark": "B2 temperature", "mode": mode, "epochs": epochs, "queue_epochs": args.queue_epochs or epochs,
-        "seeds": seeds, "taus": taus, "queue_variant": args.queue_variant, "summary": summary, "checks": checks,
+        **setting, "summary": summary, "checks": checks,
         "runs": [r for setup in results.values() for recs in setup.values() for r in recs],
         "train_pairs": len(bench.train_pairs), "eval_docs": len(bench.eval_set.corpus),
-        "wall_s": time.time() - t0, "peak_rss_mb": peak_rss_mb(), "environment": environment(),
+        "wall_s": wall_s, "peak_rss_mb": peak_rss_mb(), "environment": environment(),
     }
-    prefix = (NAME if not quick else f"{NAME}_quick") + ("" if args.queue_variant == "preset" else f"_{args.queue_variant}")
-    out_dir = args.out or Path(__file__).resolve().parent / "results"
-    md = [f"# B2: temperature ({mode})", "",
+    variant, seeds = setting["queue_variant"], setting["seeds"]
+    md = [f"# B2: temperature ({setting['mode']})", "",
           f"Frozen bag-of-wordpieces + random linear head, Debian set ({data['train_pairs']:,} pairs; pool "
-          f"{data['eval_docs']:,} documents). {epochs} epoch(s) (queue runs: {data['queue_epochs']}), lr and warmup "
-          f"of the presets, {len(seeds)} seed(s) (median). Queue: {args.queue_variant} "
-          f"({'re-projected feature queue, keys from the current head with gradient (the B1 winner)' if args.queue_variant == 'preset' else 'key queue, EMA m 0.99'}). "
+          f"{data['eval_docs']:,} documents). {setting['epochs']} epoch(s) (queue runs: {data['queue_epochs']}), lr and warmup "
+          f"of the presets, {len(seeds)} seed(s) (median). Queue: {variant} "
+          f"({'re-projected feature queue, keys from the current head with gradient (the B1 winner)' if variant == 'preset' else 'key queue, EMA m 0.99'}). "
           "Cosines are over the held-out pool: positive = (query, its document), unrelated = random (query, other document). "
           "Best recall@1 per setup in bold.", "",
           md_table(["setup", "tau", "epochs", "recall@1", "MRR@10", "mean positive cos", "mean unrelated cos", "gap"], rows), "",
@@ -120,7 +122,6 @@ def main(argv=None) -> int:
     write_results(prefix, "\n".join(md), data, out_dir)
     plot(summary, out_dir / f"{prefix}.png")
     log(f"wrote {out_dir / (prefix + '.md')}")
-    return 0
 
 
 def shape_checks(summary: dict) -> list[dict]:
