@@ -27,6 +27,7 @@ from typing import Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, set_locations  # noqa: E402
+from moco_retrieval.checkpointing import last_checkpoint  # noqa: E402
 
 PY = sys.executable
 SMOKE = ["+experiment=smoke", "data.max_train_examples=128", "data.max_eval_queries=16", "data.max_eval_docs=32",
@@ -113,7 +114,7 @@ def _trained(w: Work) -> None:
 
 def _truncate_last(w: Work) -> None:
     _trained(w)
-    last = w.run / "checkpoints" / "last.ckpt"
+    last = last_checkpoint(w.run)
     last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
 
 

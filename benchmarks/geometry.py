@@ -33,9 +33,10 @@ from harness import cli  # noqa: E402
 from harness.runs import md_table, write_results  # noqa: E402
 
 import torch  # noqa: E402
+from moco_retrieval.checkpointing import last_checkpoint  # noqa: E402
 
 NAME = "geometry"
-DEFAULT_CKPT = str(ROOT.parent / "runs" / "queue65k" / "checkpoints" / "last.ckpt")
+DEFAULT_CKPT = str(last_checkpoint(ROOT.parent / "runs" / "queue65k"))
 
 
 def random_minilm(seed: int = 0):

@@ -42,6 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import cli  # noqa: E402
+from moco_retrieval.checkpointing import last_checkpoint  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METRICS = ["recall@1", "recall@10", "mrr@10", "ndcg@10"]
@@ -207,7 +208,7 @@ def main() -> None:
         run("a_none", [f"data.train_path={train_file}"], s)
 
     t0 = time.perf_counter()
-    mined = mine_variants(work / "a_none-s0" / "checkpoints" / "last.ckpt", pairs, work, VARIANTS,
+    mined = mine_variants(last_checkpoint(work / "a_none-s0"), pairs, work, VARIANTS,
                           args.n_negatives, args.range_max)
     mine_seconds = time.perf_counter() - t0
     common_keys = mined.pop("common_keys")

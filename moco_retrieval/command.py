@@ -17,9 +17,11 @@ runs the task at once (as ``hydra.main``'s function does); ``main.__wrapped__`` 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -32,6 +34,11 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from moco_retrieval.command_help import asks_for_help, help_text
 from moco_retrieval.config import check_known_keys, register_configs, unknown_key
 from moco_retrieval.errors import USER_ERROR_STATUS, report, reports_user_errors
+
+# Every command loads towers kept in eval mode on purpose (the EMA key encoder: no dropout in keys)
+# and FAISS, which announces each CPU instruction set it tries; neither is news to a user.
+warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+logging.getLogger("faiss.loader").setLevel(logging.WARNING)
 
 CONFIG_PATH = "pkg://moco_retrieval.conf"
 FULL_ERROR = "HYDRA_FULL_ERROR"

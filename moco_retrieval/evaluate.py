@@ -18,8 +18,6 @@ model directory; the report's columns are the main model then ``compare`` in ord
 """
 from __future__ import annotations
 
-import logging
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -34,8 +32,6 @@ from moco_retrieval.errors import ConfigError
 from moco_retrieval.model.loading import describe_spec, load_encoder
 
 register_configs()
-warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
-logging.getLogger("faiss.loader").setLevel(logging.WARNING)
 
 
 # --------------------------------------------------------------------------- pool

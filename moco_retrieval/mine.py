@@ -17,9 +17,7 @@ Then train with ``data=jsonl data.train_path=OUTPUT data.eval_dir=DIR data.n_neg
 from __future__ import annotations
 
 import json
-import logging
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +40,6 @@ from moco_retrieval.mining import (
 )
 
 register_configs()
-logging.getLogger("faiss.loader").setLevel(logging.WARNING)
-warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
 
 
 def to_mine_config(cfg: DictConfig):

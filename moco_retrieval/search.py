@@ -21,9 +21,7 @@ Keys: SearchConfig in config.py (``conf/search.yaml``).
 from __future__ import annotations
 
 import json
-import logging
 import sys
-import warnings
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -35,8 +33,6 @@ from moco_retrieval.model.loading import load_encoder
 from moco_retrieval.search_index import build_or_load_index, default_index_dir, model_identity
 
 register_configs()
-warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
-logging.getLogger("faiss.loader").setLevel(logging.WARNING)
 
 EVAL_CORPUS = "eval"
 FULL_CORPUS_HINT = "corpus=eval searches only the held-out pool (faster); the index is saved, later searches load it"

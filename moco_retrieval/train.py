@@ -63,12 +63,9 @@ from moco_retrieval.run_clock import RunClock
 from moco_retrieval.run_lock import RunLock, writable_run_dir
 
 register_configs()
-# The key encoder is in eval mode on purpose (no dropout in keys); faiss announces each CPU
-# instruction set it tries. Neither is news to a user.
-warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+# (the eval-mode and FAISS notices every command shares are silenced in command.py)
 # validation metrics are computed on the whole pool by every rank, identical: nothing to sync
 warnings.filterwarnings("ignore", message=r".*sync_dist=True.*when logging on epoch level")
-logging.getLogger("faiss.loader").setLevel(logging.WARNING)
 # Lightning's and torch's noise that says nothing about this run: an advertisement, a deprecation
 # inside Lightning, the default of an argument we never pass, and (on resume, or a fresh start over
 # an old run, which build() warns about itself) "Checkpoint directory exists".
