@@ -284,3 +284,35 @@ def test_resuming_with_other_lora_settings_is_refused(lora_runs, tiny_dir, tmp_p
                              OptimConfig(lr=1e-2, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
     with pytest.raises(CheckpointError, match=r"trained with model.lora.r=4, but this run's config has model.lora.r=8"):
         fit(module, tmp_path, 2, ckpt_path=str(lora_runs["ref_path"]))
+
+
+def test_key_encoder_fingerprint_hashes_the_ema_adapters_not_the_shared_base(tiny_dir, monkeypatch):
+    """The per-rank fingerprint (fingerprints.py) of a LoRA key encoder: its EMA adapters' bytes and
+    the base's cheap fingerprint, never the bytes of the frozen base it shares (a 7B base: minutes
+    of hashing at every checkpoint)."""
+    from moco_retrieval import fingerprints
+
+    module = make_module(tiny_dir)
+    base = [p for p in module.encoder.parameters() if not p.requires_grad]
+    base_storages = {p.untyped_storage().data_ptr() for p in base}
+    hashed: list[torch.Tensor] = []
+    real = fingerprints.tensors_sha256
+
+    def spy(named):
+        named = list(named)
+        hashed.extend(t for _, t in named)
+        return real(named)
+
+    monkeypatch.setattr(fingerprints, "tensors_sha256", spy)
+    before = fingerprints.rank_fingerprints(module)["key_encoder"]
+    assert hashed and not [t for t in hashed if t.untyped_storage().data_ptr() in base_storages]
+    ema = [p for n, p in module.key_encoder.named_parameters() if ADAPTER_MARK in n]
+    assert ema and {p.data_ptr() for p in ema} <= {t.data_ptr() for t in hashed}  # every EMA adapter
+
+    with torch.no_grad():
+        ema[-1].view(-1)[0] += 1e-3  # one EMA adapter weight moved
+    moved = fingerprints.rank_fingerprints(module)["key_encoder"]
+    assert moved != before
+    with torch.no_grad():
+        base[0].view(-1)[0] += 1.0  # another base under the adapters shows too (base_fingerprint)
+    assert fingerprints.rank_fingerprints(module)["key_encoder"] != moved
