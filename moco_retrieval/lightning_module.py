@@ -88,7 +88,7 @@ class RetrievalModule(L.LightningModule):
         self.encoder.prompts = to_prompts(prompts)
         # the fixed guide of guided masking: frozen, held outside the state dict (checkpoints stay
         # the trained model's; the guide is rebuilt from its config)
-        guide = build_guide_encoder(self.objective_cfg.guide, self.model_cfg)
+        guide = build_guide_encoder(self.objective_cfg.guide, self.model_cfg, self.encoder)
         self._guide = (guide,) if guide is not None else ()
         self.objective = build_objective(self.objective_cfg, self.encoder, guide, sources=int(sources))
         uses_ema = self.objective.uses_momentum_encoder

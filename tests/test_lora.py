@@ -267,13 +267,43 @@ def test_lora_checkpoint_refuses_another_base_and_hydra_takes_the_keys(lora_runs
             compose("train", overrides=["model=tiny", "model.lora.rank=8"])
 
 
-def test_a_lora_run_can_take_its_base_as_guide(tiny_dir):
+def test_a_lora_runs_base_guide_is_its_own_base_with_the_adapters_off(tiny_dir, one_thread):
+    """objective.guide=base with LoRA: the guide runs the trained encoder's frozen base with the
+    adapters disabled (no second copy of the base), gives a separately loaded base's embeddings,
+    and leaves the trained encoder's modes and adapters as they were."""
     from moco_retrieval.config import objective_config
+    from moco_retrieval.model.guide import build_guide_encoder
 
     module = RetrievalModule(lora_cfg(tiny_dir, gradient_checkpointing=True),
                              objective_config({"name": "moco", "queue_size": 8, "guide": "base"}), OptimConfig())
     guide = module._guide[0]
     assert guide.frozen and not any(ADAPTER_MARK in n for n in guide.state_dict())
+    base = [t for k, t in module.encoder.state_dict().items() if ADAPTER_MARK not in k]
+    base_bytes = sum(t.numel() * t.element_size() for t in base)
+    own = {id(t): t for t in [*guide.parameters(), *guide.buffers()]}
+    assert sum(t.numel() * t.element_size() for t in own.values()) < base_bytes / 100  # no copy of the base
+    storages = {t.untyped_storage().data_ptr() for t in base}
+    assert all(t.untyped_storage().data_ptr() in storages for t in guide.state_dict().values())
+
+    torch.manual_seed(1)
+    with torch.no_grad():  # adapters that change the output (lora_B starts at zero)
+        for n, p in module.encoder.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    separate = build_guide_encoder("base", module.model_cfg)  # today's guide: the base loaded again
+    assert guide.tower.fingerprint() == separate.tower.fingerprint()  # so they share the feature cache
+    tok = module.encoder.tokenize(TEXTS, "doc")
+    module.train()
+    modes = {n: m.training for n, m in module.encoder.named_modules()}
+    got = guide.tower.features(tok["input_ids"], tok["attention_mask"])
+    assert {n: m.training for n, m in module.encoder.named_modules()} == modes and any(modes.values())
+    assert all(p.requires_grad for n, p in module.encoder.named_parameters() if ADAPTER_MARK in n)
+    with torch.no_grad():
+        want = separate.tower.features(tok["input_ids"], tok["attention_mask"])
+        module.encoder.eval()
+        adapted = module.encoder.tower.features(tok["input_ids"], tok["attention_mask"])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert (adapted - want).abs().max() > 1e-2  # the adapters do change it: they were off for the guide
 
 
 def test_resuming_with_other_lora_settings_is_refused(lora_runs, tiny_dir, tmp_path):

@@ -19,7 +19,7 @@ last token's hidden state, an end-of-text token appended to every text (decoder 
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -197,7 +197,9 @@ def _trained_backbone(model: nn.Module, cfg: ModelConfig) -> nn.Module:
 class TextEncoder(nn.Module):
     """Query/document encoder: see the module docstring. ``dim``, ``normalize``, ``tokenizer``."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, loaded: Optional[tuple[nn.Module, Any]] = None):
+        """``loaded``: the (model, tokenizer) of ``cfg``'s backbone when the caller has them (the
+        base-model guide of a LoRA run: model/guide.py); None loads them from its folder."""
         super().__init__()
         for key, value, allowed in [
             ("backbone_kind", cfg.backbone_kind, BACKBONE_KINDS),
@@ -211,7 +213,7 @@ class TextEncoder(nn.Module):
             raise ConfigError("model.backbone_kind=bag_of_wordpieces pools by mean: set model.pooling=mean")
         _check_training_options(cfg)
         path, key = resolve_backbone(cfg)
-        model, tokenizer = load_backbone(path, key, cfg.backbone_dtype)
+        model, tokenizer = loaded if loaded is not None else load_backbone(path, key, cfg.backbone_dtype)
         if cfg.pooling == "last":
             tokenizer = append_eos(tokenizer, f"{str(path)!r} (from {key})")
         self.tokenizer = tokenizer

@@ -105,6 +105,62 @@ def restore_base_weights(state_dict: dict, module: nn.Module) -> None:
         state_dict.setdefault(k, current[k])
 
 
+def lora_layer_paths(backbone: nn.Module) -> list[str]:
+    """The module paths (in ``backbone.get_base_model()``) of the layers peft wrapped with adapters."""
+    from peft.tuners.lora import LoraLayer
+
+    return [name for name, m in backbone.get_base_model().named_modules() if isinstance(m, LoraLayer)]
+
+
+def base_state_dict(backbone: nn.Module) -> dict[str, torch.Tensor]:
+    """The base model under a LoRA ``backbone``'s adapters as a plain model's state dict (its own
+    key names, e.g. ``...query.weight`` for peft's ``...query.base_layer.weight``), the tensors
+    themselves (no copy)."""
+    layers = lora_layer_paths(backbone)
+    wrapped = tuple(f"{p}." for p in layers)
+    out = {}
+    for key, t in backbone.get_base_model().state_dict().items():
+        layer = next((w for w in wrapped if key.startswith(w)), None)
+        if layer is None:
+            out[key] = t
+        elif key.startswith(layer + "base_layer."):
+            out[layer + key[len(layer) + len("base_layer."):]] = t
+    return out
+
+
+class AdaptersDisabled(nn.Module):
+    """The frozen base under a LoRA backbone, run through that backbone with its adapters disabled
+    (``objective.guide=base`` with LoRA: the guide is the base model without a second copy of it).
+
+    The peft model is held outside this module's tree, so that freezing this module or putting it
+    in eval mode leaves the trained encoder alone; each call runs it in eval mode (no dropout, no
+    activation checkpointing) without gradient and puts every submodule's mode back. Its state
+    dict is the base's, under the plain model's names (what a frozen tower's feature-cache
+    fingerprint hashes: the same as a separately loaded base's)."""
+
+    def __init__(self, backbone: nn.Module):
+        super().__init__()
+        if not is_lora(backbone):
+            raise ValueError("AdaptersDisabled needs a peft (LoRA) backbone")
+        self._lora = (backbone,)  # a tuple: not a submodule (see the class docstring)
+        self.config = backbone.get_base_model().config
+
+    def forward(self, *args, **kwargs):
+        backbone = self._lora[0]
+        modes = [(m, m.training) for m in backbone.modules()]
+        backbone.eval()
+        try:
+            with torch.no_grad(), backbone.disable_adapter():
+                return backbone(*args, **kwargs)
+        finally:
+            for m, mode in modes:
+                m.training = mode
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for key, t in base_state_dict(self._lora[0]).items():
+            destination[prefix + key] = t if keep_vars else t.detach()
+
+
 SAMPLE = 256  # values hashed from each end of every base tensor: a fingerprint in milliseconds for 7B weights
 
 
@@ -172,17 +228,20 @@ def adapter_bytes(module: nn.Module) -> int:
 
 
 __all__ = [
+    "AdaptersDisabled",
     "ADAPTER_MARK",
     "LORA_BASE",
     "DEFAULT_TARGETS",
     "adapter_bytes",
     "apply_lora",
     "base_fingerprint",
+    "base_state_dict",
     "base_weight_keys",
     "check_same_base",
     "check_same_lora",
     "drop_base_weights",
     "is_lora",
+    "lora_layer_paths",
     "merged_backbone",
     "restore_base_weights",
     "save_adapter",
