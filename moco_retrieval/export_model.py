@@ -13,7 +13,8 @@ import torch
 from moco_retrieval.errors import ConfigError
 from moco_retrieval.export_folder import install_export
 from moco_retrieval.model.loading import META_FILE
-from moco_retrieval.model.lora import merged_backbone, save_adapter
+from moco_retrieval.model.lora import is_lora, save_adapter
+from moco_retrieval.model.lora_merge import save_merged
 
 FORMAT_VERSION = 1  # of META_FILE (since "files" was added, it lists the export's entries)
 ST_POOLING = {"mean": "mean", "cls": "cls", "last": "lasttoken"}  # our model.pooling -> sentence-transformers'
@@ -81,7 +82,7 @@ def _tower_modules(encoder: Any, tower: Any, folder: Path) -> list[torch.nn.Modu
     from sentence_transformers.sentence_transformer.modules import Dense, Pooling, Transformer
 
     folder.mkdir(parents=True)
-    _save_backbone(merged_backbone(tower.backbone), folder)
+    _save_backbone(tower.backbone, folder)
     encoder.tokenizer.save_pretrained(folder)
     modules: list[torch.nn.Module] = [
         Transformer(str(folder), max_seq_length=int(encoder.doc_max_len), query_length=int(encoder.query_max_len),
@@ -119,20 +120,31 @@ def _write_adapter(encoder: Any, tower: Any, folder: Path) -> list[str]:
 
 
 def _save_backbone(backbone: torch.nn.Module, folder: Path) -> None:
-    """``save_pretrained``, with a (never used) pooler put back when training dropped it, so that
+    """``save_pretrained``; a LoRA backbone with its adapters merged (``save_merged``: no second copy
+    of the base in memory). A (never used) pooler is put back when training dropped it, so that
     loading the directory with a plain AutoModel reports no missing weights."""
-    restore = False
-    if getattr(backbone, "pooler", "absent") is None:
-        try:
-            backbone.pooler = type(backbone)(backbone.config).pooler
-            restore = backbone.pooler is not None
-        except Exception:  # noqa: BLE001 - a model class without the add_pooling_layer default
-            backbone.pooler = None
+    plain = backbone.get_base_model() if is_lora(backbone) else backbone
+    pooler = _fresh_pooler(plain) if getattr(plain, "pooler", "absent") is None else None
+    if is_lora(backbone):
+        save_merged(backbone, folder, extra={f"pooler.{k}": v for k, v in pooler.state_dict().items()} if pooler else None)
+        return
+    backbone.pooler = pooler
     try:
         backbone.save_pretrained(folder)
     finally:
-        if restore:
-            backbone.pooler = None
+        backbone.pooler = None
+
+
+def _fresh_pooler(backbone: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """A newly initialised pooler of ``backbone``'s class, or None (a class without one). The class
+    is read off a skeleton on the meta device: building a whole second model for it would cost as
+    much memory as the model."""
+    try:
+        with torch.device("meta"):
+            pooler_class = type(type(backbone)(backbone.config).pooler)
+        return None if pooler_class is type(None) else pooler_class(backbone.config).to(backbone.dtype)
+    except Exception:  # noqa: BLE001 - a model class without the add_pooling_layer default
+        return None
 
 
 def _head_kind(head: torch.nn.Module) -> str:

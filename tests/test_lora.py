@@ -346,3 +346,68 @@ def test_key_encoder_fingerprint_hashes_the_ema_adapters_not_the_shared_base(tin
     with torch.no_grad():
         base[0].view(-1)[0] += 1.0  # another base under the adapters shows too (base_fingerprint)
     assert fingerprints.rank_fingerprints(module)["key_encoder"] != moved
+
+
+def _peak_allocated(prof) -> int:
+    """The most bytes torch's CPU allocator held at once during a profile (allocations less frees)."""
+    events = [(e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
+              for e in prof.events()]
+    now = peak = 0
+    for _, change in sorted(events, key=lambda x: x[0]):
+        now += change
+        peak = max(peak, now)
+    return peak
+
+
+def test_lora_export_merges_without_a_second_copy_of_the_base(tiny_dir, tmp_path, monkeypatch, one_thread):
+    """Export merges the adapters shard by shard into the files (no deep copy of the backbone, at
+    most a shard of merged weights in memory), equal to peft's merge_and_unload, and leaves the
+    trained model bit-identical."""
+    from safetensors.torch import load_file
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModel
+
+    from moco_retrieval.export_model import export_encoder
+    from moco_retrieval.model import lora_merge
+
+    enc = build_encoder(lora_cfg(tiny_dir)).eval()
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for n, p in enc.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    backbone = enc.tower.backbone
+    base = {id(p) for n, p in backbone.named_parameters() if ADAPTER_MARK not in n}
+    base_bytes = sum(p.numel() * p.element_size() for n, p in backbone.named_parameters() if ADAPTER_MARK not in n)
+    want = copy.deepcopy(backbone).merge_and_unload().state_dict()  # peft's merge, on a copy
+    before = {k: v.clone() for k, v in enc.state_dict().items()}
+
+    real_deepcopy, copied = copy.deepcopy, []
+
+    def spy(obj, *a, **kw):
+        if isinstance(obj, torch.nn.Module) and any(id(p) in base for p in obj.parameters()):
+            copied.append(type(obj).__name__)
+        return real_deepcopy(obj, *a, **kw)
+
+    monkeypatch.setattr(copy, "deepcopy", spy)
+    monkeypatch.setattr(lora_merge, "SHARD_BYTES", base_bytes // 6)  # several shards, and their index
+    out = export_encoder(enc, tmp_path / "st")
+    monkeypatch.undo()
+    assert copied == []  # no copy of the backbone (or of any module holding base weights)
+    for k, v in enc.state_dict().items():  # the trained model is left as it was, bit for bit
+        assert torch.equal(v, before[k]), k
+
+    got = AutoModel.from_pretrained(str(out)).state_dict()
+    assert {k for k in want if not k.startswith("pooler.")} <= set(got)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k  # bit-identical to peft's merge
+
+    folder = tmp_path / "merged"
+    folder.mkdir()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        files = lora_merge.save_merged(backbone, folder, shard_bytes=base_bytes // 8)
+    assert lora_merge.INDEX in files and len(files) > 4
+    assert _peak_allocated(prof) < base_bytes / 3  # a shard's merged weights at a time, not the model's
+    merged = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert merged.keys() == {k for k in want if not k.startswith("pooler.")}
+    assert all(torch.equal(merged[k], want[k]) for k in merged)

@@ -7,12 +7,11 @@ weights with the trained encoder, so its momentum copy is the adapters and the h
 
 Checkpoints leave the base weights out (they are the backbone folder's, loaded again when the
 model is built): :func:`drop_base_weights` before a save, :func:`restore_base_weights` before a
-load. Export merges the adapters into a plain backbone (:func:`merged_backbone`), or saves the
-adapter alone (:func:`save_adapter`).
+load. Export merges the adapters into a plain backbone (lora_merge.py: no copy of the base), or
+saves the adapter alone (:func:`save_adapter`).
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -206,14 +205,6 @@ def check_same_lora(trained: Optional[dict], current: Any, where: str) -> None:
             + "; set the trained values to resume it (or start a new run_dir)")
 
 
-def merged_backbone(backbone: nn.Module) -> nn.Module:
-    """A plain Hugging Face model with the adapters merged into a copy of the base weights (the
-    trained backbone itself is left as it is); ``backbone`` itself when it has no adapters."""
-    if not is_lora(backbone):
-        return backbone
-    return copy.deepcopy(backbone).merge_and_unload()
-
-
 def save_adapter(backbone: nn.Module, folder: Path) -> None:
     """The adapter alone (``adapter_config.json``, ``adapter_model.safetensors``): loadable with
     ``peft.PeftModel.from_pretrained(base_model, folder)``."""
@@ -242,7 +233,6 @@ __all__ = [
     "drop_base_weights",
     "is_lora",
     "lora_layer_paths",
-    "merged_backbone",
     "restore_base_weights",
     "save_adapter",
     "target_modules",
