@@ -18,7 +18,7 @@ from torch import nn
 
 from moco_retrieval.model.lora import base_state_dict, lora_layer_paths
 
-SHARD_BYTES = 2 * 2**30  # the most merged bytes held at once (besides the serialised shard)
+SHARD_BYTES = 2**30  # the most merged bytes held at once (safetensors serialises a shard into one more buffer)
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"  # transformers' file names
 
 
