@@ -18,7 +18,8 @@ from torch import nn
 
 from moco_retrieval.model.lora import base_state_dict, lora_layer_paths
 
-SHARD_BYTES = 2**30  # the most merged bytes held at once (safetensors serialises a shard into one more buffer)
+SHARD_BYTES = 256 * 2**20  # the most merged bytes held at once (safetensors serialises a shard into one more
+# buffer); the files are export_model.py's temporary ones, which sentence-transformers saves again
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"  # transformers' file names
 
 
