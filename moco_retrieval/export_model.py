@@ -120,13 +120,17 @@ def _write_adapter(encoder: Any, tower: Any, folder: Path) -> list[str]:
 
 
 def _save_backbone(backbone: torch.nn.Module, folder: Path) -> None:
-    """``save_pretrained``; a LoRA backbone with its adapters merged (``save_merged``: no second copy
-    of the base in memory). A (never used) pooler is put back when training dropped it, so that
+    """``save_pretrained``; a LoRA backbone with its adapters merged (``save_merged``: a shard of merged
+    weights in memory at a time, not a merged copy of the model). A (never used) pooler is put back when training dropped it, so that
     loading the directory with a plain AutoModel reports no missing weights."""
     plain = backbone.get_base_model() if is_lora(backbone) else backbone
     pooler = _fresh_pooler(plain) if getattr(plain, "pooler", "absent") is None else None
     if is_lora(backbone):
-        save_merged(backbone, folder, extra={f"pooler.{k}": v for k, v in pooler.state_dict().items()} if pooler else None)
+        extra = {f"pooler.{k}": v for k, v in pooler.state_dict().items()} if pooler is not None else None
+        save_merged(backbone, folder, extra=extra)
+        return
+    if pooler is None:
+        backbone.save_pretrained(folder)
         return
     backbone.pooler = pooler
     try:
