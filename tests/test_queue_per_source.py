@@ -22,7 +22,7 @@ from moco_retrieval.objectives.step import StepInput
 from moco_retrieval.objectives.two_queue import TwoQueueObjective
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_two_queue import TAU, D, ref_direction, unit  # noqa: E402
+from test_two_queue import TAU, D, ref_direction, train_steps, unit  # noqa: E402
 
 B, SIZE = 4, 12
 
@@ -224,22 +224,8 @@ def make_steps():
 
 
 def run(steps, rank, world):
-    per = B if world > 1 else W * B
-    sl = slice(rank * per, (rank + 1) * per)
     obj = TwoQueueObjective(TwoQueueConfig(queue_size=SIZE, temperature=TAU, queue_per_source=True), D, sources=2)
-    obj.train()
-    out = {"loss": [], "gq": [], "gd": []}
-    for s, st in enumerate(steps):
-        q, d = st["q"][sl].clone().requires_grad_(), st["d"][sl].clone().requires_grad_()
-        loss, _ = obj(StepInput(q, st["k"][sl], st["ids"][sl], st["groups"][sl], step=s, d=d, q_key=st["q_key"][sl],
-                                source=torch.full((per,), st["source"])))
-        loss.backward()
-        obj.after_backward()
-        out["loss"].append(loss.item())
-        out["gq"].append(q.grad)
-        out["gd"].append(d.grad)
-    out["state"] = {k: v.clone() for k, v in obj.state_dict().items()}
-    return out
+    return train_steps(obj, steps, B, rank, world, extra=lambda st, rows: {"source": torch.full((rows,), st["source"])})
 
 
 def run_disagreeing(rank, world):

@@ -261,16 +261,18 @@ def make_steps():
     return out
 
 
-def run(steps, inbatch, rank, world):
-    per = B if world > 1 else W * B
+def train_steps(obj, steps, batch, rank, world, extra=None) -> dict:
+    """``steps`` through ``obj`` on this rank's ``batch`` rows (every row in one process): each
+    step's loss and gradients and the final state. ``extra(step, rows)``: more StepInput fields."""
+    per = batch if world > 1 else len(steps[0]["q"])
     sl = slice(rank * per, (rank + 1) * per)
-    obj = TwoQueueObjective(TwoQueueConfig(queue_size=16, temperature=TAU, inbatch_weight=inbatch), D)
     obj.train()
     out = {"loss": [], "gq": [], "gd": []}
     for s, st in enumerate(steps):
         q, d = st["q"][sl].clone().requires_grad_(), st["d"][sl].clone().requires_grad_()
-        meta = {"doc_id": st["ids"][sl], "group": st["groups"][sl], "d": d, "q_key": st["q_key"][sl]}
-        loss, _ = obj(StepInput(q, st["k"][sl], **meta, step=s))
+        more = extra(st, per) if extra else {}
+        loss, _ = obj(StepInput(q, st["k"][sl], doc_id=st["ids"][sl], group=st["groups"][sl], d=d, q_key=st["q_key"][sl],
+                                step=s, **more))
         loss.backward()
         obj.after_backward()
         out["loss"].append(loss.item())
@@ -278,6 +280,11 @@ def run(steps, inbatch, rank, world):
         out["gd"].append(d.grad)
     out["state"] = {k: v.clone() for k, v in obj.state_dict().items()}
     return out
+
+
+def run(steps, inbatch, rank, world):
+    obj = TwoQueueObjective(TwoQueueConfig(queue_size=16, temperature=TAU, inbatch_weight=inbatch), D)
+    return train_steps(obj, steps, B, rank, world)
 
 
 @pytest.mark.parametrize("inbatch", [0.0, 1.0])
