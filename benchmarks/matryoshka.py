@@ -58,8 +58,8 @@ def base_record(pool, args) -> dict:
     """The untrained model at every prefix: what truncation costs before any training."""
     from moco_retrieval.model.encoder import build_encoder
 
-    ev = b6.Evaluator(pool, b6.compose_cfg(b6.BASE + b6.INBATCH).eval, 1, 1, 0, dims=DIMS)
-    final = ev.score(build_encoder(b6.compose_cfg(b6.BASE + b6.INBATCH).model), 0)
+    cfg = b6.compose_cfg(b6.BASE + b6.INBATCH)
+    final = b6.Evaluator(pool, cfg.eval, 1, 1, 0, dims=DIMS).score(build_encoder(cfg.model), 0)
     return {"key": run_key("base", 0, args), "name": "base", "seed": 0, "kind": "base", "final": final}
 
 

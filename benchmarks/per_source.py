@@ -142,7 +142,8 @@ def report(records: list[dict], args, out_dir: Path, cut: list[str]) -> None:
           "## Per seed, against the shared queue", "", *paired_lines(by), ""]
     missing = [f"{n} seed {s}" for n in RUNS for s in range(3) if not any(x["seed"] == s for x in by.get(n, []))]
     if missing or cut:
-        md += ["## Not run yet", "", "Planned and not in the cache (the cache resumes them): " + ", ".join(missing) + ".", ""]
+        md += ["## Not run yet", "", "Planned and not in the cache (the cache resumes them): "
+               + ", ".join(missing + [c for c in cut if c not in missing]) + ".", ""]
     write_results(NAME, "\n".join(md), {"benchmark": "B13 one queue per source", "pairs_per_source": args.pairs_per_source,
                                         "runs": records, "environment": environment()}, out_dir)
     log(f"wrote {out_dir / (NAME + '.md')}")
