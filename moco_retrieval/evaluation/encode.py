@@ -8,7 +8,6 @@ encoder returns them (cosine when it normalizes, raw dot product when it does no
 """
 from __future__ import annotations
 
-import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -79,9 +78,8 @@ def encode_texts(
     description: str | None = None,
     sort_by_length: bool = True,
     out: np.ndarray | None = None,
-    across_ranks: bool = False,
 ) -> np.ndarray:
-    """Embeddings ``float32 [len(texts), d]`` of ``texts`` as ``kind`` ("query" or "doc").
+    """Embeddings ``float32 [len(texts), d]`` of ``texts`` as ``kind`` ("query" or "doc"), in this process.
 
     Batched, under ``torch.no_grad`` with the encoder in eval mode (its mode is restored after).
     The encoder's ``prompts`` (data/prompts.py; none when it has no such attribute) go before
@@ -90,19 +88,9 @@ def encode_texts(
     batch pads to similar lengths, and returned in the order given. Each batch's rows are written
     into ``out`` (``[len(texts), d]``, e.g. :func:`embedding_file`'s memory map; it is returned)
     as they come, so nothing but one batch is held; without ``out`` a new array receives them.
-
-    ``across_ranks``: under a process group the work is split, not the result: each rank encodes
-    its contiguous block (``distributed.shard_range``: 1/N of the texts) and the blocks are
-    all-gathered in rank order, so every rank returns every row in the order given, as one process
-    would (up to float rounding: batches pad differently). Every rank must pass the same texts.
-    ``out`` is then this rank's destination for every row (an :func:`embedding_file` keeps the pool
-    on disk: the block is encoded straight into it and the others' rows are written as they arrive).
     """
     if kind not in NOUNS:
         raise ValueError(f"kind must be 'query' or 'doc', got {kind!r}")
-    if across_ranks and world_size() > 1:
-        return _encode_block_and_gather(encoder, list(texts), kind, batch_size, show_progress, description,
-                                        sort_by_length, out)
     texts = getattr(encoder, "prompts", NO_PROMPTS).apply(texts, kind)
     n = len(texts)
     order = sorted(range(n), key=lambda i: -len(texts[i])) if sort_by_length else list(range(n))
@@ -169,10 +157,31 @@ def _encode_in_order(encoder: Any, n: int, order: Sequence[int], fetch: Any, kin
     return out
 
 
-def _encode_block_and_gather(encoder: Any, texts: list[str], kind: str, batch_size: int, show_progress: bool,
-                             description: str | None, sort_by_length: bool, out: np.ndarray | None) -> np.ndarray:
-    """:func:`encode_texts` ``across_ranks`` under a process group of several ranks."""
+def encode_texts_sharded(
+    encoder: Any,
+    texts: Sequence[str],
+    kind: str,
+    batch_size: int = 256,
+    show_progress: bool = True,
+    *,
+    description: str | None = None,
+    sort_by_length: bool = True,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """:func:`encode_texts` with the work split across the ranks of the process group, not the
+    result: each rank encodes its contiguous block (``distributed.shard_range``: 1/N of the texts)
+    and the blocks are all-gathered in rank order, so every rank returns every row in the order
+    given, as one process would (up to float rounding: batches pad differently). Every rank must
+    pass the same texts. ``out`` is this rank's destination for every row (an
+    :func:`embedding_file` keeps the pool on disk: the block is encoded straight into it and the
+    others' rows are written as they arrive). One process: :func:`encode_texts` itself."""
     world, me = world_size(), rank()
+    if world == 1:
+        return encode_texts(encoder, texts, kind, batch_size, show_progress, description=description,
+                            sort_by_length=sort_by_length, out=out)
+    if kind not in NOUNS:
+        raise ValueError(f"kind must be 'query' or 'doc', got {kind!r}")
+    texts = list(texts)
     start, stop = shard_range(len(texts), me, world)
     _check_rows(out, len(texts))
     desc = description or f"encoding {stop - start:,} of {len(texts):,} {NOUNS[kind]} (rank {me} of {world})"
@@ -185,10 +194,6 @@ def _check_rows(out: np.ndarray | None, n: int) -> None:
     if out is not None and len(out) != n:
         raise ValueError(f"out has {len(out)} rows for {n} texts")
 
-
-# :func:`encode_texts` split across the ranks of the process group (one process: the same), for the
-# callers that take it in place of encode_texts.
-encode_texts_sharded = functools.partial(encode_texts, across_ranks=True)
 
 
 def evaluate_embeddings(
@@ -275,11 +280,10 @@ def _np32(x: Any) -> np.ndarray:
 
 def _encode_docs(encoder: Any, corpus: Any, batch_size: int, show_progress: bool, out: np.ndarray | None) -> np.ndarray:
     """One process: :func:`encode_corpus` (a batch of texts at a time); several: each rank's block
-    through :func:`encode_texts` ``across_ranks`` (which takes the texts as a list)."""
+    through :func:`encode_texts_sharded` (which takes the texts as a list)."""
     if world_size() == 1:
         return encode_corpus(encoder, corpus, batch_size, show_progress, out=out)
-    return encode_texts(encoder, corpus.texts(range(len(corpus))), "doc", batch_size, show_progress, out=out,
-                        across_ranks=True)
+    return encode_texts_sharded(encoder, corpus.texts(range(len(corpus))), "doc", batch_size, show_progress, out=out)
 
 
 def evaluate_encoder(
@@ -296,7 +300,7 @@ def evaluate_encoder(
     ``evalset.queries`` with ``encoder`` and evaluate.
 
     Under a process group each rank encodes 1/N of each and the blocks are gathered
-    (:func:`encode_texts` ``across_ranks``); every rank gets the same result. ``doc_out``: where the
+    (:func:`encode_texts_sharded`); every rank gets the same result. ``doc_out``: where the
     document embeddings go (:func:`embedding_file` keeps them on disk). Timings hold
     ``encode_docs``, ``encode_queries`` and ``encode`` (their sum) next to ``index`` and
     ``search``: evaluation time is mostly encoding.
@@ -308,8 +312,8 @@ def evaluate_encoder(
     doc_emb = _encode_docs(encoder, corpus, batch_size, show_progress, doc_out)
     t_docs = time.perf_counter() - t0
     t0 = time.perf_counter()
-    query_emb = encode_texts(encoder, [evalset.queries[q] for q in query_ids], "query", batch_size, show_progress,
-                             across_ranks=True)
+    query_emb = encode_texts_sharded(encoder, [evalset.queries[q] for q in query_ids], "query", batch_size,
+                                     show_progress)
     t_queries = time.perf_counter() - t0
     normalize = getattr(encoder, "normalize", None)
     result = evaluate_embeddings(
