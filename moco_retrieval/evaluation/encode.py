@@ -157,28 +157,21 @@ def _encode_in_order(encoder: Any, n: int, order: Sequence[int], fetch: Any, kin
     return out
 
 
-def encode_texts_sharded(
-    encoder: Any,
-    texts: Sequence[str],
-    kind: str,
-    batch_size: int = 256,
-    show_progress: bool = True,
-    *,
-    description: str | None = None,
-    sort_by_length: bool = True,
-    out: np.ndarray | None = None,
-) -> np.ndarray:
+def encode_texts_sharded(encoder: Any, texts: Sequence[str], kind: str, batch_size: int = 256,
+                         show_progress: bool = True, *, description: str | None = None,
+                         out: np.ndarray | None = None, **options: Any) -> np.ndarray:
     """:func:`encode_texts` with the work split across the ranks of the process group, not the
     result: each rank encodes its contiguous block (``distributed.shard_range``: 1/N of the texts)
     and the blocks are all-gathered in rank order, so every rank returns every row in the order
     given, as one process would (up to float rounding: batches pad differently). Every rank must
     pass the same texts. ``out`` is this rank's destination for every row (an
     :func:`embedding_file` keeps the pool on disk: the block is encoded straight into it and the
-    others' rows are written as they arrive). One process: :func:`encode_texts` itself."""
+    others' rows are written as they arrive). ``options``: :func:`encode_texts`'s. One process:
+    :func:`encode_texts` itself."""
     world, me = world_size(), rank()
     if world == 1:
-        return encode_texts(encoder, texts, kind, batch_size, show_progress, description=description,
-                            sort_by_length=sort_by_length, out=out)
+        return encode_texts(encoder, texts, kind, batch_size, show_progress, description=description, out=out,
+                            **options)
     if kind not in NOUNS:
         raise ValueError(f"kind must be 'query' or 'doc', got {kind!r}")
     texts = list(texts)
@@ -186,7 +179,7 @@ def encode_texts_sharded(
     _check_rows(out, len(texts))
     desc = description or f"encoding {stop - start:,} of {len(texts):,} {NOUNS[kind]} (rank {me} of {world})"
     local = encode_texts(encoder, texts[start:stop], kind, batch_size, show_progress, description=desc,
-                         sort_by_length=sort_by_length, out=None if out is None else out[start:stop])
+                         out=None if out is None else out[start:stop], **options)
     return all_gather_rows(local, out=out)
 
 
