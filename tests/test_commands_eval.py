@@ -71,13 +71,15 @@ def two_tower_checkpoint(tiny_dir, tmp_path_factory):
                             ICoLConfig(queue_size=16, temperature=0.1, phase_steps=1), tmp_path_factory.mktemp("run2"))
 
 
-def train_checkpoint(model: ModelConfig, objective, folder: Path) -> str:
+def train_checkpoint(model: ModelConfig, objective, folder: Path, steps: int = 2, **module_options) -> str:
+    """``steps`` optimizer steps on synthetic batches of 4, saved as ``folder/checkpoints/last.ckpt``."""
     L.seed_everything(0)
-    m = RetrievalModule(model, objective, OptimConfig(lr=1e-2, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
-    t = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+    m = RetrievalModule(model, objective, OptimConfig(lr=1e-2, warmup_steps=0, warmup_ratio=0.0, schedule="constant"),
+                        **module_options)
+    t = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
                   enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(folder),
                   num_sanity_val_steps=0, limit_val_batches=0)
-    t.fit(m, SyntheticData(m.encoder.tokenize, batch_size=4, batches=2))
+    t.fit(m, SyntheticData(m.encoder.tokenize, batch_size=4, batches=steps))
     path = folder / "checkpoints" / "last.ckpt"
     path.parent.mkdir()
     t.save_checkpoint(str(path))

@@ -8,13 +8,12 @@ import json
 import sys
 from pathlib import Path
 
-import lightning as L
 import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
 from moco_retrieval.checkpoint_file import atomic_torch_save
-from moco_retrieval.config import InBatchConfig, ModelConfig, OptimConfig, PromptsConfig
+from moco_retrieval.config import InBatchConfig, ModelConfig, PromptsConfig
 from moco_retrieval.data.collate import EvalCollator, collate
 from moco_retrieval.data.datamodule import RetrievalDataModule
 from moco_retrieval.data.formats import EvalSet, Negative, Pair, write_beir
@@ -22,14 +21,12 @@ from moco_retrieval.data.prompts import NO_PROMPTS, Prompts, model_prompts, to_p
 from moco_retrieval.errors import CheckpointError, ConfigError
 from moco_retrieval.evaluation.encode import encode_texts
 from moco_retrieval.export import run_export
-from moco_retrieval.lightning_module import RetrievalModule
 from moco_retrieval.model.loading import load_checkpoint_encoder, load_encoder, load_model_dir
 from moco_retrieval.model.tiny import build_tiny_bert
 from moco_retrieval.search import run_search
 
 sys.path.insert(0, str(Path(__file__).parent))
-from synthetic import SyntheticData  # noqa: E402
-from test_commands_eval import _compose, _tiny  # noqa: E402
+from test_commands_eval import _compose, _tiny, train_checkpoint  # noqa: E402
 from test_datamodule import fake_tokenize, make_cfg  # noqa: E402
 from test_faults import compose_cfg  # noqa: E402
 
@@ -45,19 +42,8 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def e5_checkpoint(tiny_dir, tmp_path_factory):
     """A 1-step checkpoint trained with E5's prompts."""
-    L.seed_everything(0)
-    m = RetrievalModule(ModelConfig(backbone="tiny", path=tiny_dir), InBatchConfig(temperature=0.1),
-                        OptimConfig(lr=1e-2, warmup_steps=0, warmup_ratio=0.0, schedule="constant"),
-                        prompts=PromptsConfig(query="query: ", doc="passage: "))
-    folder = tmp_path_factory.mktemp("run")
-    t = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
-                  enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(folder),
-                  num_sanity_val_steps=0, limit_val_batches=0)
-    t.fit(m, SyntheticData(m.encoder.tokenize, batch_size=4, batches=1))
-    path = folder / "checkpoints" / "last.ckpt"
-    path.parent.mkdir()
-    t.save_checkpoint(str(path))
-    return str(path)
+    return train_checkpoint(ModelConfig(backbone="tiny", path=tiny_dir), InBatchConfig(temperature=0.1),
+                            tmp_path_factory.mktemp("run"), steps=1, prompts=PromptsConfig(query="query: ", doc="passage: "))
 
 
 # --------------------------------------------------------------------------- the module
