@@ -106,6 +106,17 @@ def goal_lines(by: dict) -> list[str]:
     return out
 
 
+def peer_lines(by: dict) -> list[str]:
+    """Ours against the peer, seed by seed (the same batches), at each prefix."""
+    peer = {x["seed"]: x for x in by.get("mnrl_mrl-32", [])}
+    ours = [x for x in by.get("inbatch_mrl-32", []) if x["seed"] in peer]
+    if not ours:
+        return []
+    return [f"- inbatch_mrl-32 minus mnrl_mrl-32, {key} at {d} dims: "
+            + _signed([at_dim(x, d, key) - at_dim(peer[x["seed"]], d, key) for x in ours])
+            for key in ("recall@1", "ndcg@10") for d in DIMS]
+
+
 def _signed(xs: list[float]) -> str:
     return "median " + f"{statistics.median(xs):+.3f}" + " (per seed " + ", ".join(f"{x:+.3f}" for x in xs) + ")"
 
@@ -137,7 +148,8 @@ def report(records: list[dict], args, out_dir: Path, cut: list[str]) -> None:
           "re-normalised. Median ± std over seeds. Training seconds: each run's own clock, one thread, runs two at a "
           "time beside other work, so only the side-by-side cost below compares runs.", "",
           md_table(["run", "metric", "seeds"] + [f"{d} dims" for d in DIMS] + ["train s"], rows), "",
-          "## The goal (issue 34)", "", *goal_lines(by), "", "## Cost", "", *cost_table(out_dir), ""]
+          "## The goal (issue 34)", "", *goal_lines(by), "", "## Ours against sentence-transformers' MatryoshkaLoss",
+          "", *(peer_lines(by) or ["Not run yet."]), "", "## Cost", "", *cost_table(out_dir), ""]
     missing = [f"{n} seed {s}" for n in RUNS for s in range(3) if not any(x["seed"] == s for x in by.get(n, []))]
     if missing or cut:
         md += ["## Not run yet", "", "Planned and not in the cache (the cache resumes them): "
