@@ -145,8 +145,8 @@ def report(records: list[dict], args, out_dir: Path, cut: list[str]) -> None:
     md = ["# B12: Matryoshka embeddings on B6's setup (issue 34, part 2)", "",
           f"all-MiniLM-L6-v2, the same {args.pairs:,} Debian pairs in the same order as B6, batch 32, AdamW lr 2e-5, "
           f"tau 0.05; scored on B6's pool ({args.max_queries:,} queries / {args.max_docs:,} documents) at each prefix, "
-          "re-normalised. Median ± std over seeds. Training seconds: each run's own clock, one thread, runs two at a "
-          "time beside other work, so only the side-by-side cost below compares runs.", "",
+          "re-normalised. Median ± std over seeds. Training seconds: each run's own clock, one thread, runs two or three "
+          "at a time on two cores, so only the side-by-side cost below compares runs.", "",
           md_table(["run", "metric", "seeds"] + [f"{d} dims" for d in DIMS] + ["train s"], rows), "",
           "## The goal (issue 34)", "", *goal_lines(by), "", "## Ours against sentence-transformers' MatryoshkaLoss",
           "", *(peer_lines(by) or ["Not run yet."]), "", "## Cost", "", *cost_table(out_dir), ""]

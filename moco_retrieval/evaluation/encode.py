@@ -172,8 +172,6 @@ def encode_texts_sharded(encoder: Any, texts: Sequence[str], kind: str, batch_si
     if world == 1:
         return encode_texts(encoder, texts, kind, batch_size, show_progress, description=description, out=out,
                             **options)
-    if kind not in NOUNS:
-        raise ValueError(f"kind must be 'query' or 'doc', got {kind!r}")
     texts = list(texts)
     start, stop = shard_range(len(texts), me, world)
     _check_rows(out, len(texts))
@@ -186,7 +184,6 @@ def encode_texts_sharded(encoder: Any, texts: Sequence[str], kind: str, batch_si
 def _check_rows(out: np.ndarray | None, n: int) -> None:
     if out is not None and len(out) != n:
         raise ValueError(f"out has {len(out)} rows for {n} texts")
-
 
 
 def evaluate_embeddings(
