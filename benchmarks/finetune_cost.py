@@ -96,10 +96,12 @@ def make_step(bench: Bench, name: str, runs: dict = RUNS):
     return OursStep(bench, spec, batch) if kind == "ours" else PeerStep(bench, kind, spec)
 
 
-def measure(bench: Bench, names: list[str], rounds: int, warmup: int, runs: dict = RUNS) -> dict[str, list[float]]:
-    """Per run of ``names`` (in ``runs``, B6's table by default), the seconds of each timed step."""
+def measure(bench: Bench, names: list[str], rounds: int, warmup: int, runs: dict = RUNS,
+            batches=pair_batches) -> dict[str, list[float]]:
+    """Per run of ``names`` (in ``runs``, B6's table by default), the seconds of each timed step;
+    ``batches(bench, seed, pairs, batch)`` gives a run's batches (B6's order by default)."""
     steps = {n: make_step(bench, n, runs) for n in names}
-    orders = {n: pair_batches(bench, 0, 18240, runs[n][1]) for n in names}
+    orders = {n: batches(bench, 0, 18240, runs[n][1]) for n in names}
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(warmup + rounds):
         t_round = time.perf_counter()

@@ -50,3 +50,44 @@ def test_dry_run_trains_caches_resumes_and_reports(b11, debian_dir, tmp_path, mo
     assert len(cache.read_text().splitlines()) == 2
     md = (tmp_path / "small_batch_dry_run.md").read_text()
     assert "| lora_main-8 |" in md and "main-8 is not run yet" in md and (tmp_path / "small_batch_dry_run.png").is_file()
+
+
+def _record(name: str, seed: int, batch: int, recall: float, train_s: float) -> dict:
+    final = {"recall@1": recall, "mrr@10": recall, "ndcg@10": recall, "unrelated_cos_mean": 0.0}
+    return {"key": f"{name}|seed={seed}|model=minilm|pairs=18240|pool=1000x2400", "name": name, "seed": seed,
+            "batch_size": batch, "final": final, "curve": [], "train_s": train_s, "s_per_step": 1.0, "peak_rss_mib": 100.0}
+
+
+def test_cost_times_side_by_side_and_the_goal_takes_its_ratio_not_the_own_clocks(b11, tmp_path, monkeypatch):
+    cache = tmp_path / "small_batch_runs.jsonl"
+    runs = [_record("inbatch-8", s, 8, 0.80 + s / 1000, 1000.0) for s in range(3)]
+    runs += [_record("main-8", s, 8, 0.84, 9000.0) for s in range(3)]  # own clocks: slowed by a busy machine
+    runs += [_record("gradcache-256", s, 256, 0.845, 3000.0) for s in range(3)]
+    cache.write_text("".join(json.dumps(r) + "\n" for r in runs))
+    timed = {}
+
+    def measure(bench, names, rounds, warmup, runs, batches):
+        timed.update(names=names, rounds=rounds, batch_fn=batches)
+        # per pair, round by round: main-8 0.1 and 0.2 s, gradcache-256 0.5 and 0.5 s -> ratios 0.2 and 0.4
+        step = {"inbatch-8": [0.4, 0.4], "main-8": [0.8, 1.6], "gradcache-256": [128.0, 128.0]}
+        return {n: step[n] for n in names}
+
+    monkeypatch.setattr(b11.finetune_cost, "measure", measure)
+    monkeypatch.setattr(b11, "Bench", lambda: None)
+    monkeypatch.setattr(b11, "references", lambda args: [])
+    assert b11.main(["--cost", "--rounds", "2", "--only", "main-8,gradcache-256", "--out", str(tmp_path)]) == 0
+    assert timed["names"] == ["inbatch-8", "main-8", "gradcache-256"]  # the reference first, always
+    assert timed["rounds"] == 2 and timed["batch_fn"] is b11.batches_of  # batch-8 steps split B6's batches
+    cost = json.loads((tmp_path / "small_batch_cost.json").read_text())
+    assert {r["name"]: r["per_pair_vs_inbatch-8"] for r in cost["rows"]} == pytest.approx(
+        {"inbatch-8": 1.0, "main-8": 3.0, "gradcache-256": 10.0})
+    assert len(cache.read_text().splitlines()) == 9  # --cost trains nothing
+    md = (tmp_path / "small_batch.md").read_text()
+    assert "side by side: 0.30x gradcache-256's" in md  # the median of the rounds' ratios, not 9000 / 3000
+    assert "own clocks" not in md.split("## Cost")[0].split("vs gradcache-256")[1]
+    assert "| main-8 | 8 | 1.20 | 150.0 | 3.00 | 2 |" in md
+
+
+def test_cost_has_no_dry_run(b11):
+    with pytest.raises(SystemExit, match="no --dry-run"):
+        b11.main(["--dry-run", "--cost"])
