@@ -253,25 +253,41 @@ def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str]
     write_results(prefix, "\n".join(md), {"benchmark": "B11 small batches at equal memory", "pairs": args.pairs,
                                           "model": args.model, "pool": {"queries": args.max_queries, "docs": args.max_docs},
                                           "runs": records, "cost": cost, "environment": environment()}, out_dir)
-    plot(by, out_dir / f"{prefix}.png")
+    plot(by, cost, out_dir / f"{prefix}.png")
     log(f"wrote {out_dir / (prefix + '.md')}")
 
 
-def plot(by: dict, path: Path) -> None:
-    """recall@1 against peak memory and against training seconds, one point per run (median of seeds)."""
+def plot(by: dict, cost: Optional[dict], path: Path) -> None:
+    """recall@1 against peak memory and against training time at equal data, one point per run
+    (median of seeds). Time is the side-by-side per-pair cost when ``--cost`` ran (runs it timed
+    only), else each run's own clock; B6's references are horizontal lines."""
+    per_pair = {r["name"]: r[f"per_pair_vs_{cost['ref']}"] for r in cost["rows"]} if cost else None
+
+    def time(xs: list[dict]) -> list[float]:
+        if per_pair is None:
+            return [x["train_s"] for x in xs]
+        return [per_pair[xs[0]["name"]]] if xs[0]["name"] in per_pair else []
+
+    xs_of = {"memory": lambda xs: [x.get("cuda_peak_mib", x.get("peak_rss_mib")) for x in xs], "time": time}
+    time_label = (f"training time at equal data, x {cost['ref']}'s (side by side)" if cost
+                  else "training seconds (each run's own clock)")
     fig = figure(10.0, 4.2)
     panels = fig.subplots(1, 2, sharey=True)
-    for ax, key, xlabel in ((panels[0], "memory", "peak memory, MiB"), (panels[1], "train_s", "training seconds")):
+    for ax, key, xlabel in ((panels[0], "memory", "peak memory, MiB"), (panels[1], "time", time_label)):
         for name, xs in by.items():
-            mem = [x.get("cuda_peak_mib", x.get("peak_rss_mib")) for x in xs]
-            x = statistics.median(m for m in mem if m is not None) if key == "memory" and any(m is not None for m in mem) \
-                else statistics.median(x["train_s"] for x in xs)
-            ax.scatter([x], [b6.med_std([r["final"]["recall@1"] for r in xs])[0]], label=name, zorder=3,
-                       marker="*" if name.startswith("main") else "o")
+            values = [v for v in xs_of[key](xs) if v is not None]
+            if name in REFERENCES:  # B6's batch-32 runs: a level to compare with, not a point here
+                ax.axhline(b6.med_std([r["final"]["recall@1"] for r in xs])[0], ls=":" if name.startswith("main") else "--",
+                           color="grey", lw=1, label=f"{name} (B6)")
+                continue
+            if not values:
+                continue
+            ax.scatter([statistics.median(values)], [b6.med_std([r["final"]["recall@1"] for r in xs])[0]], label=name,
+                       zorder=3, marker="*" if name.startswith("main") else "o")
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
     panels[0].set_ylabel("recall@1")
-    panels[1].legend(fontsize=6)
     fig.suptitle("B11: recall@1 at small per-step batches", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
