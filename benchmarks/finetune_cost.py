@@ -121,11 +121,27 @@ def summarise(times: dict[str, list[float]], ref: str, runs: dict = RUNS) -> lis
     over ``ref``'s (the ratio at equal data)."""
     rows = []
     for n, ts in times.items():
-        b, rb = runs[n][1], runs[ref][1]
-        ratios = [(t / b) / (tr / rb) for t, tr in zip(ts, times[ref])]
+        b = runs[n][1]
         rows.append({"name": n, "batch": b, "s_per_step": statistics.median(ts), "s_per_1k_pairs": 1000 * statistics.median(ts) / b,
-                     f"per_pair_vs_{ref}": statistics.median(ratios), "repeats": len(ts), "times": ts})
+                     f"per_pair_vs_{ref}": per_pair_ratio(ts, b, times[ref], runs[ref][1]), "repeats": len(ts), "times": ts})
     return rows
+
+
+def per_pair_ratio(times_a: list[float], batch_a: int, times_b: list[float], batch_b: int) -> float:
+    """The median over rounds of a's seconds per pair over b's (each round timed both side by side)."""
+    return statistics.median((ta / batch_a) / (tb / batch_b) for ta, tb in zip(times_a, times_b))
+
+
+def table_lines(cost: dict) -> list[str]:
+    """A ``summarise``d cost (with ``ref``, ``rounds``, ``threads``, ``rows``) as Markdown lines."""
+    ref = cost["ref"]
+    rows = [[r["name"], r["batch"], f"{r['s_per_step']:.2f}", f"{r['s_per_1k_pairs']:.1f}", f"{r[f'per_pair_vs_{ref}']:.2f}",
+             r["repeats"]] for r in cost["rows"]]
+    return [f"One step of each run in turn, {cost['rounds']} timed rounds after a warm-up, {cost['threads']} thread(s), "
+            "real batches, tokenisation not timed; a run's queues, if it has any, pre-filled to a B6 run's mean fill. At equal data, training "
+            "seconds are in the ratio of the per-pair costs.", "",
+            md_table(["run", "batch", "s/step (median)", "s per 1,000 pairs", f"per pair vs {ref} (median of rounds)",
+                      "rounds"], rows)]
 
 
 def main(argv=None) -> int:

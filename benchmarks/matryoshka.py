@@ -123,14 +123,7 @@ def _signed(xs: list[float]) -> str:
 
 def cost_table(out_dir: Path) -> list[str]:
     path = out_dir / f"{NAME}_cost.json"
-    if not path.exists():
-        return ["Cost not measured yet (`--cost`)."]
-    cost = json.loads(path.read_text())
-    ref = cost["ref"]
-    rows = [[r["name"], f"{r['s_per_step']:.2f}", f"{r[f'per_pair_vs_{ref}']:.2f}", r["repeats"]] for r in cost["rows"]]
-    return [f"Seconds per step, one step of each run in turn ({cost['rounds']} timed rounds, {cost['threads']} thread(s), "
-            "real batches, tokenisation not timed):", "",
-            md_table(["run", "s/step (median)", f"vs {ref} (median of rounds)", "repeats"], rows)]
+    return finetune_cost.table_lines(json.loads(path.read_text())) if path.exists() else ["Cost not measured yet (`--cost`)."]
 
 
 def report(records: list[dict], args, out_dir: Path, cut: list[str]) -> None:

@@ -187,23 +187,15 @@ def seconds_vs(q: list[dict], g: list[dict], ref: str, cost: Optional[dict]) -> 
 
 
 def pair_cost_ratio(cost: dict, a: str, b: str) -> Optional[float]:
-    """Median over ``cost``'s rounds of a's seconds per pair over b's (None unless both were timed)."""
+    """a's seconds per pair over b's, side by side (None unless ``cost`` timed both)."""
     rows = {r["name"]: r for r in cost["rows"]}
     if a not in rows or b not in rows:
         return None
-    return statistics.median((ta / rows[a]["batch"]) / (tb / rows[b]["batch"]) for ta, tb in zip(rows[a]["times"], rows[b]["times"]))
+    return finetune_cost.per_pair_ratio(rows[a]["times"], rows[a]["batch"], rows[b]["times"], rows[b]["batch"])
 
 
 def cost_lines(cost: Optional[dict]) -> list[str]:
-    if not cost:
-        return ["Not measured yet (`--cost`)."]
-    ref = cost["ref"]
-    rows = [[r["name"], r["batch"], f"{r['s_per_step']:.2f}", f"{r['s_per_1k_pairs']:.1f}", f"{r[f'per_pair_vs_{ref}']:.2f}",
-             r["repeats"]] for r in cost["rows"]]
-    return [f"One step of each run in turn, {cost['rounds']} timed rounds after a warm-up, {cost['threads']} thread(s), "
-            "real batches, tokenisation not timed; queues pre-filled to a B6 run's mean fill. At equal data, training "
-            "seconds are in the ratio of the per-pair costs.", "",
-            md_table(["run", "batch", "s/step (median)", "s per 1,000 pairs", f"per pair vs {ref} (median of rounds)", "rounds"], rows)]
+    return finetune_cost.table_lines(cost) if cost else ["Not measured yet (`--cost`)."]
 
 
 def measure_cost(names: list[str], rounds: int, path: Path) -> dict:
