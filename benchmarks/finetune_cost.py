@@ -155,18 +155,11 @@ def main(argv=None) -> int:
     names = cli.names(args.runs, list(RUNS), "--runs")
     ref = "inbatch-32" if "inbatch-32" in names else names[0]
     log(f"B6 cost: {', '.join(names)}; {args.warmup} + {args.rounds} rounds, {args.threads} thread(s)")
-    rows = summarise(measure(Bench(), names, args.rounds, args.warmup), ref)
-    table = md_table(["run", "batch", "s/step (median)", "s per 1,000 pairs", f"per pair vs {ref} (median of rounds)"],
-                     [[r["name"], r["batch"], f"{r['s_per_step']:.2f}", f"{r['s_per_1k_pairs']:.1f}", f"{r[f'per_pair_vs_{ref}']:.2f}"]
-                      for r in rows])
+    cost = {"ref": ref, "rounds": args.rounds, "threads": args.threads,
+            "rows": summarise(measure(Bench(), names, args.rounds, args.warmup), ref)}
     md = "\n".join([f"# B6 cost: seconds per training pair, side by side ({args.threads} thread(s))", "",
-                    f"One step of each run in turn, {args.rounds} timed rounds after {args.warmup} warm-up, on real B6 batches; "
-                    "tokenisation not timed; the two-queue queues are pre-filled with 9,120 keys each (a B6 run's mean fill; "
-                    "a smaller queue keeps its newest). "
-                    "At equal data the training seconds of two runs are in the ratio of their per-pair costs.", "",
-                    table, ""])
-    write_results(NAME, md, {"ref": ref, "rounds": args.rounds, "threads": args.threads, "rows": rows, "env": environment()},
-                  cli.out_dir(args))
+                    *table_lines(cost), ""])
+    write_results(NAME, md, {**cost, "env": environment()}, cli.out_dir(args))
     print(md)
     return 0
 
