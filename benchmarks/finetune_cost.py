@@ -18,6 +18,7 @@ Writes benchmarks/results/finetune_cost.{md,json}; ``finetune.py --report`` read
 """
 from __future__ import annotations
 
+import gc
 import statistics
 import sys
 import time
@@ -25,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Bench, compose_cfg, environment, log  # noqa: E402
-from harness import cli  # noqa: E402
+from harness import cli, step_memory  # noqa: E402
 from harness.runs import md_table, write_results  # noqa: E402
 from finetune import BASE, HEADLINE, INBATCH, RUNS, pair_batches  # noqa: E402
 from harness.steps import OurStep, PeerTrainer  # noqa: E402
@@ -67,6 +68,10 @@ class OursStep:
     def prepare(self, idx: list[int]):
         return self.collate([self.data[i] for i in idx])
 
+    def holds(self) -> tuple[list, list]:
+        """What stays resident between steps: the module (encoders, EMA copy, queues) and the optimizer."""
+        return [self.m], [self.step.opt]
+
     def __call__(self, batch) -> None:
         self.step(batch)
 
@@ -86,6 +91,9 @@ class PeerStep:
 
     def prepare(self, idx: list[int]):
         return self.peer.features([self.pairs[i].query for i in idx], [self.pairs[i].positive for i in idx])
+
+    def holds(self) -> tuple[list, list]:
+        return [self.peer.model], [self.peer.opt]
 
     def __call__(self, features) -> None:
         self.peer.step(features)
@@ -114,6 +122,29 @@ def measure(bench: Bench, names: list[str], rounds: int, warmup: int, runs: dict
         left = (warmup + rounds - r - 1) * (time.perf_counter() - t_round)
         log(f"  round {r + 1}/{warmup + rounds}{' (warm-up)' if r < warmup else ''}: about {left / 60:.0f} min left")
     return times
+
+
+def memory(bench: Bench, names: list[str], pairs: int = 256, runs: dict = RUNS, batches=pair_batches) -> list[dict]:
+    """Per run, one at a time (``harness.step_memory``): MiB resident between steps, and the most
+    MiB a step adds at its peak over the steps that train the run's first ``pairs`` pairs (the
+    same pairs for every run, so a batch of 8 faces the same longest texts as one GradCache step
+    of 256); a first step on the run's last batch allocates the optimizer state and gradients."""
+    out = []
+    for n in names:
+        step, order = make_step(bench, n, runs), batches(bench, 0, 18240, runs[n][1])
+        peaks = []
+        for r, idx in enumerate([order[-1], *order[: max(1, pairs // runs[n][1])]]):
+            batch = step.prepare(idx)
+            _, peak = step_memory.peak_during(lambda: step(batch))
+            if r and peak is not None:
+                peaks.append(peak)
+        out.append({"name": n, "batch": runs[n][1], "pairs": pairs, "resident_mib": step_memory.resident_mib(*step.holds()),
+                    "step_peak_mib": max(peaks) if peaks else None, "step_peaks_mib": peaks})
+        log(f"  {n}: resident {out[-1]['resident_mib']:,.0f} MiB, step peak "
+            + (f"{out[-1]['step_peak_mib']:,.0f} MiB (the most of {len(peaks)} steps)" if peaks else "not measurable here"))
+        del step
+        gc.collect()
+    return out
 
 
 def summarise(times: dict[str, list[float]], ref: str, runs: dict = RUNS) -> list[dict]:

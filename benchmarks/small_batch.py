@@ -28,9 +28,14 @@ thread per run, runs in parallel processes (``--only NAME --seeds S``).
 Each run's own clock runs beside whatever else shares the CPU, so its seconds do not compare runs.
 ``--cost`` times one step of each run in turn on real batches (``finetune_cost.measure``, one
 process, medians over rounds) and writes ``small_batch_cost.json``; the goal's seconds come from it.
+A process's peak RSS covers loading and evaluation too, so ``--memory`` measures each run's steps
+alone (``finetune_cost.memory``): the MiB resident between steps (weights, gradients, EMA copy,
+queues, optimizer state) and the most MiB a step adds at its peak over the steps that train the
+first 256 pairs (32 steps at batch 8, one GradCache step), into ``small_batch_memory.json``.
 
     python benchmarks/small_batch.py --only inbatch-8,main-8 --seeds 0 --threads 1
     python benchmarks/small_batch.py --cost --rounds 5 --threads 1
+    python benchmarks/small_batch.py --memory --threads 1
     python benchmarks/small_batch.py --report
     python benchmarks/small_batch.py --dry-run            # the tiny random model, seconds, to a temporary folder
 """
@@ -144,9 +149,10 @@ def references(args) -> list[dict]:
 # ----------------------------------------------------------------------------------- report
 
 
-def goal(by: dict, cost: Optional[dict] = None) -> list[str]:
+def goal(by: dict, cost: Optional[dict] = None, memory: Optional[dict] = None) -> list[str]:
     """Issue 35's goal: at batch 8 the queue beats in-batch 8 by more than 2 std, and matches
-    GradCache-256 in at most half its seconds (side by side when ``cost`` has both)."""
+    GradCache-256 in at most half its seconds (side by side when ``cost`` has both), at about its
+    memory (``step_memory_mib``, when measured)."""
     q = by.get("main-8", [])
     if not q:
         return ["- main-8 is not run yet."]
@@ -171,8 +177,13 @@ def goal(by: dict, cost: Optional[dict] = None) -> list[str]:
         mq, mg = b6.med_std([x["final"]["recall@1"] for x in q])[0], b6.med_std([x["final"]["recall@1"] for x in g])
         sd = mg[1] if mg[1] == mg[1] else 0.0
         out.append(f"- vs {ref}: recall@1 {mq:.3f} vs {mg[0]:.3f} (matches within 2 std: {'yes' if mq >= mg[0] - 2 * sd else 'no'}); "
-                   + seconds_vs(q, g, ref, cost))
+                   + seconds_vs(q, g, ref, cost) + memory_vs(q, g, memory))
     return out
+
+
+def memory_vs(q: list[dict], g: list[dict], memory: Optional[dict]) -> str:
+    mq, mg = step_memory_mib("main-8", q, memory), step_memory_mib(g[0]["name"], g, memory)
+    return "" if mq is None or mg is None else f"; training memory {mq:,.0f} vs {mg:,.0f} MiB ({mq / mg:.2f}x)"
 
 
 def seconds_vs(q: list[dict], g: list[dict], ref: str, cost: Optional[dict]) -> str:
@@ -208,15 +219,42 @@ def measure_cost(names: list[str], rounds: int, path: Path) -> dict:
     return cost
 
 
-def memory_cell(xs: list[dict]) -> str:
+def measure_memory(names: list[str], path: Path) -> dict:
+    memory = {"rows": finetune_cost.memory(Bench(), names, runs=RUNS, batches=batches_of), "environment": environment()}
+    path.write_text(json.dumps(memory, indent=1))
+    log(f"wrote {path}")
+    return memory
+
+
+def step_memory_mib(name: str, xs: list[dict], memory: Optional[dict]) -> Optional[float]:
+    """A run's memory for training: the CUDA allocator's peak when it ran on a GPU, else what
+    ``--memory`` measured (resident + a step's peak), else None."""
     cuda = [x["cuda_peak_mib"] for x in xs if "cuda_peak_mib" in x]
-    rss = [x["peak_rss_mib"] for x in xs if "peak_rss_mib" in x]
     if cuda:
-        return f"{statistics.median(cuda):,.0f} (CUDA)"
-    return f"{statistics.median(rss):,.0f} (RSS)" if rss else ""
+        return statistics.median(cuda)
+    row = {r["name"]: r for r in memory["rows"]}.get(name) if memory else None
+    if row is None or row["step_peak_mib"] is None:
+        return None
+    return row["resident_mib"] + row["step_peak_mib"]
 
 
-def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str], cost: Optional[dict]) -> None:
+def memory_cells(name: str, xs: list[dict], memory: Optional[dict]) -> list[str]:
+    """The table's memory columns: training memory (``step_memory_mib``, with its parts) and the
+    process's lifetime peak RSS (loading and evaluation included)."""
+    row = {r["name"]: r for r in memory["rows"]}.get(name) if memory else None
+    total = step_memory_mib(name, xs, memory)
+    if any("cuda_peak_mib" in x for x in xs):
+        cell = f"{total:,.0f} (CUDA peak)"
+    elif total is not None:
+        cell = f"{total:,.0f} ({row['resident_mib']:,.0f} + {row['step_peak_mib']:,.0f})"
+    else:
+        cell = ""
+    rss = [x["peak_rss_mib"] for x in xs if "peak_rss_mib" in x]
+    return [cell, f"{statistics.median(rss):,.0f}" if rss else ""]
+
+
+def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str], cost: Optional[dict],
+           memory: Optional[dict]) -> None:
     by: dict[str, list[dict]] = {}
     for r in records:
         by.setdefault(r["name"], []).append(r)
@@ -229,14 +267,17 @@ def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str]
         rows.append([name, what, xs[0]["batch_size"], len(xs), b6.fmt(xs, "recall@1"), b6.fmt(xs, "mrr@10"),
                      b6.fmt(xs, "ndcg@10"), b6.fmt(xs, "unrelated_cos_mean"),
                      f"{b6.med_std([x['s_per_step'] for x in xs])[0]:.2f}",
-                     f"{b6.med_std([x['train_s'] for x in xs])[0]:.0f}", memory_cell(xs)])
+                     f"{b6.med_std([x['train_s'] for x in xs])[0]:.0f}", *memory_cells(name, xs, memory)])
     md = [f"# B11: small per-step batches at equal memory ({'dry run, tiny random model' if args.dry_run else args.model})", "",
           f"Every run: the same {args.pairs:,} training pairs in the same order (B6's), held-out pool "
-          f"{args.max_queries} queries / {args.max_docs} documents; median ± std over the seeds run. Memory: "
-          "the process's peak (RSS on a CPU, one run per process; the CUDA allocator's peak on a GPU), MiB.", "",
+          f"{args.max_queries} queries / {args.max_docs} documents; median ± std over the seeds run. Training "
+          "memory, MiB: on a GPU the CUDA allocator's peak; on a CPU what `--memory` measured, resident between "
+          "steps (weights, gradients, EMA copy, queues, optimizer state) + the most a step adds (activations) "
+          "over the steps that train the first 256 pairs. "
+          "Process peak: the run's whole process (loading and evaluation included, RSS), MiB.", "",
           md_table(["run", "what", "batch", "seeds", "recall@1", "MRR@10", "nDCG@10", "unrelated cos", "s/step",
-                    "train s", "peak memory MiB"], rows), "",
-          "## The goal (issue 35)", "", *goal(by, cost), "", "## Cost, side by side", "", *cost_lines(cost), ""]
+                    "train s", "training memory", "process peak"], rows), "",
+          "## The goal (issue 35)", "", *goal(by, cost, memory), "", "## Cost, side by side", "", *cost_lines(cost), ""]
     missing = [f"{n} (seed {s})" for n in RUNS for s in SEEDS.get(n, (0,)) if not any(r["seed"] == s for r in by.get(n, []))]
     if missing:
         md += ["## Not run yet", "", "Planned and not in the cache (the cache resumes them): " + ", ".join(missing) + ".", ""]
@@ -244,15 +285,17 @@ def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str]
         md += ["Cut in this invocation: " + ", ".join(cut) + ".", ""]
     write_results(prefix, "\n".join(md), {"benchmark": "B11 small batches at equal memory", "pairs": args.pairs,
                                           "model": args.model, "pool": {"queries": args.max_queries, "docs": args.max_docs},
-                                          "runs": records, "cost": cost, "environment": environment()}, out_dir)
-    plot(by, cost, out_dir / f"{prefix}.png")
+                                          "runs": records, "cost": cost, "memory": memory, "environment": environment()},
+                  out_dir)
+    plot(by, cost, memory, out_dir / f"{prefix}.png")
     log(f"wrote {out_dir / (prefix + '.md')}")
 
 
-def plot(by: dict, cost: Optional[dict], path: Path) -> None:
-    """recall@1 against peak memory and against training time at equal data, one point per run
-    (median of seeds). Time is the side-by-side per-pair cost when ``--cost`` ran (runs it timed
-    only), else each run's own clock; B6's references are horizontal lines."""
+def plot(by: dict, cost: Optional[dict], memory: Optional[dict], path: Path) -> None:
+    """recall@1 against training memory (``step_memory_mib``, else the process's peak RSS) and
+    against training time at equal data, one point per run (median of seeds). Time is the
+    side-by-side per-pair cost when ``--cost`` ran (runs it timed only), else each run's own clock;
+    B6's references are horizontal lines."""
     per_pair = {r["name"]: r[f"per_pair_vs_{cost['ref']}"] for r in cost["rows"]} if cost else None
 
     def time(xs: list[dict]) -> list[float]:
@@ -260,12 +303,19 @@ def plot(by: dict, cost: Optional[dict], path: Path) -> None:
             return [x["train_s"] for x in xs]
         return [per_pair[xs[0]["name"]]] if xs[0]["name"] in per_pair else []
 
-    xs_of = {"memory": lambda xs: [x.get("cuda_peak_mib", x.get("peak_rss_mib")) for x in xs], "time": time}
+    def mem(xs: list[dict]) -> list[float]:
+        if memory is None and not any("cuda_peak_mib" in x for x in xs):
+            return [x["peak_rss_mib"] for x in xs if "peak_rss_mib" in x]
+        total = step_memory_mib(xs[0]["name"], xs, memory)
+        return [] if total is None else [total]
+
+    xs_of = {"memory": mem, "time": time}
+    mem_label = "training memory, MiB" if memory else "process peak memory (RSS), MiB"
     time_label = (f"training time at equal data, x {cost['ref']}'s (side by side)" if cost
                   else "training seconds (each run's own clock)")
     fig = figure(10.0, 4.2)
     panels = fig.subplots(1, 2, sharey=True)
-    for ax, key, xlabel in ((panels[0], "memory", "peak memory, MiB"), (panels[1], "time", time_label)):
+    for ax, key, xlabel in ((panels[0], "memory", mem_label), (panels[1], "time", time_label)):
         for name, xs in by.items():
             values = [v for v in xs_of[key](xs) if v is not None]
             if name in REFERENCES:  # B6's batch-32 runs: a level to compare with, not a point here
@@ -294,6 +344,8 @@ def main(argv=None) -> int:
                     help="the tiny random model, 512 pairs, a 50 / 100 pool: checks the harness (results to --out or a temp folder)")
     ap.add_argument("--cost", action="store_true", help="time one step of each --only run side by side (no training), then report")
     ap.add_argument("--rounds", type=int, default=5, help="--cost: timed rounds")
+    ap.add_argument("--memory", action="store_true",
+                    help="measure each --only run's training memory, one run at a time (no training), then report")
     b6.add_run_args(ap, default=",".join(RUNS), runs=list(RUNS), small="dry-run")
     args = ap.parse_args(argv)
     cli.apply(args)
@@ -309,17 +361,19 @@ def main(argv=None) -> int:
     prefix = f"{NAME}_dry_run" if d else (NAME if args.pairs == 18240 else f"{NAME}_{args.pairs}pairs")
     cache = out_dir / f"{prefix}_runs.jsonl"
     names = cli.names(args.only, list(RUNS))  # before anything loads: a typo exits at once, even with --report
-    if args.cost and d:
-        raise SystemExit("--cost times MiniLM's real steps; it has no --dry-run (run it without)")
-    cost_path = out_dir / f"{prefix}_cost.json"
+    if (args.cost or args.memory) and d:
+        raise SystemExit("--cost and --memory measure MiniLM's real steps; they have no --dry-run (run them without)")
+    cost_path, memory_path = out_dir / f"{prefix}_cost.json", out_dir / f"{prefix}_memory.json"
     if args.cost:
         measure_cost(names, args.rounds, cost_path)  # then the report, from the cache
-    cut = [] if args.cost else run_selected(cache, args, list(RUNS), lambda name, seed: run_key(name, seed, args),
+    if args.memory:
+        measure_memory(names, memory_path)
+    cut = [] if args.cost or args.memory else run_selected(cache, args, list(RUNS), lambda name, seed: run_key(name, seed, args),
                                             lambda: b6.runner(args, do_run))
     suffix = f"|model={args.model}|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}"
     records = cached_records(cache, suffix) + references(args)
-    cost = json.loads(cost_path.read_text()) if cost_path.exists() else None
-    report(records, args, out_dir, prefix, cut, cost)
+    cost, memory = (json.loads(p.read_text()) if p.exists() else None for p in (cost_path, memory_path))
+    report(records, args, out_dir, prefix, cut, cost, memory)
     return 0
 
 

@@ -12,7 +12,7 @@ import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
-from harness import cli, runs  # noqa: E402
+from harness import cli, runs, step_memory  # noqa: E402
 from harness.steps import OurStep, PeerTrainer  # noqa: E402
 
 from moco_retrieval.config import MoCoConfig, ModelConfig, OptimConfig  # noqa: E402
@@ -219,3 +219,23 @@ def test_a_claimed_run_is_left_to_its_process_and_a_dead_process_claim_is_taken_
     runs.run_missing(cache, ["b", "c"], [0], None, lambda n, s: n, lambda n, s: ran.append(n) or {"key": n})
     assert ran == ["a", "b"]  # b taken over from the dead process; c left to its live one
     assert [r["key"] for r in runs.read_jsonl(cache)] == ["a", "b"]
+
+
+def test_a_steps_peak_is_its_own_and_resident_memory_counts_shared_storage_once():
+    def allocate(mib):
+        return lambda: torch.ones(mib * 2**18).sum()  # float32: 4 bytes, touched
+
+    _, big = step_memory.peak_during(allocate(64))
+    if big is None:
+        pytest.skip("this kernel cannot reset the high-water mark")
+    _, small = step_memory.peak_during(allocate(1))
+    assert 60 <= big <= 80 and small < 16  # the 64 MiB step's mark is reset before the next step
+
+    base, other = torch.nn.Linear(512, 512), torch.nn.Linear(512, 512)
+    other.weight = base.weight  # a key encoder sharing frozen weights: counted once
+    weights = (512 * 512 + 2 * 512) * 4 / 2**20
+    assert step_memory.resident_mib([base, other]) == pytest.approx(weights)
+    opt = torch.optim.AdamW(base.parameters())
+    base(torch.randn(2, 512)).sum().backward()
+    opt.step()
+    assert step_memory.resident_mib([base], [opt]) == pytest.approx(4 * (512 * 512 + 512) * 4 / 2**20, rel=1e-3)

@@ -88,6 +88,39 @@ def test_cost_times_side_by_side_and_the_goal_takes_its_ratio_not_the_own_clocks
     assert "| main-8 | 8 | 1.20 | 150.0 | 3.00 | 2 |" in md
 
 
-def test_cost_has_no_dry_run(b11):
-    with pytest.raises(SystemExit, match="no --dry-run"):
-        b11.main(["--dry-run", "--cost"])
+def test_cost_and_memory_have_no_dry_run(b11):
+    for mode in ("--cost", "--memory"):
+        with pytest.raises(SystemExit, match="no --dry-run"):
+            b11.main(["--dry-run", mode])
+
+
+def test_memory_measures_steps_alone_and_the_table_and_plot_take_it_over_the_process_peak(b11, tmp_path, monkeypatch):
+    cache = tmp_path / "small_batch_runs.jsonl"
+    runs = [_record("inbatch-8", 0, 8, 0.80, 1000.0), _record("main_gc-8", 0, 8, 0.84, 1000.0),
+            _record("main-8", 0, 8, 0.84, 1000.0), _record("gradcache-256", 0, 256, 0.83, 1000.0)]
+    runs[1]["peak_rss_mib"] = 1900.0  # the process's peak: evaluation included, the same for every run
+    cache.write_text("".join(json.dumps(r) + "\n" for r in runs))
+    asked = {}
+
+    def memory(bench, names, runs, batches):
+        asked.update(names=names, batches=batches)
+        return [{"name": "inbatch-8", "batch": 8, "resident_mib": 350.0, "step_peak_mib": 400.0, "step_peaks_mib": [400.0]},
+                {"name": "main_gc-8", "batch": 8, "resident_mib": 460.0, "step_peak_mib": 90.0, "step_peaks_mib": [90.0]},
+                {"name": "main-8", "batch": 8, "resident_mib": 460.0, "step_peak_mib": 400.0, "step_peaks_mib": [400.0]},
+                {"name": "gradcache-256", "batch": 256, "resident_mib": 350.0, "step_peak_mib": 450.0, "step_peaks_mib": [450.0]}]
+
+    monkeypatch.setattr(b11.finetune_cost, "memory", memory)
+    monkeypatch.setattr(b11, "Bench", lambda: None)
+    monkeypatch.setattr(b11, "references", lambda args: [])
+    plotted = {}
+    monkeypatch.setattr(b11, "plot", lambda by, cost, mem, path: plotted.update(
+        memory={n: b11.step_memory_mib(n, xs, mem) for n, xs in by.items()}))
+    only = "inbatch-8,main_gc-8,main-8,gradcache-256"
+    assert b11.main(["--memory", "--only", only, "--out", str(tmp_path)]) == 0
+    assert asked["names"] == only.split(",") and asked["batches"] is b11.batches_of
+    assert len(cache.read_text().splitlines()) == 4  # --memory trains nothing
+    md = (tmp_path / "small_batch.md").read_text()
+    assert "| 550 (460 + 90) | 1,900 |" in md and "| 750 (350 + 400) | 100 |" in md
+    assert "training memory 860 vs 800 MiB (1.07x)" in md.split("vs gradcache-256")[1]
+    assert plotted["memory"] == {"inbatch-8": 750.0, "main_gc-8": 550.0, "main-8": 860.0,
+                                 "gradcache-256": 800.0}  # not the process peaks
