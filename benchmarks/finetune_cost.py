@@ -135,7 +135,7 @@ def memory(bench: Bench, names: list[str], pairs: int = 256, runs: dict = RUNS, 
         peaks = []
         for r, idx in enumerate([order[-1], *order[: max(1, pairs // runs[n][1])]]):
             batch = step.prepare(idx)
-            _, peak = step_memory.peak_during(lambda: step(batch))
+            peak = step_memory.peak_during(lambda: step(batch))
             if r and peak is not None:
                 peaks.append(peak)
         out.append({"name": n, "batch": runs[n][1], "pairs": pairs, "resident_mib": step_memory.resident_mib(*step.holds()),

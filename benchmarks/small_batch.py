@@ -182,7 +182,7 @@ def goal(by: dict, cost: Optional[dict] = None, memory: Optional[dict] = None) -
 
 
 def memory_vs(q: list[dict], g: list[dict], memory: Optional[dict]) -> str:
-    mq, mg = step_memory_mib("main-8", q, memory), step_memory_mib(g[0]["name"], g, memory)
+    mq, mg = (step_memory_mib(xs[0]["name"], xs, memory) for xs in (q, g))
     return "" if mq is None or mg is None else f"; training memory {mq:,.0f} vs {mg:,.0f} MiB ({mq / mg:.2f}x)"
 
 
@@ -226,23 +226,26 @@ def measure_memory(names: list[str], path: Path) -> dict:
     return memory
 
 
+def memory_row(name: str, memory: Optional[dict]) -> Optional[dict]:
+    """``--memory``'s row for ``name``, when it measured a step's peak for it."""
+    row = {r["name"]: r for r in memory["rows"]}.get(name) if memory else None
+    return row if row is not None and row["step_peak_mib"] is not None else None
+
+
 def step_memory_mib(name: str, xs: list[dict], memory: Optional[dict]) -> Optional[float]:
     """A run's memory for training: the CUDA allocator's peak when it ran on a GPU, else what
     ``--memory`` measured (resident + a step's peak), else None."""
     cuda = [x["cuda_peak_mib"] for x in xs if "cuda_peak_mib" in x]
     if cuda:
         return statistics.median(cuda)
-    row = {r["name"]: r for r in memory["rows"]}.get(name) if memory else None
-    if row is None or row["step_peak_mib"] is None:
-        return None
-    return row["resident_mib"] + row["step_peak_mib"]
+    row = memory_row(name, memory)
+    return None if row is None else row["resident_mib"] + row["step_peak_mib"]
 
 
 def memory_cells(name: str, xs: list[dict], memory: Optional[dict]) -> list[str]:
     """The table's memory columns: training memory (``step_memory_mib``, with its parts) and the
     process's lifetime peak RSS (loading and evaluation included)."""
-    row = {r["name"]: r for r in memory["rows"]}.get(name) if memory else None
-    total = step_memory_mib(name, xs, memory)
+    total, row = step_memory_mib(name, xs, memory), memory_row(name, memory)
     if any("cuda_peak_mib" in x for x in xs):
         cell = f"{total:,.0f} (CUDA peak)"
     elif total is not None:

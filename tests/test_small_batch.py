@@ -112,9 +112,8 @@ def test_memory_measures_steps_alone_and_the_table_and_plot_take_it_over_the_pro
     monkeypatch.setattr(b11.finetune_cost, "memory", memory)
     monkeypatch.setattr(b11, "Bench", lambda: None)
     monkeypatch.setattr(b11, "references", lambda args: [])
-    plotted = {}
-    monkeypatch.setattr(b11, "plot", lambda by, cost, mem, path: plotted.update(
-        memory={n: b11.step_memory_mib(n, xs, mem) for n, xs in by.items()}))
+    figures, real_figure = [], b11.figure
+    monkeypatch.setattr(b11, "figure", lambda *a: figures.append(real_figure(*a)) or figures[-1])
     only = "inbatch-8,main_gc-8,main-8,gradcache-256"
     assert b11.main(["--memory", "--only", only, "--out", str(tmp_path)]) == 0
     assert asked["names"] == only.split(",") and asked["batches"] is b11.batches_of
@@ -122,5 +121,8 @@ def test_memory_measures_steps_alone_and_the_table_and_plot_take_it_over_the_pro
     md = (tmp_path / "small_batch.md").read_text()
     assert "| 550 (460 + 90) | 1,900 |" in md and "| 750 (350 + 400) | 100 |" in md
     assert "training memory 860 vs 800 MiB (1.07x)" in md.split("vs gradcache-256")[1]
-    assert plotted["memory"] == {"inbatch-8": 750.0, "main_gc-8": 550.0, "main-8": 860.0,
-                                 "gradcache-256": 800.0}  # not the process peaks
+    memory_axis = figures[0].axes[0]
+    points = {c.get_label(): tuple(c.get_offsets()[0]) for c in memory_axis.collections}
+    assert points == {"inbatch-8": (750.0, 0.80), "main_gc-8": (550.0, 0.84), "main-8": (860.0, 0.84),
+                      "gradcache-256": (800.0, 0.83)}  # the plot's x: training memory, not the process peaks
+    assert memory_axis.get_xlabel() == "training memory, MiB"

@@ -38,17 +38,18 @@ def _trim() -> None:
         getattr(ctypes.CDLL(name), "malloc_trim", lambda _: 0)(0)
 
 
-def peak_during(fn: Callable[[], object]) -> tuple[object, Optional[float]]:
-    """``fn()``'s result and the MiB the process's RSS rose above its start while ``fn`` ran
-    (None where the high-water mark cannot be reset)."""
+def peak_during(fn: Callable[[], object]) -> Optional[float]:
+    """The MiB the process's RSS rose above its start while ``fn()`` ran (None, with ``fn`` still
+    run, where the high-water mark cannot be reset)."""
     try:
         _trim()
         _CLEAR.write_text("5")  # 5: reset VmHWM to the current RSS (Linux >= 4.0)
         start = _status_kib("VmRSS")
     except OSError:
-        return fn(), None
-    out = fn()
-    return out, (_status_kib("VmHWM") - start) * 1024 / _MIB
+        fn()
+        return None
+    fn()
+    return (_status_kib("VmHWM") - start) * 1024 / _MIB
 
 
 def resident_mib(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.optim.Optimizer] = ()) -> float:
