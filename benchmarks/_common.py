@@ -119,7 +119,7 @@ class Bench:
         import lightning as L
 
         from moco_retrieval.evaluation.encode import evaluate_encoder
-        from moco_retrieval.lightning_module import RetrievalModule
+        from moco_retrieval.training.module import RetrievalModule
 
         L.seed_everything(cfg.seed, workers=False, verbose=False)
         module = RetrievalModule.from_config(cfg)
@@ -147,7 +147,7 @@ class Bench:
         import lightning as L
 
         from moco_retrieval.evaluation.encode import evaluate_encoder
-        from moco_retrieval.lightning_module import RetrievalModule
+        from moco_retrieval.training.module import RetrievalModule
 
         L.seed_everything(cfg.seed, workers=False, verbose=False)
         module = RetrievalModule.from_config(cfg)

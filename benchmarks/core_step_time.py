@@ -23,7 +23,7 @@ from harness import cli  # noqa: E402
 from harness.steps import OurStep  # noqa: E402
 
 from moco_retrieval.config import MoCoConfig, ModelConfig, OptimConfig  # noqa: E402
-from moco_retrieval.lightning_module import RetrievalModule  # noqa: E402
+from moco_retrieval.training.module import RetrievalModule  # noqa: E402
 from moco_retrieval.model.tiny import build_tiny_bert  # noqa: E402
 
 

@@ -41,7 +41,7 @@ def one_case(model_dir: str, lora: bool, limit: int, out: str) -> dict:
     import torch
 
     from moco_retrieval.config import LoraConfig, ModelConfig
-    from moco_retrieval.export_model import export_encoder
+    from moco_retrieval.export.writer import export_encoder
     from moco_retrieval.model import lora_merge
     from moco_retrieval.model.encoder import build_encoder
 

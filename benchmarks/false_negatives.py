@@ -76,7 +76,7 @@ def withheld(bench: Bench) -> Bench:
 
 
 def guide_encoder(name: str):
-    from moco_retrieval.model.guide import build_guide_encoder
+    from moco_retrieval.model.loading import build_guide_encoder
 
     cfg = compose_cfg(FROZEN_BASE + BASE)
     return build_guide_encoder(name.split(",")[0], cfg.model)

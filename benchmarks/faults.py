@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, set_locations  # noqa: E402
-from moco_retrieval.checkpointing import last_checkpoint  # noqa: E402
+from moco_retrieval.training.checkpoints import last_checkpoint  # noqa: E402
 
 PY = sys.executable
 SMOKE = ["+experiment=smoke", "data.max_train_examples=128", "data.max_eval_queries=16", "data.max_eval_docs=32",
@@ -102,7 +102,7 @@ GOOD_ROW = '{"query": "how to install", "positive": "apt tool"}\n'
 
 def _hold_lock(w: Work) -> None:
     w.state["holder"] = subprocess.Popen(
-        [PY, "-c", "import sys, time; from moco_retrieval.run_lock import RunLock; RunLock(sys.argv[1]).acquire(); "
+        [PY, "-c", "import sys, time; from moco_retrieval.training.run_lock import RunLock; RunLock(sys.argv[1]).acquire(); "
                    "print('held', flush=True); time.sleep(900)", str(w.run)], stdout=subprocess.PIPE, text=True)
     w.state["holder"].stdout.readline()
 

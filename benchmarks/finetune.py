@@ -209,7 +209,7 @@ def run_ours(bench, overrides, batches, seed, ev: Evaluator) -> dict:
     from torch.utils.data import DataLoader
 
     from moco_retrieval.data.collate import Collator, PairDataset
-    from moco_retrieval.lightning_module import RetrievalModule
+    from moco_retrieval.training.module import RetrievalModule
 
     cfg = compose_cfg(BASE + list(overrides) + [f"data.batch_size={len(batches[0])}", "trainer.max_epochs=1",
                                                 f"seed={seed}", f"data.seed={seed}"])

@@ -43,7 +43,7 @@ class OursStep:
 
     def __init__(self, bench: Bench, overrides, batch: int):
         from moco_retrieval.data.collate import Collator, PairDataset
-        from moco_retrieval.lightning_module import RetrievalModule, decay_groups
+        from moco_retrieval.training.module import RetrievalModule, decay_groups
 
         cfg = compose_cfg(BASE + list(overrides) + [f"data.batch_size={batch}", "seed=0", "data.seed=0"])
         torch.manual_seed(0)

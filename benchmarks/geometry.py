@@ -33,7 +33,7 @@ from harness import cli  # noqa: E402
 from harness.runs import md_table, write_results  # noqa: E402
 
 import torch  # noqa: E402
-from moco_retrieval.checkpointing import last_checkpoint  # noqa: E402
+from moco_retrieval.training.checkpoints import last_checkpoint  # noqa: E402
 
 NAME = "geometry"
 DEFAULT_CKPT = str(last_checkpoint(ROOT.parent / "runs" / "queue65k"))
@@ -122,7 +122,7 @@ def score_checkpoint(scores: Scores, ckpt: Path | None) -> str | None:
         note = f"no fine-tuned checkpoint at {ckpt}: row left out"
         log(note)
         return note
-    from moco_retrieval.lightning_module import RetrievalModule
+    from moco_retrieval.training.module import RetrievalModule
 
     m = RetrievalModule.load_from_checkpoint(str(ckpt), map_location="cpu", weights_only=False)
     step = torch.load(str(ckpt), map_location="cpu", weights_only=False).get("global_step")

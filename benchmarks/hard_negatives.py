@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import cli  # noqa: E402
-from moco_retrieval.checkpointing import last_checkpoint  # noqa: E402
+from moco_retrieval.training.checkpoints import last_checkpoint  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METRICS = ["recall@1", "recall@10", "mrr@10", "ndcg@10"]

@@ -90,7 +90,7 @@ def do_run(pools: dict, pydoc: Path, name: str, seed: int, args) -> dict:
     import lightning as L
 
     from moco_retrieval.data.datamodule import RetrievalDataModule
-    from moco_retrieval.lightning_module import RetrievalModule
+    from moco_retrieval.training.module import RetrievalModule
 
     cfg = train_cfg(name, seed, pydoc, args.pairs_per_source)
     L.seed_everything(seed, verbose=False)

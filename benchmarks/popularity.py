@@ -56,7 +56,7 @@ def bucket_of(n: int) -> str:
 
 def build_skewed(eval_every: int = 10, max_eval_queries: int = 3000, seed: int = 0):
     """(training pairs, eval set, popularity of each pool document) from the Debian index."""
-    from moco_retrieval.data.debian import load_records, resolve_debian_inputs
+    from moco_retrieval.data.builders.debian import load_records, resolve_debian_inputs
     from moco_retrieval.data.formats import EvalSet, Pair
     from moco_retrieval.data.ids import doc_id_for_text, normalize_text, stable_id
 

@@ -44,7 +44,7 @@ from harness.steps import OurStep  # noqa: E402
 
 import torch  # noqa: E402
 
-from moco_retrieval.devices import pick_device  # noqa: E402
+from moco_retrieval.model.devices import pick_device  # noqa: E402
 
 NAME = "speed"
 HERE = Path(__file__).resolve().parent
@@ -59,7 +59,7 @@ def sync(dev: torch.device) -> None:
 
 
 def section_step(args) -> dict:
-    from moco_retrieval.lightning_module import RetrievalModule
+    from moco_retrieval.training.module import RetrievalModule
 
     dev = pick_device(args.device)
     ks = [int(k) for k in args.ks.split(",")]

@@ -73,7 +73,7 @@ def eval_dir_of(data_cfg: Any) -> str:
 
 def mining_inputs(cfg: Any) -> dict[str, list[Path]]:
     """What ``mine`` reads, by the key that names it: the output is never one of these files."""
-    from moco_retrieval.outputs import files_under
+    from moco_retrieval.files import files_under
 
     data = cfg.data
     inputs = {f"data.{key}": files_under(getattr(data, key, None)) for key in ("train_path", "eval_dir", "dir", "debian_dir")}
@@ -92,7 +92,7 @@ def mining_inputs(cfg: Any) -> dict[str, list[Path]]:
 def check_mine_outputs(cfg: Any) -> tuple[Path, Path]:
     """``(output, stats file)``, refused (one message naming the key) before anything is read when
     either is a directory, there already without ``overwrite``, or an input (see outputs.py)."""
-    from moco_retrieval.outputs import check_output
+    from moco_retrieval.files import check_output
 
     if not cfg.output:
         raise ConfigError("output=FILE is required (the JSONL of pairs with mined negatives)")
@@ -146,7 +146,7 @@ def prepare_encoding(encoder: Any, pairs: list[Pair], cfg: Any) -> None:
 
 def write_outputs(result: MiningResult, out: Path, stats_file: Path) -> None:
     """The training JSONL and the statistics, each written atomically."""
-    from moco_retrieval.outputs import atomic_write
+    from moco_retrieval.files import atomic_write
 
     with atomic_write(out) as tmp:
         write_mined(tmp, result)

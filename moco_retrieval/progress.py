@@ -1,22 +1,12 @@
-"""Progress for jobs whose output goes to a log file (Docker, SLURM, Kubernetes): a plain,
-time-stamped line every N steps, instead of a redrawn bar that a log file shows as one endless
-line. The ETA counts the validations still to come (timed once one has run, estimated before).
-``progress_bar`` is the same choice for the other commands' loops (encoding, searching)."""
+"""Progress of long loops (encoding, converting, searching) for a person: a tqdm bar on a terminal,
+plain time-stamped lines with the time left when the output goes to a log file (Docker, SLURM,
+Kubernetes), where a redrawn bar shows as one endless line. Training's own progress lines are
+training/report.py's."""
 from __future__ import annotations
 
-import math
 import sys
 import time
-from typing import Any, Optional
-
-from lightning.pytorch.callbacks import Callback, ProgressBar, TQDMProgressBar
-from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
-
-# Before the first validation has been timed, one is taken to cost the time of this many
-# training steps per (pool texts / batch size): forward-only encoding of the pool against
-# forward + backward of a batch, calibrated once on the main job (queue65k). Only a first guess:
-# from the first validation on, the measured times are used.
-VALIDATION_STEPS_PER_POOL_BATCH = 0.27
+from typing import Any
 
 
 def stamp() -> str:
@@ -32,150 +22,6 @@ def log_line(message: str, file: Any = None) -> None:
     out = file or sys.stdout
     tqdm.write(f"{stamp()} {message}", file=out)
     out.flush()
-
-
-def validations_left(step: int, total: int, interval: Optional[int]) -> int:
-    """Validations still to run after ``step`` of ``total``: every ``interval`` steps, and the
-    final one train.py adds when the last step is not a validation point."""
-    if total <= step:
-        return 0
-    if not interval:
-        return 1
-    left = total // interval - step // interval
-    return left + (1 if total % interval else 0)
-
-
-class LogLineProgress(ProgressBar):
-    def __init__(self, every: int = 10):
-        super().__init__()
-        self.every, self._enabled, self._t0 = every, True, None
-        self._val_seconds: list[float] = []  # each validation of this attempt
-        self._val_t0: Optional[float] = None
-        self._val_in_window = 0.0  # validation seconds since _t0 (excluded from the training rate)
-
-    def disable(self) -> None:
-        self._enabled = False
-
-    def enable(self) -> None:
-        self._enabled = True
-
-    def _restart_clock(self, trainer) -> None:
-        self._end_validation()
-        self._t0, self._step0, self._val_in_window = time.monotonic(), trainer.global_step, 0.0
-
-    def _end_validation(self) -> None:
-        if self._val_t0 is not None:
-            seconds = time.monotonic() - self._val_t0
-            self._val_seconds.append(seconds)
-            self._val_in_window += seconds
-            self._val_t0 = None
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        # also here: a run resumed mid-epoch gets no on_train_epoch_start for that epoch
-        self._restart_clock(trainer)
-
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        self._restart_clock(trainer)
-
-    def validation_seconds(self, trainer, seconds_per_step: float) -> float:
-        """One validation's time: the mean of those timed so far, else estimated from the pool."""
-        if self._val_seconds:
-            return sum(self._val_seconds) / len(self._val_seconds)
-        dm = getattr(trainer, "datamodule", None)
-        try:
-            texts = len(dm.eval_set.corpus) + len(dm.eval_set.queries)
-            batch = int(dm.cfg.batch_size)
-        except (AttributeError, TypeError, ValueError):
-            return 0.0
-        return VALIDATION_STEPS_PER_POOL_BATCH * texts / max(batch, 1) * seconds_per_step
-
-    def eta_seconds(self, trainer, step: int, total: int, rate: float) -> float:
-        if rate <= 0:
-            return float("nan")
-        interval = None
-        if isinstance(trainer.val_check_interval, int) and trainer.check_val_every_n_epoch is None:
-            interval = max(1, trainer.val_check_interval // max(1, trainer.accumulate_grad_batches))
-        elif trainer.num_training_batches and math.isfinite(trainer.num_training_batches):
-            interval = max(1, int(trainer.num_training_batches) // max(1, trainer.accumulate_grad_batches))
-        n_val = validations_left(step, total, interval)
-        return (total - step) / rate + n_val * self.validation_seconds(trainer, 1.0 / rate)
-
-    def training_rate(self, trainer) -> float:
-        """Optimizer steps per second of this attempt since the epoch's start, validations left out."""
-        if self._t0 is None:
-            return 0.0
-        training_time = time.monotonic() - self._t0 - self._val_in_window
-        return (trainer.global_step - self._step0) / max(training_time, 1e-9)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = trainer.global_step
-        if not self._enabled or not trainer.is_global_zero or step % self.every or self._t0 is None:
-            return
-        total = trainer.estimated_stepping_batches
-        rate = self.training_rate(trainer)
-        eta = self.eta_seconds(trainer, step, total, rate)
-        metrics = " ".join(f"{k}={float(v):.4f}" for k, v in trainer.progress_bar_metrics.items() if k != "v_num")
-        log_line(f"epoch {trainer.current_epoch} step {step}/{total} ({100 * step / max(total, 1):.0f}%) "
-                 f"{rate:.2f} steps/s eta {eta / 60:.1f} min (validations included) {metrics}")
-
-    def on_validation_start(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking:
-            return
-        self._val_t0 = time.monotonic()
-        if trainer.is_global_zero and self._enabled:
-            log_line(f"validating at step {trainer.global_step} on the held-out pool")
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        # a validation ends here, after every callback's after-validation work (checkpoints, plots)
-        self._end_validation()
-
-
-class ResumableBar(TQDMProgressBar):
-    """Lightning's terminal bar, right after a resume too: a run resumed mid-epoch gets no
-    ``on_train_epoch_start``, so Lightning's bar would show no total and no ETA (``17/?``) and its
-    rate would count the batches done before the resume as if done now. Its ``eta`` field is the
-    whole run's, validations included (the bar's own time counts this epoch's batches only),
-    from a :class:`LogLineProgress` kept silent as its clock."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.clock = LogLineProgress()
-        self.clock.disable()
-
-    def get_metrics(self, trainer, pl_module) -> dict:
-        items = super().get_metrics(trainer, pl_module)
-        rate = self.clock.training_rate(trainer)
-        if rate > 0 and trainer.training:
-            eta = self.clock.eta_seconds(trainer, trainer.global_step, trainer.estimated_stepping_batches, rate)
-            items["eta"] = f"{eta / 60:.1f}min incl. validations"
-        return items
-
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        super().on_train_epoch_start(trainer, pl_module)
-        self.clock.on_train_epoch_start(trainer, pl_module)
-
-    def on_validation_start(self, trainer, pl_module) -> None:
-        super().on_validation_start(trainer, pl_module)
-        self.clock.on_validation_start(trainer, pl_module)
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        self.clock.on_train_batch_start(trainer, pl_module, batch, batch_idx)
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        super().on_train_start(trainer, pl_module)
-        self.clock.on_train_start(trainer, pl_module)
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # this epoch's batches before this attempt
-        bar = self.train_progress_bar
-        bar.reset(total=convert_inf(self.total_train_batches))
-        bar.initial = bar.n = bar.last_print_n = done
-        bar.set_description(f"Epoch {trainer.current_epoch}")
-        bar.refresh()
-
-
-def progress_callback(every: int = 10) -> Callback:
-    """A TQDM bar on a terminal, log lines otherwise."""
-    return ResumableBar() if sys.stderr.isatty() else LogLineProgress(every)
 
 
 class LogLineBar:

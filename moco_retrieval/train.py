@@ -39,28 +39,39 @@ from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from moco_retrieval import distributed
-from moco_retrieval.best_checkpoints import RebaseCheckpointPaths, remove_best_after
-from moco_retrieval.checkpoint_file import AtomicCheckpointIO, checkpoint_step, previous_of, read_checkpoint
-from moco_retrieval.checkpointing import (checkpoints_dir, last_checkpoint, remove_stale_temporaries, resolve_ckpt_path,
-                                          set_aside_unreadable)
-from moco_retrieval.launcher import is_rank_zero, on_slurm, torchrun_devices
 from moco_retrieval.command import command
 from moco_retrieval.config import TrainConfig, TrainerConfig, register_configs
 from moco_retrieval.data.datamodule import RetrievalDataModule
 from moco_retrieval.data.multisource import source_prompts
 from moco_retrieval.data.prompts import apply_by_row, by_row
 from moco_retrieval.data.sampler import source_of
-from moco_retrieval.finite_guard import FiniteGuard
-from moco_retrieval.latest_run import latest_run
-from moco_retrieval.evaluation.callback import ValidationReport
-from moco_retrieval.lightning_module import RetrievalModule
-from moco_retrieval.loggers import build_loggers, finish_loggers, log_config
-from moco_retrieval.metrics_history import RecordAttempt, flush_and_merge
-from moco_retrieval.preemption import Preempted, PreemptionCheckpoint, sigterm_exit_status
-from moco_retrieval.progress import progress_callback
-from moco_retrieval.resume_check import RecordTraining, check_resumable
-from moco_retrieval.run_clock import RunClock
-from moco_retrieval.run_lock import RunLock, writable_run_dir
+from moco_retrieval.training.checkpoints import (
+    AtomicCheckpointIO,
+    RebaseCheckpointPaths,
+    checkpoint_step,
+    checkpoints_dir,
+    last_checkpoint,
+    latest_run,
+    previous_of,
+    read_checkpoint,
+    remove_best_after,
+    remove_stale_temporaries,
+    resolve_ckpt_path,
+    set_aside_unreadable,
+)
+from moco_retrieval.training.cluster import is_rank_zero, on_slurm, torchrun_devices
+from moco_retrieval.training.finite_guard import FiniteGuard
+from moco_retrieval.training.loggers import build_loggers, finish_loggers, log_config
+from moco_retrieval.training.module import RetrievalModule
+from moco_retrieval.training.preemption import (
+    Preempted,
+    PreemptionCheckpoint,
+    sigterm_exit_status,
+)
+from moco_retrieval.training.records import RecordAttempt, RunClock, flush_and_merge
+from moco_retrieval.training.report import ValidationReport, progress_callback
+from moco_retrieval.training.resume_check import RecordTraining, check_resumable
+from moco_retrieval.training.run_lock import RunLock, writable_run_dir
 
 register_configs()
 # (the eval-mode and FAISS notices every command shares are silenced in command.py)

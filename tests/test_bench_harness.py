@@ -16,7 +16,7 @@ from harness import cli, runs, step_memory  # noqa: E402
 from harness.steps import OurStep, PeerTrainer  # noqa: E402
 
 from moco_retrieval.config import MoCoConfig, ModelConfig, OptimConfig  # noqa: E402
-from moco_retrieval.lightning_module import RetrievalModule  # noqa: E402
+from moco_retrieval.training.module import RetrievalModule  # noqa: E402
 from moco_retrieval.model.encoder import build_encoder  # noqa: E402
 from moco_retrieval.model.tiny import build_tiny_bert  # noqa: E402
 from synthetic import SyntheticData  # noqa: E402
@@ -95,7 +95,7 @@ def test_peer_trainer_follows_the_schedule_and_scores_through_our_encoder(tiny_d
     for _ in range(4):
         lrs.append(peer.opt.param_groups[0]["lr"])
         peer.step(peer.features(queries, docs))
-    from moco_retrieval.lightning_module import lr_lambda
+    from moco_retrieval.training.module import lr_lambda
 
     # the main job's linear warmup over 2 steps, then linear decay
     assert lrs == pytest.approx([1e-3 * lr_lambda("linear", 2, 4)(s) for s in range(4)]) and len(set(lrs)) > 1

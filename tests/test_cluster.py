@@ -1,11 +1,11 @@
-"""moco_retrieval.launcher (job id, SLURM detection) and moco_retrieval.wandb_policy (W&B mode and grouping)."""
+"""moco_retrieval.training.cluster (job id, SLURM detection) and moco_retrieval.training.loggers (W&B mode and grouping)."""
 from __future__ import annotations
 
 import pytest
 from omegaconf import OmegaConf
 
-from moco_retrieval.launcher import job_id, on_slurm
-from moco_retrieval.wandb_policy import wandb_mode, wandb_settings
+from moco_retrieval.training.cluster import job_id, on_slurm
+from moco_retrieval.training.loggers import wandb_mode, wandb_settings
 from moco_retrieval.config import LoggerConfig
 
 

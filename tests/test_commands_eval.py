@@ -21,9 +21,9 @@ from moco_retrieval.data.formats import EvalSet, read_beir, write_beir
 from moco_retrieval.evaluate import run_evaluate
 from moco_retrieval.evaluation.encode import encode_texts
 from moco_retrieval.evaluation.metrics import METRIC_NAMES, evaluate_run, read_trec_run
-from moco_retrieval.export import run_export
-from moco_retrieval.export_model import export_encoder
-from moco_retrieval.lightning_module import RetrievalModule
+from moco_retrieval.export.__main__ import run_export
+from moco_retrieval.export.writer import export_encoder
+from moco_retrieval.training.module import RetrievalModule
 from moco_retrieval.model.encoder import build_encoder
 from moco_retrieval.model.loading import load_checkpoint_encoder, load_model_dir
 from moco_retrieval.model.tiny import build_tiny_bert

@@ -1,5 +1,5 @@
 """docs/configuration.md, the configuration reference, is generated from the schemas
-(moco_retrieval/config_reference.py): it must match them, list every key with its meaning, and
+(docs/tools/config_reference.py): it must match them, list every key with its meaning, and
 say how to regenerate it when it does not."""
 from __future__ import annotations
 
@@ -8,7 +8,15 @@ import re
 from dataclasses import dataclass
 
 from moco_retrieval import config as C
-from moco_retrieval.config_reference import OUTPUT, REGENERATE, field_comments, main, meaning, reference
+import importlib.util
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location(
+    "config_reference", Path(__file__).resolve().parents[1] / "docs" / "tools" / "config_reference.py")
+_ref = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_ref)
+OUTPUT, REGENERATE, field_comments, main, meaning, reference = (
+    _ref.OUTPUT, _ref.REGENERATE, _ref.field_comments, _ref.main, _ref.meaning, _ref.reference)
 from moco_retrieval.objectives.registry import OBJECTIVES
 
 

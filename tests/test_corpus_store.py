@@ -127,7 +127,7 @@ def test_encode_corpus_gives_encode_texts_embeddings(tmp_path, small_chunks, tin
 
 def test_search_index_from_the_store_is_todays(tmp_path, small_chunks, tiny_encoder):
     from moco_retrieval.config import EvalConfig
-    from moco_retrieval.search_index import build_or_load_index
+    from moco_retrieval.search import build_or_load_index
 
     path = tmp_path / "corpus.jsonl"
     docs = write_corpus_file(path, 60)
@@ -168,7 +168,7 @@ def test_search_command_reads_a_corpus_file_through_the_store(tmp_path, tiny_enc
     from moco_retrieval.config import EvalConfig, to_config
     from moco_retrieval.evaluation.encode import encode_texts
     from moco_retrieval.model.loading import load_encoder
-    from moco_retrieval.search_index import build_or_load_index
+    from moco_retrieval.search import build_or_load_index
 
     enc, _ = load_encoder(checkpoint=None, model_dir=None, model=cfg.model, encoder=cfg.encoder, prompts=cfg.data.prompts)
     idx, _ = build_or_load_index(enc, docs, to_config(EvalConfig, cfg.eval), tmp_path / "dict_index", {}, progress=False)

@@ -152,7 +152,7 @@ def _gc_texts():
 
 def _gc_module(tiny_dir, chunk):
     from moco_retrieval.config import InBatchConfig, ModelConfig, OptimConfig
-    from moco_retrieval.lightning_module import RetrievalModule
+    from moco_retrieval.training.module import RetrievalModule
 
     torch.manual_seed(0)
     m = RetrievalModule(ModelConfig(backbone="tiny", path=tiny_dir, grad_cache_chunk=chunk), InBatchConfig(),

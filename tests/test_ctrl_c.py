@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from moco_retrieval.errors import reports_user_errors
-from moco_retrieval.preemption import Preempted, PreemptionCheckpoint
+from moco_retrieval.training.preemption import Preempted, PreemptionCheckpoint
 from test_resume import SMALL, SignalAt, cli, cli_env, fit, make_module, tiny_dir  # noqa: F401 (fixtures)
 
 PROGRESS = re.compile(r"\bstep (\d+)/(\d+)\b")

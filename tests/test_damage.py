@@ -13,9 +13,10 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from omegaconf import OmegaConf
 
-from moco_retrieval import checkpoint_file, distributed
-from moco_retrieval.checkpoint_file import atomic_torch_save, previous_of, read_checkpoint
-from moco_retrieval.checkpointing import resolve_ckpt_path
+from moco_retrieval import distributed
+from moco_retrieval.training import checkpoints as checkpoint_file
+from moco_retrieval.training.checkpoints import atomic_torch_save, previous_of, read_checkpoint
+from moco_retrieval.training.checkpoints import resolve_ckpt_path
 from moco_retrieval.errors import USER_ERROR_STATUS, CheckpointError
 from test_resume import fit, make_module, tiny_dir  # noqa: F401 (fixture)
 from test_resume_refusals import SHARED_DEBIAN, config
@@ -77,8 +78,8 @@ class Poison(Callback):
 
 
 def test_a_loss_gone_nan_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(tiny_dir, tmp_path):
-    from moco_retrieval.checkpoint_file import AtomicCheckpointIO
-    from moco_retrieval.finite_guard import FiniteGuard, NonFiniteError
+    from moco_retrieval.training.checkpoints import AtomicCheckpointIO
+    from moco_retrieval.training.finite_guard import FiniteGuard, NonFiniteError
 
     folder = tmp_path / "checkpoints"
     poison = Poison(step=2, path=folder / "last.ckpt", save_at=1)
@@ -94,7 +95,7 @@ def test_a_loss_gone_nan_stops_the_run_naming_the_step_and_keeps_the_last_good_c
 
 def test_non_finite_weights_are_never_written_into_a_checkpoint(tiny_dir, tmp_path):
     """Looked at every 100 steps only, the loss flag is not due; the checkpoint write looks itself."""
-    from moco_retrieval.finite_guard import FiniteGuard, NonFiniteError
+    from moco_retrieval.training.finite_guard import FiniteGuard, NonFiniteError
 
     folder = tmp_path / "checkpoints"
     poison = Poison(step=2, path=folder / "last.ckpt", save_at=2)  # saves right after poisoning
@@ -108,7 +109,7 @@ def test_the_guard_does_not_sync_the_device_between_its_looks(tmp_path):
     """The loss flag stays on the GPU; only the looks (every ``every`` steps) copy it to the host."""
     from types import SimpleNamespace
 
-    from moco_retrieval.finite_guard import FiniteGuard, NonFiniteError
+    from moco_retrieval.training.finite_guard import FiniteGuard, NonFiniteError
 
     guard = FiniteGuard(every=10, checkpoints=tmp_path)
     weight = torch.nn.Parameter(torch.ones(3, device="cuda"))

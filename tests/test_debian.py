@@ -10,7 +10,7 @@ import pytest
 
 from moco_retrieval.config import DataConfig
 from moco_retrieval.data.__main__ import main as cli_main
-from moco_retrieval.data.debian import (
+from moco_retrieval.data.builders.debian import (
     ENV_DEBIAN_DIR,
     RECORD_FILE,
     build_debian,
@@ -226,7 +226,7 @@ def test_ensure_debian_dataset_caches(tmp_path, monkeypatch):
 
 def test_the_built_set_is_found_without_pointing_at_the_apt_lists_again(tmp_path, monkeypatch):
     """Train once with the apt lists pointed at; evaluate, search and mine then find the same set."""
-    from moco_retrieval.data.debian import apt_lists
+    from moco_retrieval.data.builders.debian import apt_lists
 
     monkeypatch.delenv(ENV_DEBIAN_DIR, raising=False)
     monkeypatch.setattr(apt_lists, "DEFAULT_LISTS_DIR", str(tmp_path / "no-apt-lists"))

@@ -17,7 +17,7 @@ from moco_retrieval.config import ExportConfig, LoraConfig, ModelConfig, OptimCo
 from moco_retrieval.data.formats import EvalSet, write_beir
 from moco_retrieval.data.prompts import Prompts
 from moco_retrieval.evaluation.encode import encode_texts
-from moco_retrieval.lightning_module import RetrievalModule
+from moco_retrieval.training.module import RetrievalModule
 from moco_retrieval.model.decoder import last_token
 from moco_retrieval.model.encoder import build_encoder
 from moco_retrieval.model.lora import ADAPTER_MARK
@@ -75,7 +75,7 @@ def make_module(path):
 def test_decoder_trains_with_the_queue_resumes_exports_and_searches(decoder_dir, tmp_path, one_thread):
     from sentence_transformers import SentenceTransformer
 
-    from moco_retrieval.export import run_export
+    from moco_retrieval.export.__main__ import run_export
     from moco_retrieval.model.loading import load_model_dir
     from moco_retrieval.search import run_search
 

@@ -17,14 +17,14 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from moco_retrieval import checkpoint_file
-from moco_retrieval.checkpoint_file import AtomicCheckpointIO, atomic_torch_save, previous_of, read_checkpoint
-from moco_retrieval.checkpointing import resolve_ckpt_path
+from moco_retrieval.training import checkpoints as checkpoint_file
+from moco_retrieval.training.checkpoints import AtomicCheckpointIO, atomic_torch_save, previous_of, read_checkpoint
+from moco_retrieval.training.checkpoints import resolve_ckpt_path
 from moco_retrieval.config import register_configs
 from moco_retrieval.data.formats import DataError, EvalSet, read_beir, read_pairs_jsonl, write_beir, write_jsonl
 from moco_retrieval.errors import (USER_ERROR_STATUS, CheckpointError, ConfigError, UserError,
                                    reports_user_errors)
-from moco_retrieval.run_lock import LOCK_NAME, RunDirLocked, RunLock
+from moco_retrieval.training.run_lock import LOCK_NAME, RunDirLocked, RunLock
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,7 @@ def compose_cfg(command: str, overrides: list[str]):
 
 # ---- the run directory's lock -------------------------------------------------------------------
 
-HOLD = "import sys, time; from moco_retrieval.run_lock import RunLock; RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)"
+HOLD = "import sys, time; from moco_retrieval.training.run_lock import RunLock; RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)"
 
 
 def test_training_on_a_run_dir_another_process_holds_is_refused_before_anything_is_written(tmp_path):
@@ -356,7 +356,8 @@ def test_every_command_reports_known_errors_with_status_2(command, overrides, tm
     overrides = [o.format(empty=tmp_path / "empty.ckpt", tmp=tmp_path) for o in overrides]
     write_beir(tmp_path / "beir", EvalSet(corpus={"d1": "a document"}, queries={"q1": "a query"}, qrels={"q1": {"d1": 1}}))
     cfg = compose_cfg(command, overrides)
-    task = importlib.import_module(f"moco_retrieval.{command}").main.__wrapped__  # what @hydra.main runs
+    module = f"moco_retrieval.{command}" + (".__main__" if command == "export" else "")
+    task = importlib.import_module(module).main.__wrapped__  # what @hydra.main runs
     monkeypatch.setattr("hydra.core.hydra_config.HydraConfig.get", lambda: OmegaConf.create(
         {"runtime": {"output_dir": str(tmp_path / "hydra")}}))
     with pytest.raises(SystemExit) as stop:

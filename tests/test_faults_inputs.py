@@ -78,7 +78,7 @@ def test_unknown_text_options_are_refused_with_the_allowed_values(override, key,
 def test_the_allowed_values_are_those_their_users_take():
     import lightning as L
 
-    from moco_retrieval.lightning_module import lr_lambda
+    from moco_retrieval.training.module import lr_lambda
     from moco_retrieval.model.momentum import momentum_at
     from moco_retrieval.objectives.queue import DTYPES
 
@@ -142,7 +142,8 @@ def test_a_key_added_with_plus_is_refused_by_every_command(command, overrides, s
     import importlib
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    task = importlib.import_module(f"moco_retrieval.{command}").main.__wrapped__  # what Hydra runs, checks included
+    module = f"moco_retrieval.{command}" + (".__main__" if command == "export" else "")
+    task = importlib.import_module(module).main.__wrapped__  # what Hydra runs, checks included
     with pytest.raises(SystemExit) as stop:
         task(compose_cfg(command, overrides))
     assert stop.value.code == USER_ERROR_STATUS
@@ -311,7 +312,7 @@ def test_export_onto_an_existing_folder_is_one_message(tmp_path):
 
 def test_export_overwrite_replaces_only_what_an_export_wrote(tmp_path):
     from moco_retrieval.config import ModelConfig
-    from moco_retrieval.export_model import export_encoder
+    from moco_retrieval.export.writer import export_encoder
     from moco_retrieval.model.encoder import build_encoder
     from moco_retrieval.model.loading import META_FILE
     from moco_retrieval.model.tiny import build_tiny_bert

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from moco_retrieval.config import FeatureMemoryConfig, ModelConfig, OptimConfig
-from moco_retrieval.lightning_module import RetrievalModule
+from moco_retrieval.training.module import RetrievalModule
 from moco_retrieval.model.tiny import build_tiny_bert
 from synthetic import SyntheticData
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from moco_retrieval.config import InBatchConfig, MoCoConfig, ModelConfig, OptimConfig
-from moco_retrieval.gradcache import GradCache, split_side
-from moco_retrieval.lightning_module import RetrievalModule
+from moco_retrieval.model.gradcache import GradCache, split_side
+from moco_retrieval.training.module import RetrievalModule
 from moco_retrieval.model.tiny import build_tiny_bert
 from synthetic import WORDS, SyntheticData
 

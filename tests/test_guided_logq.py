@@ -317,7 +317,7 @@ def test_two_gloo_ranks_equal_one_process_with_guide_and_logq(tmp_path):
 
 def test_module_builds_a_frozen_guide_outside_the_checkpoint(tmp_path_factory):
     from moco_retrieval.config import ModelConfig, OptimConfig
-    from moco_retrieval.lightning_module import RetrievalModule
+    from moco_retrieval.training.module import RetrievalModule
     from moco_retrieval.model.tiny import build_tiny_bert
     from synthetic import SyntheticData
 

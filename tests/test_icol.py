@@ -131,7 +131,7 @@ class TowerGrads(L.Callback):
 
 def test_two_ddp_ranks_train_the_towers_in_turns(tmp_path_factory, tmp_path):
     from moco_retrieval.config import ModelConfig, OptimConfig
-    from moco_retrieval.lightning_module import RetrievalModule
+    from moco_retrieval.training.module import RetrievalModule
     from moco_retrieval.model.tiny import build_tiny_bert
     from moco_retrieval.train import ddp_strategy
     from synthetic import SyntheticData

@@ -190,7 +190,7 @@ def test_saved_search_index_is_rebuilt_when_its_build_settings_change(tmp_path):
     from moco_retrieval.config import EvalConfig, ModelConfig
     from moco_retrieval.model.encoder import build_encoder
     from moco_retrieval.model.tiny import build_tiny_bert
-    from moco_retrieval.search_index import build_or_load_index
+    from moco_retrieval.search import build_or_load_index
 
     enc = build_encoder(ModelConfig(backbone="tiny", path=str(build_tiny_bert(tmp_path / "bert"))))
     corpus = {f"d{i}": f"document {i} about topic {i % 17} and {i % 5}" for i in range(300)}

@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from moco_retrieval.config import InBatchConfig, MoCoConfig, ModelConfig, OptimConfig
-from moco_retrieval.lightning_module import RetrievalModule
+from moco_retrieval.training.module import RetrievalModule
 from moco_retrieval.model.tiny import build_tiny_bert
 from synthetic import SyntheticData
 
@@ -199,7 +199,7 @@ def test_query_encoder_trains_with_dropout_key_encoder_without(tiny_dir, tmp_pat
 
 
 def test_weight_decay_on_weight_matrices_only_and_never_on_the_key_encoder(tiny_dir):
-    from moco_retrieval.lightning_module import decay_groups
+    from moco_retrieval.training.module import decay_groups
 
     m = make_module(tiny_dir)
     names = {id(p): n for n, p in m.named_parameters()}

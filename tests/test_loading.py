@@ -22,7 +22,7 @@ from moco_retrieval.config import (
     register_configs,
     to_config,
 )
-from moco_retrieval.lightning_module import RetrievalModule
+from moco_retrieval.training.module import RetrievalModule
 from moco_retrieval.model.encoder import build_encoder
 from moco_retrieval.model.momentum import state_dict_prefix
 from moco_retrieval.model.tiny import build_tiny_bert

@@ -21,12 +21,12 @@ import torch
 
 from moco_retrieval.config import ExportConfig, LoraConfig, MoCoConfig, ModelConfig, OptimConfig
 from moco_retrieval.errors import ConfigError
-from moco_retrieval.lightning_module import RetrievalModule
+from moco_retrieval.training.module import RetrievalModule
 from moco_retrieval.model.encoder import build_encoder
 from moco_retrieval.model.lora import ADAPTER_MARK, adapter_bytes, base_weight_keys
 from moco_retrieval.model.momentum import MomentumEncoder
 from moco_retrieval.model.tiny import build_tiny_bert
-from moco_retrieval.preemption import PreemptionCheckpoint
+from moco_retrieval.training.preemption import PreemptionCheckpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 from synthetic import SyntheticData  # noqa: E402
@@ -163,7 +163,7 @@ def test_lora_export_merges_or_writes_the_adapter_alone(lora_runs, tiny_dir, tmp
     from transformers import AutoModel
 
     from moco_retrieval.evaluation.encode import encode_texts
-    from moco_retrieval.export import run_export
+    from moco_retrieval.export.__main__ import run_export
     from moco_retrieval.model.loading import load_checkpoint_encoder
 
     ckpt = str(lora_runs["ref_path"])
@@ -272,7 +272,7 @@ def test_a_lora_runs_base_guide_is_its_own_base_with_the_adapters_off(tiny_dir, 
     adapters disabled (no second copy of the base), gives a separately loaded base's embeddings,
     and leaves the trained encoder's modes and adapters as they were."""
     from moco_retrieval.config import objective_config
-    from moco_retrieval.model.guide import build_guide_encoder
+    from moco_retrieval.model.loading import build_guide_encoder
 
     module = RetrievalModule(lora_cfg(tiny_dir, gradient_checkpointing=True),
                              objective_config({"name": "moco", "queue_size": 8, "guide": "base"}), OptimConfig())
@@ -320,7 +320,7 @@ def test_key_encoder_fingerprint_hashes_the_ema_adapters_not_the_shared_base(tin
     """The per-rank fingerprint (fingerprints.py) of a LoRA key encoder: its EMA adapters' bytes and
     the base's cheap fingerprint, never the bytes of the frozen base it shares (a 7B base: minutes
     of hashing at every checkpoint)."""
-    from moco_retrieval import fingerprints
+    from moco_retrieval.training import checkpoints as fingerprints
 
     module = make_module(tiny_dir)
     base = [p for p in module.encoder.parameters() if not p.requires_grad]
@@ -367,8 +367,8 @@ def test_lora_export_merges_without_a_second_copy_of_the_base(tiny_dir, tmp_path
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModel
 
-    from moco_retrieval.export_model import export_encoder
-    from moco_retrieval.model import lora_merge
+    from moco_retrieval.export.writer import export_encoder
+    from moco_retrieval.export import writer as lora_merge
 
     enc = build_encoder(lora_cfg(tiny_dir)).eval()
     torch.manual_seed(2)

@@ -127,7 +127,7 @@ def test_metrics_by_dim_score_the_truncated_renormalised_embeddings():
 
     from moco_retrieval.config import EvalConfig
     from moco_retrieval.evaluation.encode import evaluate_embeddings
-    from moco_retrieval.evaluation.matryoshka import metrics_by_dim
+    from moco_retrieval.evaluation.encode import metrics_by_dim
 
     es, cfg = evalset(), EvalConfig(top_k=10)
     rng = np.random.default_rng(0)
@@ -152,9 +152,9 @@ def test_validation_evaluate_and_export_report_each_prefix(tmp_path_factory, tmp
     from moco_retrieval.config import DataConfig, EvalConfig, ModelConfig, OptimConfig
     from moco_retrieval.data.datamodule import RetrievalDataModule
     from moco_retrieval.evaluation.encode import encode_texts, evaluate_encoder
-    from moco_retrieval.export import write_model_card
-    from moco_retrieval.export_model import export_encoder
-    from moco_retrieval.lightning_module import RetrievalModule
+    from moco_retrieval.export.__main__ import write_model_card
+    from moco_retrieval.export.writer import export_encoder
+    from moco_retrieval.training.module import RetrievalModule
     from moco_retrieval.model.loading import load_model_dir
     from moco_retrieval.model.tiny import build_tiny_bert
 
@@ -188,7 +188,7 @@ def test_validation_evaluate_and_export_report_each_prefix(tmp_path_factory, tmp
 
 
 def test_model_card_lists_each_prefix_with_its_held_out_metrics():
-    from moco_retrieval.model_card import model_card
+    from moco_retrieval.export.card import model_card
 
     metrics = {"recall@1": 0.5, "ndcg@10": 0.6, "dim64/recall@1": 0.4, "dim64/ndcg@10": 0.45}
     card = model_card({"dim": 128}, {"pooling": "mean"}, "query",
@@ -201,7 +201,7 @@ def test_resuming_a_run_from_before_matryoshka_with_it_on_is_refused(tmp_path):
     """A checkpoint written before the option existed trained without prefixes: turning them on
     mid-run would train another loss, so the resume names the override that keeps it as trained."""
     from moco_retrieval.errors import CheckpointError
-    from moco_retrieval.resume_check import check_resumable
+    from moco_retrieval.training.resume_check import check_resumable
     from omegaconf import OmegaConf
     from test_faults import compose_cfg
 

@@ -287,7 +287,7 @@ def test_training_sees_shared_hard_negatives(mined_dir, tmp_path, objective):
     import csv
 
     from moco_retrieval.data.datamodule import RetrievalDataModule
-    from moco_retrieval.lightning_module import RetrievalModule
+    from moco_retrieval.training.module import RetrievalModule
     from moco_retrieval.train import train
 
     B, n = 4, 2

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from omegaconf import OmegaConf
 
 from moco_retrieval.data import convert
-from moco_retrieval.preemption import Preempted
+from moco_retrieval.training.preemption import Preempted
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_datamodule import write_eval, write_jsonl  # noqa: E402

@@ -89,8 +89,8 @@ def test_guide_table_and_model_card_read_the_registry():
     table = re.search(r"<!-- objectives table: begin -->\n(.*?)\n<!-- objectives table: end -->", guide, re.S)
     assert table and table.group(1) == objectives_table(), (
         "docs/guide/objectives.md's table of objectives is stale: regenerate it with "
-        "`python -m moco_retrieval.config_reference`")
-    from moco_retrieval.model_card import model_card
+        "`python docs/tools/config_reference.py`")
+    from moco_retrieval.export.card import model_card
 
     for name, entry in OBJECTIVES.items():  # icol included (the card's own list lacked it)
         card = model_card({"dim": D}, {"pooling": "mean"}, "query", {"objective": {"name": name}}, None, "out")
@@ -102,7 +102,7 @@ def test_unsynced_state_is_every_buffer_and_the_fingerprint_covers_it(name):
     """Every persistent buffer of an objective (queues, query queue, guide queues, refresh tokens
     and steps, logQ estimates, ICoL's phase) is declared; changing any one changes the rank's
     fingerprint (fingerprints.py), which before covered the document queue only."""
-    from moco_retrieval.fingerprints import rank_fingerprints
+    from moco_retrieval.training.checkpoints import rank_fingerprints
 
     obj = full(name)
     params = {n for n, _ in obj.named_parameters()}

@@ -9,8 +9,9 @@ import lightning as L
 import pytest
 from lightning.pytorch.callbacks import Callback
 
-from moco_retrieval.preemption import Preempted, PreemptionCheckpoint
-from moco_retrieval.progress import ResumableBar, log_line
+from moco_retrieval.training.preemption import Preempted, PreemptionCheckpoint
+from moco_retrieval.progress import log_line
+from moco_retrieval.training.report import ResumableBar
 from synthetic import SyntheticData
 from test_resume import SignalAt, make_module, tiny_dir  # noqa: F401 (tiny_dir: a fixture)
 

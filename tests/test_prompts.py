@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from moco_retrieval.checkpoint_file import atomic_torch_save
+from moco_retrieval.training.checkpoints import atomic_torch_save
 from moco_retrieval.config import InBatchConfig, ModelConfig, PromptsConfig
 from moco_retrieval.data.collate import EvalCollator, collate
 from moco_retrieval.data.datamodule import RetrievalDataModule
@@ -20,7 +20,7 @@ from moco_retrieval.data.formats import EvalSet, Negative, Pair, write_beir
 from moco_retrieval.data.prompts import NO_PROMPTS, Prompts, model_prompts, to_prompts
 from moco_retrieval.errors import CheckpointError, ConfigError
 from moco_retrieval.evaluation.encode import encode_texts
-from moco_retrieval.export import run_export
+from moco_retrieval.export.__main__ import run_export
 from moco_retrieval.model.loading import load_checkpoint_encoder, load_encoder, load_model_dir
 from moco_retrieval.model.tiny import build_tiny_bert
 from moco_retrieval.search import run_search

@@ -191,7 +191,7 @@ def test_all_the_queues_memory_is_checked_together(monkeypatch):
 
 
 def test_the_fingerprint_covers_every_sources_memory():
-    from moco_retrieval.fingerprints import rank_fingerprints
+    from moco_retrieval.training.checkpoints import rank_fingerprints
 
     obj = two_queue(sources=2)
     fill_each_source(obj, ("docs", "queries"))
@@ -276,8 +276,8 @@ def test_resumed_run_with_per_source_queues_equals_the_uninterrupted_one(tmp_pat
     from test_multisource_data import two_sources
     from test_train_cli import compose_train
 
-    from moco_retrieval.lightning_module import RetrievalModule
-    from moco_retrieval.preemption import Preempted
+    from moco_retrieval.training.module import RetrievalModule
+    from moco_retrieval.training.preemption import Preempted
     from moco_retrieval.train import train
 
     data = two_sources(tmp_path / "data", n_a=64, n_b=32)

@@ -93,7 +93,7 @@ def test_write_replaces_only_the_drawn_keys_and_keeps_ids_groups_steps():
 
 def test_module_refreshes_with_the_key_encoder_before_the_logits(tmp_path_factory):
     from moco_retrieval.config import ModelConfig, OptimConfig
-    from moco_retrieval.lightning_module import RetrievalModule
+    from moco_retrieval.training.module import RetrievalModule
     from moco_retrieval.model.tiny import build_tiny_bert
     from synthetic import SyntheticData
 

@@ -24,8 +24,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from moco_retrieval import fingerprints, launcher, requeue, stop_signals
-from moco_retrieval.preemption import Preempted, PreemptionCheckpoint
+from moco_retrieval.training import checkpoints as fingerprints
+from moco_retrieval.training import cluster as launcher
+from moco_retrieval.training import preemption as requeue
+from moco_retrieval.training import preemption as stop_signals
+from moco_retrieval.training.preemption import Preempted, PreemptionCheckpoint
 from synthetic import SyntheticData
 
 # 8 steps of 16 pairs, a validation every 3 steps on a small pool: a run takes ~20 s here
@@ -186,7 +189,7 @@ def tiny_dir(tmp_path_factory):
 
 def make_module(tiny_dir):
     from moco_retrieval.config import MoCoConfig, ModelConfig, OptimConfig
-    from moco_retrieval.lightning_module import RetrievalModule
+    from moco_retrieval.training.module import RetrievalModule
 
     return RetrievalModule(ModelConfig(backbone="tiny", path=tiny_dir),
                            MoCoConfig(queue_size=32, temperature=0.1, momentum=0.9),

@@ -15,7 +15,7 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from moco_retrieval.checkpoint_file import atomic_torch_save, read_checkpoint
+from moco_retrieval.training.checkpoints import atomic_torch_save, read_checkpoint
 from moco_retrieval.config import register_configs
 from moco_retrieval.errors import CheckpointError
 
@@ -108,7 +108,7 @@ def test_refused_resume_leaves_the_run_directory_as_it_was(trained):
 
 
 def test_resume_on_another_number_of_processes_is_refused():
-    from moco_retrieval.resume_check import RecordTraining
+    from moco_retrieval.training.resume_check import RecordTraining
 
     record = RecordTraining(config())
     ckpt: dict = {}
@@ -136,7 +136,7 @@ def test_best_files_written_after_the_resumed_checkpoint_are_removed(tmp_path, c
 def test_a_moved_run_directory_keeps_its_best_tracking_through_lightning():
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from moco_retrieval.best_checkpoints import RebaseCheckpointPaths
+    from moco_retrieval.training.checkpoints import RebaseCheckpointPaths
 
     old = ModelCheckpoint(dirpath="/old/run/checkpoints", filename="best-{step}", monitor="val/recall@1", mode="max")
     old.best_model_score, old.best_model_path = torch.tensor(0.297), "/old/run/checkpoints/best-4.ckpt"

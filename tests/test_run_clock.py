@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 from lightning.pytorch.trainer.states import TrainerFn
 
-from moco_retrieval import run_clock
-from moco_retrieval.run_clock import RunClock
+from moco_retrieval.training import records as run_clock
+from moco_retrieval.training.records import RunClock
 
 
 @pytest.fixture()

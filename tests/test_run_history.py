@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from moco_retrieval.metrics_history import RECORD, merged_metrics, write_merged_metrics
+from moco_retrieval.training.records import RECORD, merged_metrics, write_merged_metrics
 
 TINY = ["+experiment=smoke", "data.max_train_examples=32", "data.max_eval_queries=16", "data.max_eval_docs=32",
         "trainer.log_every_n_steps=1", "trainer.val_check_interval=null"]
@@ -89,7 +89,7 @@ def test_merged_metrics_drop_the_steps_a_later_attempt_redid(tmp_path):
 
 
 def test_the_model_card_says_what_pool_its_numbers_were_measured_on(tmp_path):
-    from moco_retrieval.model_card import model_card, validation_at
+    from moco_retrieval.export.card import model_card, validation_at
 
     run = tmp_path / "run"
     (run / "csv").mkdir(parents=True)
@@ -125,7 +125,7 @@ def test_help_says_what_the_command_does_without_the_schemas(tmp_path, name):
 
 
 def test_the_model_card_lists_only_the_warmup_setting_that_was_used():
-    from moco_retrieval.model_card import model_card
+    from moco_retrieval.export.card import model_card
 
     def optimizer_line(optim):
         card = model_card({"dim": 8}, {"pooling": "mean"}, "query", {"optim": optim}, None, "out")

@@ -49,7 +49,7 @@ def _validate(tiny_dir: str) -> dict:
     ``validation_step``, then the rows the epoch end scores (gathered when the pool is split)."""
     from moco_retrieval.config import DataConfig, InBatchConfig, OptimConfig
     from moco_retrieval.data.datamodule import RetrievalDataModule
-    from moco_retrieval.lightning_module import RetrievalModule
+    from moco_retrieval.training.module import RetrievalModule
 
     torch.manual_seed(0)
     module = RetrievalModule(ModelConfig(backbone="tiny", path=tiny_dir), InBatchConfig(), OptimConfig()).eval()

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from moco_retrieval.data.__main__ import main as data_main
-from moco_retrieval.data.debian import is_eval_source
+from moco_retrieval.data.builders.debian import is_eval_source
 from moco_retrieval.data.formats import DataError, read_beir, read_pairs_jsonl
-from moco_retrieval.data.stdlib_docs import build_stdlib_docs, pair_from_docstring, split_summary
+from moco_retrieval.data.builders.stdlib_docs import build_stdlib_docs, pair_from_docstring, split_summary
 
 FRACTION = 0.6  # with it, package "alpha" (and "epsilon") is held out, "beta" and "gamma" train
 

@@ -30,7 +30,7 @@ import lightning as L
 import pytest
 import torch
 
-from moco_retrieval.tensor_digest import tensors_sha256
+from moco_retrieval.training.checkpoints import tensors_sha256
 
 REPO = Path(__file__).resolve().parents[1]
 # torchrun as this interpreter's module: its workers then run this interpreter, and so this checkout's
@@ -164,7 +164,7 @@ def test_validation_metrics_are_those_of_the_whole_pool_in_one_process(completed
 
     from moco_retrieval.config import DataConfig
     from moco_retrieval.data.datamodule import RetrievalDataModule
-    from moco_retrieval.lightning_module import RetrievalModule
+    from moco_retrieval.training.module import RetrievalModule
 
     run = completed["base"] / "rank0"
     logged = json.loads((run / "metrics.json").read_text())

@@ -87,7 +87,7 @@ def test_experiment_presets_compose():
 def test_every_preset_builds_its_module(preset, tmp_path, monkeypatch):
     """A preset whose options contradict each other (e.g. a feature memory on a fine-tuned backbone) fails here,
     not an hour into a user's job."""
-    from moco_retrieval.lightning_module import RetrievalModule
+    from moco_retrieval.training.module import RetrievalModule
 
     monkeypatch.setenv("MOCO_RETRIEVAL_CACHE", str(tmp_path))
     cfg = OmegaConf.to_object(compose_train([f"+experiment={preset}"]))
@@ -170,7 +170,7 @@ def test_user_experiment_from_config_dir(tmp_path):
 
 
 def test_resumed_attempt_keeps_earlier_csv_history(tmp_path):
-    from moco_retrieval.loggers import csv_version
+    from moco_retrieval.training.loggers import csv_version
 
     assert csv_version(tmp_path) == ""
     (tmp_path / "csv").mkdir()
@@ -183,7 +183,7 @@ def test_resumed_attempt_keeps_earlier_csv_history(tmp_path):
 def test_checkpoint_files_are_readable_like_other_files(tmp_path):
     import stat
 
-    from moco_retrieval.checkpoint_file import atomic_torch_save
+    from moco_retrieval.training.checkpoints import atomic_torch_save
 
     old = os.umask(0o022)
     try:
@@ -197,7 +197,7 @@ def test_checkpoint_files_are_readable_like_other_files(tmp_path):
 def test_eta_counts_the_validations_still_to_come():
     from types import SimpleNamespace
 
-    from moco_retrieval.progress import LogLineProgress, validations_left
+    from moco_retrieval.training.report import LogLineProgress, validations_left
 
     assert validations_left(0, 570, 100) == 6  # 100..500 and the final one at 570
     assert validations_left(500, 570, 100) == 1
@@ -219,7 +219,7 @@ def test_eta_counts_the_validations_still_to_come():
 
 def test_a_resumed_run_continues_its_wandb_run(tmp_path, debian_dir, capsys):
     """ckpt_path=last (a requeued job) logs into the same W&B run (offline here), not a new one."""
-    from moco_retrieval.loggers import RUN_ID_FILE
+    from moco_retrieval.training.loggers import RUN_ID_FILE
     from moco_retrieval.train import train
 
     small = ["+experiment=smoke", "logger=wandb", "data.max_train_examples=64", "data.max_eval_queries=16",
@@ -237,7 +237,7 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path, debian_dir, capsys):
 
 
 def test_wandb_run_id_is_kept_only_when_resuming(tmp_path):
-    from moco_retrieval.loggers import wandb_run_id
+    from moco_retrieval.training.loggers import wandb_run_id
 
     first = wandb_run_id(tmp_path / "run", resume=False)
     assert wandb_run_id(tmp_path / "run", resume=True) == first  # the requeued attempt

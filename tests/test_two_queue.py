@@ -226,7 +226,7 @@ def test_max_age_equals_a_queue_of_that_many_steps_keys():
 
 def test_module_serves_both_sides_from_both_encoders(tmp_path_factory):
     from moco_retrieval.config import ModelConfig, OptimConfig
-    from moco_retrieval.lightning_module import RetrievalModule
+    from moco_retrieval.training.module import RetrievalModule
     from moco_retrieval.model.tiny import build_tiny_bert
     from synthetic import SyntheticData
 

@@ -73,7 +73,7 @@ class PeerTrainer:
                  lengths: tuple[int, int], steps: Optional[int] = None, warmup: int = 0, device: str = "cpu"):
         from sentence_transformers import SentenceTransformer
 
-        from moco_retrieval.lightning_module import decay_groups, lr_lambda
+        from moco_retrieval.training.module import decay_groups, lr_lambda
 
         self.model = SentenceTransformer(path, device=device)
         self.model.train()

@@ -4,7 +4,7 @@ collate, the batch sampler and the Lightning data module.
 The data module (which imports Lightning) is not imported here; use
 ``from moco_retrieval.data.datamodule import RetrievalDataModule``.
 """
-from .formats import (
+from moco_retrieval.data.formats import (
     DataError,
     EvalSet,
     Negative,
@@ -16,7 +16,7 @@ from .formats import (
     write_beir,
     write_pairs_jsonl,
 )
-from .ids import NO_GROUP, doc_id_for_text, group_id, normalize_text, stable_id
+from moco_retrieval.data.ids import NO_GROUP, doc_id_for_text, group_id, normalize_text, stable_id
 
 __all__ = [
     "DataError",

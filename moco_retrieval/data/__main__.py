@@ -23,10 +23,10 @@ import sys
 import time
 from typing import Callable, Optional, Sequence
 
-from moco_retrieval.command_help import asks_for_help, summary
+from moco_retrieval.command import asks_for_help, summary
 from moco_retrieval.errors import ConfigError, reports_user_errors
 
-from .debian import (
+from moco_retrieval.data.builders.debian import (
     DEDUP_MODES,
     DEFAULT_EVAL_FRACTION,
     DEFAULT_LISTS_DIR,
@@ -35,8 +35,8 @@ from .debian import (
     build_debian,
     find_index_files,
 )
-from .formats import DataError
-from .stdlib_docs import DEFAULT_EVAL_FRACTION as PYDOC_EVAL_FRACTION, build_stdlib_docs
+from moco_retrieval.data.formats import DataError
+from moco_retrieval.data.builders.stdlib_docs import DEFAULT_EVAL_FRACTION as PYDOC_EVAL_FRACTION, build_stdlib_docs
 
 PROG = "python -m moco_retrieval.data"
 
@@ -103,7 +103,7 @@ def _parser(prepare_help: bool = False) -> argparse.ArgumentParser:
 
 def _data_options() -> str:
     """``prepare --help``'s list of data kinds, as the commands' ``--help`` lists a group's options."""
-    from moco_retrieval.command_help import groups_and_options
+    from moco_retrieval.command import groups_and_options
     from moco_retrieval.config import register_configs
 
     register_configs()
@@ -180,8 +180,8 @@ def _data_config(overrides: Sequence[str]):
 
 def prepare(args: argparse.Namespace) -> int:
     """Convert (or find) the store of the configured training pairs; print where it is."""
-    from .multisource import has_sources, prepare_sources, source_names
-    from .sources import prepare_store
+    from moco_retrieval.data.multisource import has_sources, prepare_sources, source_names
+    from moco_retrieval.data.sources import prepare_store
 
     cfg = _data_config(args.overrides)
     if has_sources(cfg):  # every source's store (a beir source reads qrels: nothing to convert)
@@ -195,8 +195,8 @@ def prepare(args: argparse.Namespace) -> int:
 
 
 def _print_store(folder, prefix: str = "") -> None:
-    from .convert import folder_bytes
-    from .store import read_manifest
+    from moco_retrieval.data.convert import folder_bytes
+    from moco_retrieval.data.store import read_manifest
 
     if folder is None:
         print(f"{prefix}beir: training pairs from qrels, nothing to convert")

@@ -15,9 +15,9 @@ from torch.utils.data import Dataset
 
 from moco_retrieval.distributed import shard_range
 
-from .formats import DataError, EvalSet, Negative, Pair
-from .prompts import NO_PROMPTS, Prompts, apply_by_row, by_row
-from .sampler import source_of
+from moco_retrieval.data.formats import DataError, EvalSet, Negative, Pair
+from moco_retrieval.data.prompts import NO_PROMPTS, Prompts, apply_by_row, by_row
+from moco_retrieval.data.sampler import source_of
 
 Tokenize = Callable[[list[str], str], dict]
 

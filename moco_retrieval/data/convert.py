@@ -30,11 +30,11 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from moco_retrieval.file_modes import ordinary_mode
+from moco_retrieval.files import ordinary_mode
 from moco_retrieval.progress import log_line, progress_bar
 
-from .formats import Pair
-from .store import MANIFEST, STORE_VERSION, TABLE, store_schema
+from moco_retrieval.data.formats import Pair
+from moco_retrieval.data.store import MANIFEST, STORE_VERSION, TABLE, store_schema
 
 CHUNK = 8192  # rows per Arrow record batch, at most
 CHUNK_CHARS = 1 << 25  # and at most about this many characters of text (rows with many hard negatives)
@@ -186,7 +186,7 @@ def write_store(spec: PairSpec, folder: Path) -> dict:
     """Stream ``spec``'s rows into ``folder`` (Arrow table + numpy arrays + manifest); the manifest."""
     import pyarrow as pa
 
-    from .formats import DataError
+    from moco_retrieval.data.formats import DataError
 
     schema, t0 = store_schema(), time.monotonic()
     parts: dict[str, list[np.ndarray]] = {}

@@ -26,9 +26,9 @@ import numpy as np
 
 from moco_retrieval.progress import progress_bar
 
-from .convert import CHUNK, ensure_store
-from .ids import NO_GROUP, stable_id
-from .store import MappedFolder
+from moco_retrieval.data.convert import CHUNK, ensure_store
+from moco_retrieval.data.ids import NO_GROUP, stable_id
+from moco_retrieval.data.store import MappedFolder
 
 CORPUS_VERSION = 1
 TABLE = "corpus.arrow"
@@ -66,7 +66,7 @@ def write_corpus(spec: CorpusSpec, folder: Path) -> dict:
     into ``folder``; the manifest."""
     import pyarrow as pa
 
-    from .formats import iter_corpus_located
+    from moco_retrieval.data.formats import iter_corpus_located
 
     schema, t0 = _schema(), time.monotonic()
     numbers: dict[str, list] = {"ids": [], "group": [], "length": [], "line": []}

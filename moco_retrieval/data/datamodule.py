@@ -33,14 +33,14 @@ from torch.utils.data import DataLoader
 
 from moco_retrieval.distributed import rank_and_world
 
-from .collate import Collator, EvalCollator, EvalItems, Tokenize, select_negatives
-from .formats import DataError, EvalSet, Pair
-from .multisource import (check_same_schedule, has_sources, load_source_rows, schedule_record, source_names,
+from moco_retrieval.data.collate import Collator, EvalCollator, EvalItems, Tokenize, select_negatives
+from moco_retrieval.data.formats import DataError, EvalSet, Pair
+from moco_retrieval.data.multisource import (check_same_schedule, has_sources, load_source_rows, schedule_record, source_names,
                           source_prompts, source_weights)
-from .prompts import to_prompts
-from .sampler import MultiSourceBatchSampler, ResumableDataLoader, RetrievalBatchSampler
-from .sources import check_paths, debian_folder, load_eval_pool, load_training_rows
-from .store import PairList, PairRows, PairRowsDataset
+from moco_retrieval.data.prompts import to_prompts
+from moco_retrieval.data.sampler import MultiSourceBatchSampler, ResumableDataLoader, RetrievalBatchSampler
+from moco_retrieval.data.sources import check_paths, debian_folder, load_eval_pool, load_training_rows
+from moco_retrieval.data.store import PairList, PairRows, PairRowsDataset
 
 
 class RetrievalDataModule(L.LightningDataModule):

@@ -40,7 +40,7 @@ try:
 except ImportError:  # optional: json alone gives the same objects, slower
     _orjson = None
 
-from .ids import NO_GROUP, doc_id_for_text, stable_id
+from moco_retrieval.data.ids import NO_GROUP, doc_id_for_text, stable_id
 
 PathLike = Union[str, os.PathLike]
 _MAX_ID = (1 << 63) - 1

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from .formats import DataError, Pair
-from .tabular import column_names, columns_in_file, pair_from_row
+from moco_retrieval.data.formats import DataError, Pair
+from moco_retrieval.data.tabular import column_names, columns_in_file, pair_from_row
 
 # sentence-transformers' column names, used when the configured (default) column is absent
 ST_QUERY = "anchor"

@@ -19,10 +19,10 @@ from omegaconf import OmegaConf
 
 from moco_retrieval.config import SOURCE_MODES
 
-from .formats import DataError
-from .prompts import Prompts, to_prompts
-from .sources import check_train_paths, load_training_rows, prepare_store
-from .store import ConcatStores, PairRows
+from moco_retrieval.data.formats import DataError
+from moco_retrieval.data.prompts import Prompts, to_prompts
+from moco_retrieval.data.sources import check_train_paths, load_training_rows, prepare_store
+from moco_retrieval.data.store import ConcatStores, PairRows
 
 # what a source sets for itself; everything else (seed, caps of the pool, cache_dir, ...) is the data config's
 SOURCE_KEYS = ("kind", "train_path", "path", "split", "dir", "train_split", "columns", "max_train_examples")

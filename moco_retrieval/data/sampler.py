@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Sampler
 from moco_retrieval.config import SOURCE_MODES
 from moco_retrieval.distributed import rank_and_world
 
-from .ids import NO_GROUP
+from moco_retrieval.data.ids import NO_GROUP
 
 
 _ROWS_CHUNK = 1 << 16  # rows whose ids and groups the duplicate-free plan holds as Python ints at once

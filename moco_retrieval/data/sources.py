@@ -30,8 +30,8 @@ from typing import Any, Iterator, Optional
 import numpy as np
 from omegaconf import OmegaConf
 
-from .convert import PairSpec, ensure_store
-from .formats import (
+from moco_retrieval.data.convert import PairSpec, ensure_store
+from moco_retrieval.data.formats import (
     DataError,
     EvalSet,
     Pair,
@@ -43,7 +43,7 @@ from .formats import (
     iter_pairs_jsonl_located,
     read_pairs_jsonl_located,
 )
-from .store import PairList, PairRows, PairStore
+from moco_retrieval.data.store import PairList, PairRows, PairStore
 
 KINDS = ("debian", "jsonl", "parquet", "csv", "beir", "hf")
 PAIR_KINDS = ("jsonl", "parquet", "csv", "hf")  # training pairs (a file, or hf's folder) + a BEIR folder for validation
@@ -166,7 +166,7 @@ _HF_DIR = "a datasets save_to_disk folder or a folder of Parquet shards"
 
 def debian_folder(cfg: Any) -> Path:
     """The built Debian data set of ``cfg`` (built on first use, see :func:`~.debian.ensure_debian_dataset`)."""
-    from .debian import ensure_debian_dataset
+    from moco_retrieval.data.builders.debian import ensure_debian_dataset
 
     return ensure_debian_dataset(cfg)
 
@@ -189,14 +189,14 @@ def _located_pairs(path: Path, folder: Optional[Path] = None) -> TrainingPairs:
 
 
 def _table_pairs(path: Path, kind: str, columns: Any) -> TrainingPairs:
-    from .tabular import read_pairs_table_located
+    from moco_retrieval.data.tabular import read_pairs_table_located
 
     located = read_pairs_table_located(path, kind, columns)
     return TrainingPairs([p for _, p in located], [f"{path}: row {row}" for row, _ in located])
 
 
 def _hf_pairs(cfg: Any, folder: Path) -> TrainingPairs:
-    from .hf_folder import read_hf_pairs_located
+    from moco_retrieval.data.hf_folder import read_hf_pairs_located
 
     located = read_hf_pairs_located(folder, cfg.split, _value(cfg, "columns"))
     return TrainingPairs([p for _, _, p in located], [f"{where}: row {row}" for where, row, _ in located])
@@ -285,7 +285,7 @@ def _jsonl_spec(path: Path) -> PairSpec:
 
 
 def _table_spec(path: Path, kind: str, columns: Any) -> PairSpec:
-    from .tabular import STREAMS, column_names
+    from moco_retrieval.data.tabular import STREAMS, column_names
 
     def count() -> int:
         if kind == "csv":
@@ -299,8 +299,8 @@ def _table_spec(path: Path, kind: str, columns: Any) -> PairSpec:
 
 
 def _hf_spec(folder: Path, split: str, columns: Any) -> PairSpec:
-    from .hf_folder import hf_input_files, hf_tables, iter_table_pairs
-    from .tabular import column_names
+    from moco_retrieval.data.hf_folder import hf_input_files, hf_tables, iter_table_pairs
+    from moco_retrieval.data.tabular import column_names
 
     tables = hf_tables(folder, split)
 
@@ -373,7 +373,7 @@ def load_eval_pool_mapped(cfg: Any, data_folder: Optional[Path] = None) -> EvalP
     """:func:`load_eval_pool` with the corpus a memory-mapped store (corpus_store.py, converted once
     per content) instead of a dict: the same pool, errors and caps (a capped pool keeps only its
     documents' texts, in memory). ``evaluate`` reads this; training's validation the dict."""
-    from .corpus_store import store_reader
+    from moco_retrieval.data.corpus_store import store_reader
 
     kind = _check_kind(cfg)
     folder, split = _eval_location(cfg, kind, data_folder)
@@ -416,7 +416,7 @@ def load(cfg: Any) -> tuple[TrainingPairs, EvalPool]:
 def load_document_corpus(cfg: Any) -> tuple[Any, str]:
     """:func:`load_documents` as a corpus view (corpus_store.py): ``beir``'s corpus.jsonl as a
     memory-mapped store (converted once per content), the other kinds' documents in a CorpusDict."""
-    from .corpus_store import CorpusDict, corpus_store
+    from moco_retrieval.data.corpus_store import CorpusDict, corpus_store
 
     if cfg.kind == "beir" and _value(cfg, "dir"):
         p = Path(cfg.dir).expanduser() / "corpus.jsonl"

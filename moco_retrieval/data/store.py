@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from torch.utils.data import Dataset
 
-from .formats import Negative, Pair
+from moco_retrieval.data.formats import Negative, Pair
 
 STORE_VERSION = 1
 TABLE = "pairs.arrow"

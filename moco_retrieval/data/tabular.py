@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from .formats import DataError, Pair, PathLike, pair_from_json
+from moco_retrieval.data.formats import DataError, Pair, PathLike, pair_from_json
 
 FIELDS = ("query", "positive", "query_id", "doc_id", "group", "negatives", "positive_score")
 REQUIRED = ("query", "positive")

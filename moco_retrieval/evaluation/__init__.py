@@ -2,10 +2,10 @@
 
 Reports and plots live in ``evaluation.report`` (it imports matplotlib): import them from there.
 """
-from .encode import EvalResult, encode_texts, evaluate_embeddings, evaluate_encoder
-from .geometry import GeometryResult, alignment, compute_geometry, l2_normalize, uniformity
-from .index import build_index, build_index_from_config, load_index, results_to_run, save_index, search
-from .metrics import (
+from moco_retrieval.evaluation.encode import EvalResult, encode_texts, evaluate_embeddings, evaluate_encoder
+from moco_retrieval.evaluation.geometry import GeometryResult, alignment, compute_geometry, l2_normalize, uniformity
+from moco_retrieval.evaluation.index import build_index, build_index_from_config, load_index, results_to_run, save_index, search
+from moco_retrieval.evaluation.metrics import (
     METRIC_NAMES,
     MetricsResult,
     evaluate_run,

@@ -5,6 +5,12 @@
 and hands the embeddings to ``evaluate_embeddings``, which the training validation loop calls
 directly with the embeddings it accumulated. Scores are inner products of the embeddings as the
 encoder returns them (cosine when it normalizes, raw dot product when it does not).
+
+Retrieval metrics of a Matryoshka-trained model at each of its prefix dimensions.
+
+A model trained with ``objective.matryoshka_dims`` is meant to be used truncated: its first d
+coordinates (re-normalised when the model normalises; sentence-transformers' ``truncate_dim``) are
+an embedding of their own. Validation and ``evaluate`` score the pool again at each such d.
 """
 from __future__ import annotations
 
@@ -18,13 +24,16 @@ import torch
 
 from moco_retrieval.data.corpus_store import as_corpus
 from moco_retrieval.data.prompts import NO_PROMPTS
-from moco_retrieval.devices import module_device
 from moco_retrieval.distributed import all_gather_rows, rank, shard_range, world_size
-
-from .geometry import compute_geometry
-from .index import build_index_from_config, rerank_exact, results_to_run, search
-from .metrics import evaluate_run, recall_curve
-
+from moco_retrieval.evaluation.geometry import compute_geometry
+from moco_retrieval.evaluation.index import (
+    build_index_from_config,
+    rerank_exact,
+    results_to_run,
+    search,
+)
+from moco_retrieval.evaluation.metrics import evaluate_run, recall_curve
+from moco_retrieval.model.devices import module_device
 
 NOUNS = {"query": "queries", "doc": "documents"}  # the kinds of text, as progress lines name them
 
@@ -129,7 +138,9 @@ def _encode_in_order(encoder: Any, n: int, order: Sequence[int], fetch: Any, kin
     desc = description or f"encoding {n:,} {NOUNS[kind]}"
     bar = None
     if show_progress:
-        from moco_retrieval.progress import progress_bar  # tqdm on a terminal, plain lines in a log file
+        from moco_retrieval.progress import (
+            progress_bar,  # tqdm on a terminal, plain lines in a log file
+        )
 
         bar = progress_bar(n, desc, " texts" if kind == "doc" else " queries")
     _check_rows(out, n)
@@ -311,7 +322,6 @@ def evaluate_encoder(
         normalize=None if normalize is None else bool(normalize),
     )
     if dims:
-        from moco_retrieval.evaluation.matryoshka import metrics_by_dim
 
         result.metrics_by_dim = metrics_by_dim(doc_ids, doc_emb, query_ids, query_emb, evalset.qrels, cfg, dims,
                                                normalize=bool(normalize) if normalize is not None else True)
@@ -324,4 +334,27 @@ def evaluate_encoder(
     return result
 
 
-__all__ = ["EvalResult", "embedding_file", "encode_texts", "encode_corpus", "encode_texts_sharded", "evaluate_embeddings", "evaluate_encoder"]
+def truncate(emb: Any, dim: int, normalize: bool) -> np.ndarray:
+    """The first ``dim`` columns of ``emb`` [n, D] (float32), rows re-normalised when ``normalize``."""
+    out = np.ascontiguousarray(np.asarray(emb, dtype=np.float32)[:, :dim])
+    if normalize:
+        out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+    return out
+
+
+def metrics_by_dim(doc_ids: Sequence[str], doc_emb: Any, query_ids: Sequence[str], query_emb: Any,
+                   qrels: Mapping[str, Mapping[str, int]], cfg: Any, dims: Sequence[int],
+                   normalize: bool) -> dict[str, dict[str, float]]:
+    """``{str(d): metrics}`` for each prefix ``d`` of ``dims`` shorter than the embeddings (the full
+    size is the ordinary evaluation)."""
+
+    full = np.asarray(doc_emb).shape[1]
+    out = {}
+    for dim in sorted({int(d) for d in dims if int(d) < full}, reverse=True):
+        res = evaluate_embeddings(doc_ids, truncate(doc_emb, dim, normalize), query_ids,
+                                  truncate(query_emb, dim, normalize), qrels, cfg, normalize=normalize)
+        out[str(dim)] = dict(res.metrics)
+    return out
+
+
+__all__ = ['EvalResult', 'embedding_file', 'encode_texts', 'encode_corpus', 'encode_texts_sharded', 'evaluate_embeddings', 'evaluate_encoder', 'truncate', 'metrics_by_dim']

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from moco_retrieval.devices import module_device
+from moco_retrieval.model.devices import module_device
 from moco_retrieval.progress import log_line
 
 SAMPLE = 64  # texts timed; spread over the length order, so long and short ones count

@@ -27,8 +27,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .encode import EvalResult
-from .metrics import METRIC_NAMES, rank_documents, write_trec_run
+from moco_retrieval.evaluation.encode import EvalResult
+from moco_retrieval.evaluation.metrics import METRIC_NAMES, rank_documents, write_trec_run
 
 GEOMETRY_ROWS: tuple[tuple[str, str], ...] = (
     ("anisotropy", "anisotropy: mean cosine, unrelated pairs (p5 to p95)"),

@@ -16,9 +16,20 @@ encoder's ``prompts`` (data/prompts.py) are the model's own: a checkpoint's hype
 ``prompts``, an exported directory's ``moco_retrieval.json`` (or, for another sentence-transformers
 directory, its ``config_sentence_transformers.json``); a base model takes the command's
 ``data.prompts`` (:func:`load_encoder`'s ``prompts``), which may not contradict stored ones.
+
+The frozen guide encoder of guided false-negative masking (objectives/guided.py).
+
+``objective.guide=base`` is the run's own backbone as it was before training (no head, frozen);
+any other value except "none" and "momentum" names a backbone ("minilm") or a local model folder,
+mean-pooled. Guides are frozen and L2-normalised (the rule compares cosines), and their features
+are cached per text like any frozen backbone's, so a text is encoded once per run.
+
+With LoRA, the base guide is the trained encoder's own frozen base run with the adapters disabled
+(``lora.AdaptersDisabled``): the same model, without a second copy of its weights in memory.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Optional
@@ -26,13 +37,24 @@ from typing import Any, Optional
 import torch
 from omegaconf import OmegaConf
 
-from moco_retrieval.checkpoint_file import read_checkpoint
-from moco_retrieval.config import ModelConfig, to_config
+from moco_retrieval.config import LoraConfig, ModelConfig, to_config
 from moco_retrieval.data.prompts import Prompts, model_prompts, to_prompts
-from moco_retrieval.errors import CheckpointError, ConfigError, ModelLoadError, ModelNotFoundError
+from moco_retrieval.errors import (
+    CheckpointError,
+    ConfigError,
+    ModelLoadError,
+    ModelNotFoundError,
+)
 from moco_retrieval.model.encoder import TextEncoder, build_encoder
-from moco_retrieval.model.lora import LORA_BASE, check_same_base, restore_base_weights
+from moco_retrieval.model.lora import (
+    LORA_BASE,
+    AdaptersDisabled,
+    check_same_base,
+    is_lora,
+    restore_base_weights,
+)
 from moco_retrieval.model.momentum import ENCODERS, state_dict_prefix
+from moco_retrieval.training.checkpoints import read_checkpoint
 
 META_FILE = "moco_retrieval.json"  # written next to an exported model: its ModelConfig and source
 ST_CONFIG = "config_sentence_transformers.json"
@@ -232,12 +254,34 @@ def describe_spec(spec: str) -> dict[str, Optional[str]]:
     raise ModelNotFoundError(f"{spec!r}: not 'base', a checkpoint file or a model directory")
 
 
-__all__ = [
-    "META_FILE",
-    "describe_encoder",
-    "describe_spec",
-    "load_checkpoint",
-    "load_checkpoint_encoder",
-    "load_encoder",
-    "load_model_dir",
-]
+BASE_GUIDE = "base"
+
+
+def guide_model_config(guide: str, model: ModelConfig) -> ModelConfig | None:
+    """The ModelConfig of a fixed guide, or None when ``guide`` is "none" or "momentum"."""
+    if guide in ("none", "momentum"):
+        return None
+    # the base as it was: no adapters, nothing to back-propagate through
+    frozen = dict(head="none", head_dim=None, head_init="random", frozen_backbone=True, normalize=True,
+                  shared_tower=True, grad_cache_chunk=None, lora=LoraConfig(), gradient_checkpointing=False)
+    if guide == BASE_GUIDE:
+        return dataclasses.replace(model, **frozen)
+    return dataclasses.replace(model, backbone=guide, path=None, backbone_kind="transformer", pooling="mean", **frozen)
+
+
+def build_guide_encoder(guide: str, model: ModelConfig, encoder: Optional[TextEncoder] = None) -> TextEncoder | None:
+    """The frozen guide, or None. ``encoder``: the run's trained encoder, whose LoRA base (when it
+    has one) the "base" guide runs with the adapters disabled instead of loading the base again."""
+    cfg = guide_model_config(guide, model)
+    if cfg is None:
+        return None
+    backbone = encoder.tower_for("query").backbone if guide == BASE_GUIDE and encoder is not None else None
+    if backbone is not None and is_lora(backbone):
+        guide_encoder = TextEncoder(cfg, loaded=(AdaptersDisabled(backbone), encoder.tokenizer))
+    else:
+        guide_encoder = build_encoder(cfg)
+    guide_encoder.requires_grad_(False)
+    return guide_encoder.eval()
+
+
+__all__ = ['META_FILE', 'describe_encoder', 'describe_spec', 'load_checkpoint', 'load_checkpoint_encoder', 'load_encoder', 'load_model_dir', 'BASE_GUIDE', 'guide_model_config', 'build_guide_encoder']

@@ -3,8 +3,8 @@ generated from the schemas (config.py's dataclasses, the objectives' through the
 the defaults the commands compose (conf/); and the table of objectives in docs/guide/objectives.md
 (between its marker comments), from the registry. Regenerate after changing a schema or a preset:
 
-    python -m moco_retrieval.config_reference            # writes both
-    python -m moco_retrieval.config_reference --check    # status 1 when either is stale
+    python docs/tools/config_reference.py            # writes both
+    python docs/tools/config_reference.py --check    # status 1 when either is stale
 
 A key's meaning is the comment written beside it (or on the lines just above it) in config.py,
 so the reference says what the code says; tests/test_config_reference.py holds the file to it.
@@ -27,11 +27,11 @@ from omegaconf import MISSING
 
 from moco_retrieval import config as C
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 OUTPUT = REPO / "docs" / "configuration.md"
 OBJECTIVES_GUIDE = REPO / "docs" / "guide" / "objectives.md"
 TABLE_BEGIN, TABLE_END = "<!-- objectives table: begin -->\n", "\n<!-- objectives table: end -->"
-REGENERATE = "python -m moco_retrieval.config_reference"
+REGENERATE = "python docs/tools/config_reference.py"
 
 # train's sections: (key, schema); objective has one schema per objective and its own table
 TRAIN_SECTIONS: list[tuple[str, type]] = [
@@ -332,7 +332,7 @@ def with_objectives_table(text: str) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moco_retrieval.config_reference",
+    parser = argparse.ArgumentParser(prog="python docs/tools/config_reference.py",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only compare: status 1 when the file is stale")
     parser.add_argument("--out", type=Path, default=OUTPUT)

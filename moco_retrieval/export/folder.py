@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from moco_retrieval.errors import OutputExistsError
-from moco_retrieval.file_modes import ordinary_mode
+from moco_retrieval.files import ordinary_mode
 from moco_retrieval.model.loading import META_FILE
 
 # what exports wrote before META_FILE listed it: sentence-transformers' files and module folders, ours

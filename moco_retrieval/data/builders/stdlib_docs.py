@@ -43,10 +43,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
-from .builds import build_into, check_output_dir, sha256_file
-from .debian import is_eval_source
-from .formats import DataError, write_jsonl, write_qrels
-from .ids import normalize_text
+from moco_retrieval.data.builders.folder import build_into, check_output_dir, sha256_file
+from moco_retrieval.data.builders.debian import is_eval_source
+from moco_retrieval.data.formats import DataError, write_jsonl, write_qrels
+from moco_retrieval.data.ids import normalize_text
 
 BUILDER_VERSION = 1
 DEFAULT_EVAL_FRACTION = 0.1

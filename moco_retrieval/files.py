@@ -1,4 +1,8 @@
-"""Files a command writes for the user: checked before any work, written whole or not at all.
+"""Ordinary file permissions for what the project writes: 0666 / 0777 less the process's umask, as
+``open`` and ``mkdir`` give (``mkstemp``/``mkdtemp`` create private 0600 / 0700 entries, which
+another user or a serving container cannot read).
+
+Files a command writes for the user: checked before any work, written whole or not at all.
 
 :func:`check_output` refuses, before the command reads data or loads a model: a directory given as a
 file; a file that is there already, unless ``overwrite``; and, even with ``overwrite``, a file that
@@ -16,7 +20,18 @@ from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
 from moco_retrieval.errors import ConfigError, OutputExistsError
-from moco_retrieval.file_modes import ordinary_mode
+
+
+def current_umask() -> int:
+    """The process's umask (reading it means setting it: it is set back at once)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+def ordinary_mode(is_dir: bool) -> int:
+    """0777 (a folder) or 0666 (a file) less the umask."""
+    return (0o777 if is_dir else 0o666) & ~current_umask()
 
 
 def check_output(path: Path, key: str, overwrite: bool, inputs: Mapping[str, Iterable[Path]]) -> None:
@@ -71,4 +86,4 @@ def atomic_write(path: Path) -> Iterator[Path]:
             tmp.unlink()
 
 
-__all__ = ["check_output", "files_under", "atomic_write"]
+__all__ = ['current_umask', 'ordinary_mode', 'check_output', 'files_under', 'atomic_write']

@@ -38,9 +38,9 @@ package's), and ``manifest.json`` (counts, the inputs' sha256, the rules). Every
 package name and written without timestamps: the same inputs give byte-identical outputs.
 
 Training builds the set on first use into the cache and finds it again later (:mod:`.cache`).
-The package's names are importable from ``moco_retrieval.data.debian``.
+The package's names are importable from ``moco_retrieval.data.builders.debian``.
 """
-from .apt_lists import (
+from moco_retrieval.data.builders.debian.apt_lists import (
     APT_UPDATE_HINT,
     DEFAULT_LISTS_DIR,
     ENV_DEBIAN_DIR,
@@ -51,7 +51,7 @@ from .apt_lists import (
     resolve_debian_inputs,
     source_name,
 )
-from .build import (
+from moco_retrieval.data.builders.debian.build import (
     BUILDER_VERSION,
     DEFAULT_EVAL_FRACTION,
     MIN_EVAL_DOCS,
@@ -60,8 +60,8 @@ from .build import (
     split_rule,
     write_debian,
 )
-from .cache import RECORD_FILE, ensure_debian_dataset, record_build, recorded_build
-from .records import DEDUP_MODES, DebianPair, deduplicate, load_records
+from moco_retrieval.data.builders.debian.cache import RECORD_FILE, ensure_debian_dataset, record_build, recorded_build
+from moco_retrieval.data.builders.debian.records import DEDUP_MODES, DebianPair, deduplicate, load_records
 
 __all__ = [
     "APT_UPDATE_HINT",

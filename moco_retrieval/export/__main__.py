@@ -46,8 +46,8 @@ from omegaconf import DictConfig, OmegaConf
 from moco_retrieval.command import command
 from moco_retrieval.config import register_configs
 from moco_retrieval.errors import ConfigError
-from moco_retrieval.export_folder import apply_umask, earlier_export
-from moco_retrieval.export_model import export_adapter, export_encoder
+from moco_retrieval.export.folder import apply_umask, earlier_export
+from moco_retrieval.export.writer import export_adapter, export_encoder
 from moco_retrieval.model.loading import META_FILE, load_encoder
 from moco_retrieval.model.momentum import ENCODERS
 
@@ -56,7 +56,12 @@ register_configs()
 
 def write_model_card(out: Path, desc: dict, checkpoint: Optional[str], side: str, name: str) -> Path:
     """``out/README.md``: the card of model_card.py in place of sentence-transformers' generic one."""
-    from moco_retrieval.model_card import model_card, run_dir_of, training_record, validation_at
+    from moco_retrieval.export.card import (
+        model_card,
+        run_dir_of,
+        training_record,
+        validation_at,
+    )
 
     record = training_record(checkpoint)
     metrics = None

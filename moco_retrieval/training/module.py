@@ -11,18 +11,30 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from moco_retrieval.config import EvalConfig, ModelConfig, ObjectiveConfig, OptimConfig, TrainConfig, objective_config, to_config
-from moco_retrieval.distributed import all_gather_rows, row_counts, shard_range
-from moco_retrieval.evaluation.encode import evaluate_embeddings
-from moco_retrieval.evaluation.matryoshka import metrics_by_dim
-from moco_retrieval.gradcache import GradCache
-from moco_retrieval.model.encoder import build_encoder
-from moco_retrieval.data.prompts import to_prompts
-from moco_retrieval.model.momentum import MomentumEncoder
-from moco_retrieval.model.guide import build_guide_encoder
-from moco_retrieval.model.lora import (
-    LORA_BASE, base_fingerprint, check_same_base, check_same_lora, drop_base_weights, restore_base_weights,
+from moco_retrieval.config import (
+    EvalConfig,
+    ModelConfig,
+    ObjectiveConfig,
+    OptimConfig,
+    TrainConfig,
+    objective_config,
+    to_config,
 )
+from moco_retrieval.data.prompts import to_prompts
+from moco_retrieval.distributed import all_gather_rows, row_counts, shard_range
+from moco_retrieval.evaluation.encode import evaluate_embeddings, metrics_by_dim
+from moco_retrieval.model.encoder import build_encoder
+from moco_retrieval.model.gradcache import GradCache
+from moco_retrieval.model.loading import build_guide_encoder
+from moco_retrieval.model.lora import (
+    LORA_BASE,
+    base_fingerprint,
+    check_same_base,
+    check_same_lora,
+    drop_base_weights,
+    restore_base_weights,
+)
+from moco_retrieval.model.momentum import MomentumEncoder
 from moco_retrieval.objectives import GUIDE, TRAINED, StepInput, View, build_objective
 
 

@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from moco_retrieval.launcher import job_id
 from moco_retrieval.errors import UserError
+from moco_retrieval.training.cluster import job_id
 
 LOCK_NAME = ".lock"
 

@@ -13,8 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from ..file_modes import ordinary_mode
-from .formats import DataError
+from moco_retrieval.files import ordinary_mode
+from moco_retrieval.data.formats import DataError
 
 
 def sha256_file(path: os.PathLike | str) -> str:

@@ -7,11 +7,11 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from ..builds import build_into, check_output_dir, sha256_file
-from ..formats import DataError, write_jsonl, write_qrels
-from ..ids import stable_id
-from .apt_lists import APT_UPDATE_HINT
-from .records import DEDUP_MODES, DebianPair, deduplicate, load_records
+from moco_retrieval.data.builders.folder import build_into, check_output_dir, sha256_file
+from moco_retrieval.data.formats import DataError, write_jsonl, write_qrels
+from moco_retrieval.data.ids import stable_id
+from moco_retrieval.data.builders.debian.apt_lists import APT_UPDATE_HINT
+from moco_retrieval.data.builders.debian.records import DEDUP_MODES, DebianPair, deduplicate, load_records
 
 BUILDER_VERSION = 1
 # a small fraction of the sources held out: enough eval documents (MIN_EVAL_DOCS) for stable

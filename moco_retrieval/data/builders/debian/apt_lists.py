@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Iterator, Optional
 
-from ..formats import DataError
+from moco_retrieval.data.formats import DataError
 
 DEFAULT_LISTS_DIR = "/var/lib/apt/lists"
 ENV_DEBIAN_DIR = "MOCO_RETRIEVAL_DEBIAN_DIR"

@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ...config import cache_root
-from ...file_modes import ordinary_mode
-from ..builds import temp_dir_beside
-from .apt_lists import ENV_DEBIAN_DIR, resolve_debian_inputs
-from .build import BUILDER_VERSION, DEFAULT_EVAL_FRACTION, check_options, inputs_manifest, write_debian
-from .records import deduplicate, load_records
+from moco_retrieval.config import cache_root
+from moco_retrieval.files import ordinary_mode
+from moco_retrieval.data.builders.folder import temp_dir_beside
+from moco_retrieval.data.builders.debian.apt_lists import ENV_DEBIAN_DIR, resolve_debian_inputs
+from moco_retrieval.data.builders.debian.build import BUILDER_VERSION, DEFAULT_EVAL_FRACTION, check_options, inputs_manifest, write_debian
+from moco_retrieval.data.builders.debian.records import deduplicate, load_records
 
 RECORD_FILE = "debian-default.json"
 _announced: set[str] = set()

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..formats import DataError
-from ..ids import normalize_text
-from .apt_lists import parse_control, parse_description, read_index_text, source_name
+from moco_retrieval.data.formats import DataError
+from moco_retrieval.data.ids import normalize_text
+from moco_retrieval.data.builders.debian.apt_lists import parse_control, parse_description, read_index_text, source_name
 
 DEDUP_MODES = ("first-paragraph", "exact")
 

@@ -1,4 +1,12 @@
-"""Preemption-safe training: stop at a step boundary on SIGTERM, SIGUSR1 or SIGINT (Ctrl-C),
+"""How a stopped run ends: the signals that stop it, the exception that ends it after the
+preemption checkpoint, and its exit status (``128 + signal``: 143 for SIGTERM, 138 for SIGUSR1,
+130 for SIGINT, the status of a process the signal killed, which requeue machinery treats as
+retryable; see preemption.py).
+
+``scontrol requeue`` of this SLURM job, as Lightning's auto-requeue does (preemption.py runs it on
+rank 0 on the requeue signal, SIGUSR1, the time-limit warning).
+
+Preemption-safe training: stop at a step boundary on SIGTERM, SIGUSR1 or SIGINT (Ctrl-C),
 write ``checkpoints/last.ckpt``, exit with a status a requeue understands.
 
 Ctrl-C is a stop like SIGTERM (exit 130, ``train.py`` prints the command that resumes); a second
@@ -56,22 +64,77 @@ shows it: the ranks must hold identical copies, which DDP does not check.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from moco_retrieval.distributed import world_size
-from moco_retrieval.fingerprints import rank_fingerprints
-from moco_retrieval.requeue import slurm_requeue
-from moco_retrieval.stop_signals import STOP_SIGNALS, Preempted, sigterm_exit_status
+from moco_retrieval.training.checkpoints import rank_fingerprints
+from moco_retrieval.training.cluster import slurm_job_id
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+def exit_code(signum: int) -> int:
+    """The status of a run stopped by ``signum``: 128 + the signal number (143 for SIGTERM)."""
+    return 128 + int(signum)
+
+
+class Preempted(SystemExit):
+    """Raised after the preemption checkpoint is written; its ``code`` is the process status."""
+
+    def __init__(self, signum: int, ckpt_path: str, step: int):
+        super().__init__(exit_code(signum))
+        self.signum, self.ckpt_path, self.step = int(signum), str(ckpt_path), int(step)
+
+    def __str__(self) -> str:
+        return (f"stopped by {signal.Signals(self.signum).name} after step {self.step}; "
+                f"checkpoint {self.ckpt_path}; exit status {self.code}")
+
+
+@contextmanager
+def sigterm_exit_status() -> Iterator[None]:
+    """Lightning's own ``SIGTERMException`` (a SIGTERM outside the training steps, e.g. during the
+    final validation, or one Lightning saw before ``on_train_start``) is a ``SystemExit`` with
+    status 0, which a scheduler takes for success; make it 143 like :class:`Preempted`."""
+    try:
+        yield
+    except SIGTERMException as e:
+        raise SystemExit(exit_code(signal.SIGTERM)) from e
+
+
+log = logging.getLogger(__name__)
+
+
+def slurm_requeue(job: Optional[str] = None) -> bool:
+    """``scontrol requeue <job>``; False (with the reason logged) when it cannot be done here."""
+    job = job or slurm_job_id()
+    if not job:
+        log.warning("requeue: no SLURM job id in the environment")
+        return False
+    try:
+        rc = subprocess.call(["scontrol", "requeue", job])
+    except FileNotFoundError:
+        log.warning("requeue: scontrol is not available here (a container?); the batch script has to "
+                    "requeue job %s (docker/slurm.sbatch does, on an exit status above 128)", job)
+        return False
+    if rc != 0:
+        log.warning("requeue: `scontrol requeue %s` failed with status %s", job, rc)
+        return False
+    log.info("requeued SLURM job %s", job)
+    return True
 
 
 class PreemptionCheckpoint(Callback):
@@ -204,4 +267,4 @@ class PreemptionCheckpoint(Callback):
         checkpoint["rank_fingerprints"] = everyone
 
 
-__all__ = ["PreemptionCheckpoint", "Preempted", "STOP_SIGNALS", "sigterm_exit_status"]
+__all__ = ['Preempted', 'STOP_SIGNALS', 'exit_code', 'sigterm_exit_status', 'slurm_requeue', 'PreemptionCheckpoint']

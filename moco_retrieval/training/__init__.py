@@ -1,0 +1,1 @@
+"""Training: the Lightning module and everything a run keeps and checks."""
