@@ -64,7 +64,7 @@ def compose_cfg(overrides: Sequence[str] = ()):
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    from moco_retrieval.config import register_configs
+    from moco_retrieval.command import register_configs
 
     register_configs()
     GlobalHydra.instance().clear()

@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import cli  # noqa: E402
 from harness.steps import OurStep  # noqa: E402
 
-from moco_retrieval.config import MoCoConfig, ModelConfig, OptimConfig  # noqa: E402
+from moco_retrieval.config import ModelConfig, OptimConfig  # noqa: E402
+from moco_retrieval.objectives.moco import MoCoConfig
 from moco_retrieval.training.module import RetrievalModule  # noqa: E402
 from moco_retrieval.model.tiny import build_tiny_bert  # noqa: E402
 

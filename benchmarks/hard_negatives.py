@@ -53,7 +53,7 @@ def compose(overrides: list[str]):
     from hydra import initialize_config_module
     from omegaconf import OmegaConf
 
-    from moco_retrieval.config import register_configs
+    from moco_retrieval.command import register_configs
 
     register_configs()
     with initialize_config_module(config_module="moco_retrieval.conf", version_base="1.3"):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import shutil
 import sys
 import textwrap
@@ -37,14 +38,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from omegaconf import DictConfig
-from omegaconf.errors import (
-    ConfigAttributeError,
-    ConfigKeyError,
-    OmegaConfBaseException,
-)
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from moco_retrieval.config import check_known_keys, register_configs, unknown_key
+from moco_retrieval.config import check_known_keys, choice_message, register_command_schemas, unknown_key
 from moco_retrieval.errors import USER_ERROR_STATUS, report, reports_user_errors
+from moco_retrieval.objectives import registry as objectives
 
 # Every command loads towers kept in eval mode on purpose (the EMA key encoder: no dropout in keys)
 # and FAISS, which announces each CPU instruction set it tries; neither is news to a user.
@@ -54,6 +52,13 @@ logging.getLogger("faiss.loader").setLevel(logging.WARNING)
 CONFIG_PATH = "pkg://moco_retrieval.conf"
 FULL_ERROR = "HYDRA_FULL_ERROR"
 Task = Callable[[DictConfig], Any]
+
+
+def register_configs() -> None:
+    """Everything a command composes, in Hydra's config store: the command schemas and the
+    ``objective`` group (idempotent)."""
+    register_command_schemas()
+    objectives.register()
 
 
 def command(name: str) -> Callable[[Task], Callable[..., Any]]:
@@ -161,6 +166,9 @@ def composition_message(error: Exception) -> str:
     cause = error.__cause__
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key and isinstance(cause.object_type, type):
         return str(unknown_key(cause.full_key, cause.object_type, added=False))
+    choice = re.match(r"Invalid value '(.*)', expected one of \[(.*)\]", str(getattr(cause, "msg", "")))
+    if isinstance(cause, ValidationError) and cause.full_key and choice:  # an Enum option: as the ranges say it
+        return choice_message(cause.full_key, choice.group(1), choice.group(2).split(", "))
     lines = str(error).splitlines()
     if isinstance(cause, OmegaConfBaseException):
         lines += str(cause).splitlines()
@@ -168,7 +176,7 @@ def composition_message(error: Exception) -> str:
                      if not line.startswith("To append to your config use") and not line.strip().endswith("_schema"))
 
 
-SCHEMA_SUFFIX = "_schema"  # ConfigStore names of the schemas (config.register_configs)
+SCHEMA_SUFFIX = "_schema"  # ConfigStore names of the command schemas (config.register_command_schemas)
 PRESETS = "experiment"  # the group of presets, added with a +
 
 
@@ -198,7 +206,7 @@ def groups_and_options(name: str) -> tuple[dict[str, list[str]], list[tuple[str,
         used = set(cfg.keys()) | {PRESETS}
         groups = {g: [o for o in loader.get_group_options(g) if not o.endswith(SCHEMA_SUFFIX)]
                   for g in loader.list_groups("") if g in used}
-    values = OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)
+    values = OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False, enum_to_str=True)
     main = [(k, "(required)" if v == "???" else v) for k, v in values.items() if not isinstance(v, dict)]
     return {g: o for g, o in groups.items() if o}, main
 

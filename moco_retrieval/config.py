@@ -7,9 +7,13 @@ ignored. Defaults below are the library defaults; ``conf/`` presets override the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
+import re
+import typing
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, ClassVar, Optional, TypeVar
 
@@ -56,17 +60,101 @@ AT_LEAST_ONE = Range(1)
 FRACTION = Range(0, 1)  # [0, 1]
 PROPER_FRACTION = Range(0, 1, hi_open=True)  # [0, 1)
 
-# text options, checked with the config (the modules that use them: objectives/queue.py, model/momentum.py,
-# lightning_module.py, Lightning's Trainer; tests/test_faults_inputs.py holds each list against its user)
-QUEUE_DTYPES = ("float32", "bfloat16", "float16")
-MOMENTUM_SCHEDULES = ("constant", "cosine")
-LR_SCHEDULES = ("linear", "cosine", "constant")
 PRECISIONS = ("auto", "32-true", "32", "bf16-mixed", "bf16", "16-mixed", "16", "bf16-true", "16-true", "64-true", "64",
-              "transformer-engine", "transformer-engine-float16")
+              "transformer-engine", "transformer-engine-float16")  # Lightning's; not identifiers, so no Enum
+
+
+def setting(default: Any = MISSING, valid: Optional[Range] = None, *, factory: Any = None, choices: tuple = ()) -> Any:
+    """A config field with its rule beside it: ``valid``, the range its value must be in (None
+    passes: unset); ``choices``, the values a text option may take where they are not identifiers
+    (elsewhere an Enum type, which OmegaConf checks)."""
+    metadata = {"range": valid} if valid is not None else {}
+    if choices:
+        metadata["choices"] = tuple(choices)
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+# ---- text options: one Enum each, checked by OmegaConf whenever a config is composed or merged
+
+
+class Dtype(StrEnum):
+    """Tensor storage: model.backbone_dtype, objective.queue_dtype."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Pooling(StrEnum):
+    mean = "mean"
+    cls = "cls"
+    last = "last"  # the last non-padding token: decoder backbones (model/decoder.py)
+
+
+class Head(StrEnum):
+    none = "none"
+    linear = "linear"
+    mlp = "mlp"
+
+
+class HeadInit(StrEnum):
+    random = "random"
+    identity = "identity"  # linear head only, head_dim == hidden
+
+
+class BackboneKind(StrEnum):
+    transformer = "transformer"
+    bag_of_wordpieces = "bag_of_wordpieces"  # the input embeddings alone (model/backbone.py)
+
+
+class LrSchedule(StrEnum):
+    linear = "linear"
+    cosine = "cosine"
+    constant = "constant"
+
+
+class DataKind(StrEnum):
+    debian = "debian"
+    jsonl = "jsonl"
+    parquet = "parquet"
+    csv = "csv"
+    hf = "hf"
+    beir = "beir"
+
+
+class SourceMode(StrEnum):
+    weighted = "weighted"  # by weight, else by size
+    round_robin = "round_robin"
+
+
+class IndexKind(StrEnum):
+    flat = "flat"
+    ivf = "ivf"
+    ivfpq = "ivfpq"
+    hnsw = "hnsw"
+
+
+class Which(StrEnum):
+    """Which encoder of a checkpoint: the trained (query) one, or a MoCo checkpoint's EMA key encoder."""
+
+    query = "query"
+    key = "key"
+
+
+class Sampling(StrEnum):
+    top = "top"
+    random = "random"
+
+
+class Format(StrEnum):
+    text = "text"
+    json = "json"
 
 
 def field_names(schema: type) -> list[str]:
-    """The settings of a config dataclass (not its ClassVars: RANGES, CHOICES, SECTION)."""
+    """The settings of a config dataclass (not its ClassVars)."""
     return [f.name for f in dataclasses.fields(schema)]
 
 
@@ -82,14 +170,12 @@ def _value(node: Any, key: str) -> Any:
 
 
 class RangeChecked:
-    """Mixin: ``__post_init__`` checks every field named in ``RANGES`` (None passes: unset), every
-    text field named in ``CHOICES`` (one of its values), and that no float field is nan or infinite.
-    ``SECTION`` is the key the dataclass sits under (``objective``, ``optim``, ...; "" at the top
-    level), for messages. :meth:`check` runs the same checks on a node read as is (a DictConfig)."""
+    """Mixin: ``__post_init__`` checks every field's range and choices (its ``setting``'s metadata,
+    None passes: unset) and that no float field is nan or infinite. ``SECTION`` is the key the
+    dataclass sits under (``objective``, ``optim``, ...; "" at the top level), for messages.
+    :meth:`check` runs the same checks on a node read as is (a DictConfig)."""
 
     SECTION: ClassVar[str] = ""
-    RANGES: ClassVar[dict[str, Range]] = {}
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     def __post_init__(self) -> None:
         type(self).check(self)
@@ -97,7 +183,12 @@ class RangeChecked:
     @classmethod
     def check(cls, node: Any) -> None:
         """ConfigError naming the first key of ``node`` (this dataclass, or a node of its fields)
-        whose value is out of its range, not one of its choices, or a non-finite float."""
+        whose value is out of its range, not one of its choices, or a non-finite float. (OmegaConf
+        checks an Enum's members when it composes; a dataclass built in Python is checked here.)"""
+        for key, options in _enum_fields(cls).items():
+            value = _value(node, key)
+            if value is not None and value not in [o.value for o in options]:
+                raise ConfigError(choice_message(_key(cls.SECTION, key), value, [o.value for o in options]))
         for key in field_names(cls):
             value = _value(node, key)
             if isinstance(value, float) and not math.isfinite(value):
@@ -110,38 +201,55 @@ class RangeChecked:
         for key, allowed in cls.choices().items():
             value = _value(node, key)
             if value is not None and value not in allowed:
-                raise ConfigError(f"{_key(cls.SECTION, key)}={value!r}: expected one of {', '.join(allowed)}")
+                raise ConfigError(choice_message(_key(cls.SECTION, key), value, allowed))
 
     @classmethod
     def ranges(cls) -> dict[str, Range]:
-        """``RANGES`` of this class and of every class (option group) it is composed of."""
-        return cls._merged("RANGES")
+        """Each field's range, from where the field is first declared (a subclass that only changes
+        the default keeps it)."""
+        return cls._metadata("range")
 
     @classmethod
     def choices(cls) -> dict[str, tuple[str, ...]]:
-        """``CHOICES`` of this class and of every class (option group) it is composed of."""
-        return cls._merged("CHOICES")
+        return cls._metadata("choices")
 
     @classmethod
-    def _merged(cls, table: str) -> dict:
+    def _metadata(cls, what: str) -> dict:
         out: dict = {}
         for base in reversed(cls.__mro__):
-            out.update(base.__dict__.get(table, {}))
+            for f in base.__dict__.get("__dataclass_fields__", {}).values():
+                if what in f.metadata:
+                    out[f.name] = f.metadata[what]
         return out
+
+
+def choice_message(key: str, value: Any, allowed) -> str:
+    """The one message for a text option not among its choices (the scaffold's, for Hydra's too)."""
+    return f"{key}={str(value)!r}: expected one of {', '.join(str(a) for a in allowed)}"
+
+
+@functools.lru_cache(maxsize=None)
+def _enum_fields(cls: type) -> dict[str, type]:
+    """Each field whose value is one of an Enum's (Optional or not): that Enum."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        for t in (hint, *typing.get_args(hint)):
+            if isinstance(t, type) and issubclass(t, StrEnum):
+                out[name] = t
+    return out
 
 
 @dataclass
 class LoraConfig(RangeChecked):
     """``model.lora``: LoRA adapters (peft, model/lora.py) on a frozen backbone; ``r=0``: none."""
 
-    r: int = 0  # the adapters' rank; 0: no LoRA (the backbone trains whole, or model.frozen_backbone)
-    alpha: float = 16.0  # scaling alpha / r
-    dropout: float = 0.0  # dropout on the adapters' input
+    r: int = setting(0, NON_NEGATIVE)  # the adapters' rank; 0: no LoRA (the backbone trains whole, or model.frozen_backbone)
+    alpha: float = setting(16.0, POSITIVE)  # scaling alpha / r
+    dropout: float = setting(0.0, PROPER_FRACTION)  # dropout on the adapters' input
     # module names to adapt; null: the architecture's attention and MLP projections (model/lora.py)
     target_modules: Optional[list[str]] = None
 
     SECTION: ClassVar[str] = "model.lora"
-    RANGES: ClassVar[dict[str, Range]] = {"r": NON_NEGATIVE, "alpha": POSITIVE, "dropout": PROPER_FRACTION}
 
 
 @dataclass
@@ -150,204 +258,58 @@ class ModelConfig(RangeChecked):
     # or a local Hugging Face model directory. Never a hub id.
     backbone: str = "minilm"
     path: Optional[str] = None  # overrides the folder of `backbone` when set
-    backbone_kind: str = "transformer"  # transformer | bag_of_wordpieces
-    pooling: str = "mean"  # mean | cls | last (the last non-padding token: decoder backbones, model/decoder.py)
-    head: str = "none"  # none | linear | mlp
-    head_dim: Optional[int] = None  # output size of the head; None keeps the backbone's size
-    head_init: str = "random"  # random | identity (linear head only; identity needs head_dim == hidden)
+    # transformer: the backbone's layers; bag_of_wordpieces: the mean of its input (word) embeddings alone
+    backbone_kind: BackboneKind = BackboneKind.transformer
+    pooling: Pooling = Pooling.mean  # token states -> one vector (last: the last real token, for decoders)
+    head: Head = Head.none  # a projection after pooling (mlp: two layers)
+    head_dim: Optional[int] = setting(None, AT_LEAST_ONE)  # output size of the head; None keeps the backbone's size
+    head_init: HeadInit = HeadInit.random  # identity: a linear head starting as the identity (head_dim == hidden)
     normalize: bool = True  # L2-normalize outputs: cosine at training and at query time
     shared_tower: bool = True  # one tower for queries and documents
     frozen_backbone: bool = False  # train only the head; backbone features cached per text
     feature_cache_dir: Optional[str] = None  # disk cache for frozen features (None: memory only)
-    query_max_len: int = 32  # tokens of a query kept (longer ones are truncated)
-    doc_max_len: int = 128  # tokens of a document kept (longer ones are truncated)
+    query_max_len: int = setting(32, AT_LEAST_ONE)  # tokens of a query kept (longer ones are truncated)
+    doc_max_len: int = setting(128, AT_LEAST_ONE)  # tokens of a document kept (longer ones are truncated)
     # tiny random encoder (tests): written into `path` when missing
-    tiny_hidden: int = 32
-    tiny_layers: int = 2  # the tiny encoder's hidden size (above) and layers
+    tiny_hidden: int = setting(32, AT_LEAST_ONE)
+    tiny_layers: int = setting(2, AT_LEAST_ONE)  # the tiny encoder's hidden size (above) and layers
     # GradCache (gradcache.py): texts encoded with gradient go through the encoder this many at a
     # time and are re-run during backward, so a large batch fits in memory (None: all at once)
-    grad_cache_chunk: Optional[int] = None
+    grad_cache_chunk: Optional[int] = setting(None, AT_LEAST_ONE)
     lora: LoraConfig = field(default_factory=LoraConfig)
     # recompute the trained backbone's activations in backward (not the EMA copy's: it has no backward)
     gradient_checkpointing: bool = False
-    # the backbone's weights in memory: float32 | bfloat16 | float16; null: as transformers loads the
-    # folder. bfloat16 halves a frozen (LoRA) base: a 7B model in 14 GB; adapters and head stay float32
-    backbone_dtype: Optional[str] = None
+    # the backbone's weights in memory (null: as transformers loads the folder). bfloat16 halves a
+    # frozen (LoRA) base: a 7B model in 14 GB; adapters and head stay float32
+    backbone_dtype: Optional[Dtype] = None
 
     SECTION: ClassVar[str] = "model"
-    RANGES: ClassVar[dict[str, Range]] = {
-        "head_dim": AT_LEAST_ONE, "query_max_len": AT_LEAST_ONE, "doc_max_len": AT_LEAST_ONE,
-        "tiny_hidden": AT_LEAST_ONE, "tiny_layers": AT_LEAST_ONE, "grad_cache_chunk": AT_LEAST_ONE,
-    }
-
-
-# ---- objectives: one schema per objective, so an option the chosen one does not use is an error.
-# Each schema is the shared options plus the option groups it uses (QueueOptions, MomentumOptions),
-# composed as mixins: one level, whatever the objective; every group checks its own RANGES.
-
-
-@dataclass
-class ObjectiveConfig(RangeChecked):
-    """What every objective shares: InfoNCE's temperature, label smoothing and false-negative masking."""
-
-    name: str = MISSING
-    temperature: float = 0.05  # InfoNCE's tau: logits are cosine (or dot) / temperature
-    learn_temperature: bool = False  # train the temperature too, clamped to [temperature_min, temperature_max]
-    temperature_min: float = 0.01  # lower clamp of a learned temperature
-    temperature_max: float = 1.0  # upper clamp of a learned temperature
-    label_smoothing: float = 0.0  # cross-entropy label smoothing of every InfoNCE loss
-    mask_false_negatives: bool = True  # mask candidates sharing the positive's document id or group
-    # guided false-negative masking (objectives/guided.py): "none"; "momentum" (the EMA key
-    # encoder's own keys: moco, two_queue); "base" (the run's backbone, untrained, frozen); or a
-    # backbone name / local model folder, frozen. A candidate the guide scores above the positive's
-    # guide score minus `guide_margin`, or above `guide_threshold` (a cosine), is masked.
-    guide: str = "none"
-    guide_margin: float = 0.0  # masked: guide score > the positive's guide score - guide_margin
-    guide_threshold: Optional[float] = None  # masked: guide score > this cosine (null: the margin rule only)
-    # logQ correction of the sampling bias (objectives/logq.py): subtract log q(d) from batch and
-    # queue logits, q estimated in a stream from hashed per-document intervals between sightings
-    logq_correction: bool = False
-    logq_alpha: float = 0.01  # the estimator's learning rate (Yi et al. 2019)
-    logq_buckets: int = 1 << 20  # hash buckets of the estimator (collisions merge documents)
-    # Matryoshka embeddings (objectives/matryoshka.py): the loss summed over these prefixes of every
-    # embedding (e.g. [384, 256, 128, 64]), weighted by matryoshka_weights (empty: 1 each); empty: off
-    matryoshka_dims: list[int] = field(default_factory=list)
-    matryoshka_weights: list[float] = field(default_factory=list)  # one weight per matryoshka_dims entry
-
-    SECTION: ClassVar[str] = "objective"
-    RANGES: ClassVar[dict[str, Range]] = {
-        "temperature": POSITIVE, "temperature_min": POSITIVE, "temperature_max": POSITIVE,
-        "label_smoothing": PROPER_FRACTION, "guide_margin": Range(-2, 2), "guide_threshold": Range(-1, 1),
-        "logq_alpha": Range(0, 1, lo_open=True), "logq_buckets": AT_LEAST_ONE,
-    }
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.learn_temperature and not self.temperature_min <= self.temperature <= self.temperature_max:
-            raise ConfigError(
-                f"objective.temperature={self.temperature}: must be in [objective.temperature_min, "
-                f"objective.temperature_max] = [{self.temperature_min}, {self.temperature_max}] "
-                "when objective.learn_temperature=true"
-            )
-
-
-@dataclass
-class QueueOptions:
-    """Option group: a FIFO queue of past keys (objectives/memory.py) and the batch's other keys."""
-
-    queue_size: int = 65536  # keys the queue holds (per queue; the oldest is overwritten)
-    queue_dtype: str = "float32"  # float32 | bfloat16 | float16 (storage; logits stay fp32)
-    batch_negatives: bool = True  # the other documents of the current batch are negatives too
-
-    RANGES: ClassVar[dict[str, Range]] = {"queue_size": AT_LEAST_ONE}
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"queue_dtype": QUEUE_DTYPES}
-
-
-@dataclass
-class MomentumOptions:
-    """Option group: an EMA key encoder whose keys fill the queues, their age bound and refresh."""
-
-    momentum: float = 0.999  # EMA of the key encoder, per optimizer step
-    momentum_schedule: str = "constant"  # constant | cosine (from `momentum` to 1 over training)
-    # only keys written in the newest this-many optimizer steps are negatives (null: every queued
-    # key); bounds the queue's span against the EMA's time constant 1/(1-momentum)
-    queue_max_age: Optional[int] = None
-    key_encoder_dropout: bool = False  # False: the key encoder stays in eval mode (no dropout)
-    # queued keys (of each queue) re-encoded per step by the current key encoder, replacing their
-    # stale versions: the negative cache's refresh (objectives/refresh.py); 0: off
-    queue_refresh: int = 0
-    # several training sources (data.sources): one queue (two_queue: one pair) per source, each batch
-    # scored against and enqueued into its own source's; one source: no change (objectives/memory.py)
-    queue_per_source: bool = False
-
-    RANGES: ClassVar[dict[str, Range]] = {"momentum": FRACTION, "queue_max_age": AT_LEAST_ONE,
-                                          "queue_refresh": NON_NEGATIVE}
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"momentum_schedule": MOMENTUM_SCHEDULES}
-
-
-@dataclass
-class InBatchConfig(ObjectiveConfig):
-    """``objective=inbatch``: every other document of the (global) batch is a negative."""
-
-    name: str = "inbatch"
-    symmetric: bool = False  # also document -> query, losses averaged
-    cross_device: bool = True  # all-gather documents with gradient under DDP
-
-
-@dataclass
-class MoCoConfig(MomentumOptions, QueueOptions, ObjectiveConfig):
-    """``objective=moco``: queries against an EMA key encoder's keys and a queue of its past keys."""
-
-    name: str = "moco"
-    enqueue_hard_negatives: bool = False  # also enqueue the batch's mined hard negatives' keys
-
-
-@dataclass
-class TwoQueueConfig(MomentumOptions, QueueOptions, ObjectiveConfig):
-    """``objective=two_queue``: query->document against EMA document keys + a document queue, and
-    document->query against EMA query keys + a query queue (objectives/two_queue.py)."""
-
-    name: str = "two_queue"
-    # a faster key encoder than MoCo's (ALBEF's m), with the queue's span held inside its EMA time
-    # constant 1/(1-m) = 200 steps: older keys let the space narrow (benchmarks/results/finetune.md)
-    momentum: float = 0.995
-    queue_max_age: Optional[int] = 128
-    doc_to_query_weight: float = 1.0  # weight of the document->query loss (query->document: 1)
-    queue_warmup_steps: int = 0  # optimizer steps before queued keys count as negatives
-    # also same-side negatives: queries against the other query keys and the query queue, documents
-    # against the other document keys and the document queue (GTE's improved contrastive loss)
-    same_side_negatives: bool = False
-    # weight of an added in-batch loss: queries against the trained encoder's documents, with gradient
-    # (0: off); on by default: it keeps current embeddings apart, which queued EMA keys do not
-    inbatch_weight: float = 1.0
-
-    RANGES: ClassVar[dict[str, Range]] = {"doc_to_query_weight": NON_NEGATIVE, "queue_warmup_steps": NON_NEGATIVE,
-                                          "inbatch_weight": NON_NEGATIVE}
-
-
-@dataclass
-class FeatureMemoryConfig(QueueOptions, ObjectiveConfig):
-    """``objective=feature_memory`` (frozen backbones): a queue of backbone features, projected by
-    the trained head every step, with gradient (objectives/feature_memory.py)."""
-
-    name: str = "feature_memory"
-    queue_size: int = 16384
-
-
-@dataclass
-class ICoLConfig(QueueOptions, ObjectiveConfig):
-    """``objective=icol`` (``model.shared_tower=false``): the query and document towers trained in
-    turns, each against a queue of the other tower's embeddings of this phase (objectives/icol.py)."""
-
-    name: str = "icol"
-    queue_size: int = 4096
-    phase_steps: int = 128  # optimizer steps one tower trains before the other takes over
-
-    RANGES: ClassVar[dict[str, Range]] = {"phase_steps": AT_LEAST_ONE}
-
-
-def objective_configs() -> dict[str, type]:
-    """Objective name -> its schema, as the objectives' registry (objectives/registry.py) lists them."""
-    from moco_retrieval.objectives.registry import OBJECTIVES  # (the objectives import this module)
-
-    return {name: entry.config for name, entry in OBJECTIVES.items()}
-
+        if self.backbone_kind == BackboneKind.bag_of_wordpieces and self.pooling != Pooling.mean:
+            raise ConfigError("model.backbone_kind=bag_of_wordpieces pools by mean: set model.pooling=mean")
+        if self.head_init == HeadInit.identity and self.head != Head.linear:
+            raise ConfigError("model.head_init=identity applies to model.head=linear only")
+        # LoRA and gradient checkpointing train a transformer backbone: not a frozen or bag-of-wordpieces one
+        for key, on in (("model.lora.r", self.lora.r > 0), ("model.gradient_checkpointing", self.gradient_checkpointing)):
+            if on and self.frozen_backbone:
+                raise ConfigError(f"{key} trains the backbone (its adapters / its backward), which "
+                                  "model.frozen_backbone=true keeps fixed: set one of them off")
+            if on and self.backbone_kind != BackboneKind.transformer:
+                raise ConfigError(f"{key} needs model.backbone_kind=transformer, got {self.backbone_kind}")
 
 
 @dataclass
 class OptimConfig(RangeChecked):
-    lr: float = 2e-5  # AdamW's peak learning rate (after warmup)
-    weight_decay: float = 0.01  # AdamW's decoupled weight decay
-    warmup_steps: int = 0  # linear warmup in optimizer steps (0: warmup_ratio of the run's steps)
-    warmup_ratio: float = 0.1  # used when warmup_steps == 0
-    schedule: str = "linear"  # linear | cosine | constant (after warmup)
+    lr: float = setting(2e-5, POSITIVE)  # AdamW's peak learning rate (after warmup)
+    weight_decay: float = setting(0.01, NON_NEGATIVE)  # AdamW's decoupled weight decay
+    warmup_steps: int = setting(0, NON_NEGATIVE)  # linear warmup in optimizer steps (0: warmup_ratio of the run's steps)
+    warmup_ratio: float = setting(0.1, PROPER_FRACTION)  # used when warmup_steps == 0
+    schedule: LrSchedule = LrSchedule.linear  # after warmup
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW's betas
 
     SECTION: ClassVar[str] = "optim"
-    RANGES: ClassVar[dict[str, Range]] = {
-        "lr": POSITIVE, "weight_decay": NON_NEGATIVE, "warmup_steps": NON_NEGATIVE, "warmup_ratio": PROPER_FRACTION,
-    }
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"schedule": LR_SCHEDULES}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -377,16 +339,13 @@ class PromptsConfig:
     doc: str = ""  # put before every document text
 
 
-SOURCE_MODES = ("weighted", "round_robin")  # data/sampler.py's MultiSourceBatchSampler
-
-
 @dataclass
 class SourceConfig(RangeChecked):
     """One training source of ``data.sources`` (data/multisource.py): its own file, columns, prompts
     and weight; every batch is drawn from one source. Unset prompts: ``data.prompts``."""
 
     name: Optional[str] = None  # in messages and the checkpoint (default: its position, "0", "1", ...)
-    kind: str = "jsonl"  # jsonl | parquet | csv | hf | beir | debian
+    kind: DataKind = DataKind.jsonl  # the input's format (as data.kind)
     train_path: Optional[str] = None  # jsonl / parquet / csv
     path: Optional[str] = None  # hf: a `save_to_disk` folder or a folder of Parquet shards
     split: Optional[str] = None  # hf: the split (unset: data.split)
@@ -394,16 +353,15 @@ class SourceConfig(RangeChecked):
     train_split: str = "train"  # beir: the qrels split to train on
     columns: ColumnsConfig = field(default_factory=ColumnsConfig)
     prompts: Optional[PromptsConfig] = None  # this source's prefixes (unset: data.prompts)
-    weight: Optional[float] = None  # share of the batches (give every source one, or none: by size)
-    max_train_examples: Optional[int] = None  # cap on this source's pairs (a seeded subset)
+    weight: Optional[float] = setting(None, NON_NEGATIVE)  # share of the batches (give every source one, or none: by size)
+    max_train_examples: Optional[int] = setting(None, AT_LEAST_ONE)  # cap on this source's pairs (a seeded subset)
 
     SECTION: ClassVar[str] = "data.sources[]"
-    RANGES: ClassVar[dict[str, Range]] = {"weight": NON_NEGATIVE, "max_train_examples": AT_LEAST_ONE}
 
 
 @dataclass
 class DataConfig(RangeChecked):
-    kind: str = "debian"  # debian | jsonl | parquet | csv | hf | beir
+    kind: DataKind = DataKind.debian  # the input's format: the built-in Debian set, your files, or a BEIR folder
     train_path: Optional[str] = None  # jsonl / parquet / csv: training pairs
     eval_dir: Optional[str] = None  # jsonl / parquet / csv / hf: BEIR-layout evaluation directory
     columns: ColumnsConfig = field(default_factory=ColumnsConfig)  # parquet / csv / hf column names
@@ -411,9 +369,9 @@ class DataConfig(RangeChecked):
     split: str = "train"  # hf: the split of a DatasetDict (or the subfolder of Parquet shards)
     prompts: PromptsConfig = field(default_factory=PromptsConfig)  # query / document prefixes
     # several training sources (data/multisource.py): they replace train_path; validation stays on
-    # this config's pool (eval_dir, or the kind's); source_mode: weighted | round_robin
+    # this config's pool (eval_dir, or the kind's)
     sources: list[SourceConfig] = field(default_factory=list)
-    source_mode: str = "weighted"  # weighted (by weight, else by size) | round_robin
+    source_mode: SourceMode = SourceMode.weighted  # which source each batch comes from: by weight (else size), or in turn
     dir: Optional[str] = None  # beir: directory with corpus.jsonl, queries.jsonl, qrels/
     train_split: str = "train"  # beir: the qrels split to train on
     eval_split: str = "test"  # the qrels split validated and evaluated on
@@ -421,56 +379,45 @@ class DataConfig(RangeChecked):
     # training stores (pairs/);
     cache_dir: Optional[str] = None  # default: $MOCO_RETRIEVAL_CACHE or ~/.cache/moco_retrieval
     debian_dir: Optional[str] = None  # a folder holding Packages* and Translation-en* files
-    batch_size: int = 64  # training pairs per step per device
-    eval_batch_size: int = 256  # texts per encoding batch in validation and the commands
-    num_workers: int = 0  # DataLoader worker processes
+    batch_size: int = setting(64, AT_LEAST_ONE)  # training pairs per step per device
+    eval_batch_size: int = setting(256, AT_LEAST_ONE)  # texts per encoding batch in validation and the commands
+    num_workers: int = setting(0, NON_NEGATIVE)  # DataLoader worker processes
     seed: int = 0  # the training order's seed, and the caps' subsets
     shuffle: bool = True  # shuffle the training pairs each epoch
     unique_in_batch: bool = True  # a document id or group never appears twice in a batch
-    max_train_examples: Optional[int] = None  # cap on the training pairs (a seeded subset)
-    max_eval_queries: Optional[int] = None  # cap the validation queries (a seeded subset)
-    max_eval_docs: Optional[int] = None  # cap the pool (keeps every relevant document)
+    max_train_examples: Optional[int] = setting(None, AT_LEAST_ONE)  # cap on the training pairs (a seeded subset)
+    max_eval_queries: Optional[int] = setting(None, AT_LEAST_ONE)  # cap the validation queries (a seeded subset)
+    max_eval_docs: Optional[int] = setting(None, AT_LEAST_ONE)  # cap the pool (keeps every relevant document)
     # hard negatives per training row (rows need a 'negatives' list, e.g. from moco_retrieval.mine);
     # None: train without hard negatives
-    n_negatives: Optional[int] = None
+    n_negatives: Optional[int] = setting(None, AT_LEAST_ONE)
 
     SECTION: ClassVar[str] = "data"
-    RANGES: ClassVar[dict[str, Range]] = {
-        "batch_size": AT_LEAST_ONE, "eval_batch_size": AT_LEAST_ONE, "num_workers": NON_NEGATIVE,
-        "max_train_examples": AT_LEAST_ONE, "max_eval_queries": AT_LEAST_ONE, "max_eval_docs": AT_LEAST_ONE,
-        "n_negatives": AT_LEAST_ONE,
-    }
 
 
 @dataclass
 class TrainerConfig(RangeChecked):
     accelerator: str = "cpu"  # Lightning's: cpu | gpu | auto (trainer=auto: a GPU when present)
     devices: Any = 1  # under torchrun, devices and num_nodes come from its environment instead
-    num_nodes: int = 1  # machines (SLURM and torchrun set it for you)
+    num_nodes: int = setting(1, AT_LEAST_ONE)  # machines (SLURM and torchrun set it for you)
     strategy: str = "auto"  # Lightning's strategy: auto | ddp (trainer=ddp)
-    precision: str = "32-true"  # Lightning's precision; auto: bf16-mixed on a GPU, else 32-true
-    max_epochs: int = 1  # training stops at max_epochs or max_steps, whichever comes first (-1: no limit)
-    max_steps: int = -1  # optimizer steps in all (-1: max_epochs decides); the lr schedule spans the run's steps
-    accumulate_grad_batches: int = 1  # batches per optimizer step
-    gradient_clip_val: Optional[float] = 1.0  # clip the gradient norm to this (null: no clipping)
-    val_check_interval: Optional[int] = None  # steps between validations (None: once per epoch)
-    log_every_n_steps: int = 10  # train/* metrics and a progress line every this many steps
+    precision: str = setting("32-true", choices=PRECISIONS)  # Lightning's precision; auto: bf16-mixed on a GPU, else 32-true
+    max_epochs: int = setting(1, Range(-1))  # training stops at max_epochs or max_steps, whichever comes first (-1: no limit)
+    max_steps: int = setting(-1, Range(-1))  # optimizer steps in all (-1: max_epochs decides); the lr schedule spans the run's steps
+    accumulate_grad_batches: int = setting(1, AT_LEAST_ONE)  # batches per optimizer step
+    gradient_clip_val: Optional[float] = setting(1.0, NON_NEGATIVE)  # clip the gradient norm to this (null: no clipping)
+    val_check_interval: Optional[int] = setting(None, AT_LEAST_ONE)  # steps between validations (None: once per epoch)
+    log_every_n_steps: int = setting(10, AT_LEAST_ONE)  # train/* metrics and a progress line every this many steps
     enable_progress_bar: bool = True  # a bar on a terminal; plain time-stamped lines in a log file
     deterministic: bool = False  # Lightning's deterministic algorithms (slower)
     # seconds a rank waits for the others in a collective before the run stops with an error
     # (a stuck or stopped rank); Lightning's own default is 1800
-    process_group_timeout: int = 600
+    process_group_timeout: int = setting(600, AT_LEAST_ONE)
     # best-by-val/recall@1 checkpoints kept besides last.ckpt (always kept, with its predecessor
     # last.prev.ckpt, the fallback when last.ckpt cannot be read); 0: none
-    keep_best_checkpoints: int = 1
+    keep_best_checkpoints: int = setting(1, NON_NEGATIVE)
 
     SECTION: ClassVar[str] = "trainer"
-    RANGES: ClassVar[dict[str, Range]] = {
-        "num_nodes": AT_LEAST_ONE, "max_epochs": Range(-1), "max_steps": Range(-1), "accumulate_grad_batches": AT_LEAST_ONE,
-        "gradient_clip_val": NON_NEGATIVE, "val_check_interval": AT_LEAST_ONE, "log_every_n_steps": AT_LEAST_ONE,
-        "process_group_timeout": AT_LEAST_ONE, "keep_best_checkpoints": NON_NEGATIVE,
-    }
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"precision": PRECISIONS}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -515,38 +462,26 @@ class LoggerConfig:
     log_tables: bool = True  # W&B table of sample queries with their top-5
 
 
-INDEX_KINDS = ("flat", "ivf", "ivfpq", "hnsw")  # evaluation/index.py builds them
-
-
 @dataclass
 class EvalConfig(RangeChecked):
     """The FAISS index (evaluation/index.py; docs/scaling.md says which to pick) and the search depth."""
 
-    index: str = "flat"  # flat (exact, the default) | ivf | ivfpq (millions of documents) | hnsw
-    nlist: int = 1024  # ivf, ivfpq: k-means cells (about 1-4 x sqrt(documents))
-    nprobe: int = 32  # ivf, ivfpq: cells searched per query
-    pq_m: int = 48  # ivfpq: bytes per document (sub-vectors); must divide the embedding dimension
-    hnsw_m: int = 32  # hnsw: neighbours per node
-    ef_search: int = 128  # hnsw: candidates kept while searching
-    top_k: int = 100  # documents retrieved per query (recall@100, run files)
-    sample_queries: int = 20  # rows of the W&B table of sample queries at each validation
+    index: IndexKind = IndexKind.flat  # flat: exact; ivf, ivfpq: millions of documents; hnsw
+    nlist: int = setting(1024, AT_LEAST_ONE)  # ivf, ivfpq: k-means cells (about 1-4 x sqrt(documents))
+    nprobe: int = setting(32, AT_LEAST_ONE)  # ivf, ivfpq: cells searched per query
+    pq_m: int = setting(48, AT_LEAST_ONE)  # ivfpq: bytes per document (sub-vectors); must divide the embedding dimension
+    hnsw_m: int = setting(32, AT_LEAST_ONE)  # hnsw: neighbours per node
+    ef_search: int = setting(128, AT_LEAST_ONE)  # hnsw: candidates kept while searching
+    top_k: int = setting(100, AT_LEAST_ONE)  # documents retrieved per query (recall@100, run files)
+    sample_queries: int = setting(20, NON_NEGATIVE)  # rows of the W&B table of sample queries at each validation
 
     SECTION: ClassVar[str] = "eval"
-    RANGES: ClassVar[dict[str, Range]] = {
-        "nlist": AT_LEAST_ONE, "nprobe": AT_LEAST_ONE, "pq_m": AT_LEAST_ONE, "hnsw_m": AT_LEAST_ONE,
-        "ef_search": AT_LEAST_ONE, "top_k": AT_LEAST_ONE, "sample_queries": NON_NEGATIVE,
-    }
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.index not in INDEX_KINDS:
-            raise ConfigError(f"eval.index={self.index!r}: expected one of {', '.join(INDEX_KINDS)}")
 
 
 @dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
-    objective: Any = MISSING  # one of objective_configs(), chosen by the `objective` group
+    objective: Any = MISSING  # an objective's schema (objectives/registry.py), chosen by the `objective` group
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -558,22 +493,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         # checked here, with the config, so the run stops before data and model load
-        if getattr(self.objective, "name", None) == "icol" and self.model.shared_tower:
-            raise ConfigError(
-                "objective=icol trains the query tower and the document tower in turns, which one shared tower cannot "
-                "do: add model.shared_tower=false (two towers, both from the backbone)"
-            )
         if getattr(self.objective, "queue_refresh", 0) and self.model.frozen_backbone:
             raise ConfigError(
                 f"objective.queue_refresh={self.objective.queue_refresh} with model.frozen_backbone=true: the refresh "
                 "re-encodes queued texts by the key encoder, which a frozen backbone never changes; use "
                 "objective=feature_memory (its queue is re-projected every step) or objective.queue_refresh=0"
-            )
-        if getattr(self.objective, "queue_per_source", False) and self.objective.queue_refresh:
-            raise ConfigError(
-                f"objective.queue_per_source=true with objective.queue_refresh={self.objective.queue_refresh}: the "
-                "refresh of per-source queues is not supported; set objective.queue_refresh=0 or "
-                "objective.queue_per_source=false"
             )
 
 
@@ -592,28 +516,22 @@ class MineConfig(RangeChecked):
     eval: EvalConfig = field(default_factory=EvalConfig)  # index settings
     checkpoint: Optional[str] = None  # a training checkpoint (.ckpt)
     model_dir: Optional[str] = None  # an exported directory (or a plain HF model folder)
-    encoder: str = "query"  # query | key (a MoCo checkpoint's momentum key encoder)
+    encoder: Which = Which.query  # a MoCo checkpoint's trained (query) encoder, or its momentum key encoder
     output: str = MISSING  # JSONL of pairs with "negatives" and "positive_score"; never one of the inputs
     stats_path: Optional[str] = None  # default: <output without .jsonl>.stats.json
     overwrite: bool = False  # replace an existing output / stats file (an input never)
-    n_negatives: int = 8  # negatives written per query (fewer when fewer candidates pass)
-    range_min: int = 0  # rank window, 0-based, inclusive, counted after dropping positives/groups
-    range_max: int = 50  # last rank of the window (the search depth follows it)
-    margin: Optional[float] = None  # absolute: keep iff score(neg) <= score(pos) - margin
-    relative_margin: Optional[float] = 0.05  # keep iff score(neg) <= score(pos) * (1 - r) (TopK-PercPos)
+    n_negatives: int = setting(8, AT_LEAST_ONE)  # negatives written per query (fewer when fewer candidates pass)
+    range_min: int = setting(0, NON_NEGATIVE)  # rank window, 0-based, inclusive, counted after dropping positives/groups
+    range_max: int = setting(50, NON_NEGATIVE)  # last rank of the window (the search depth follows it)
+    margin: Optional[float] = setting(None, NON_NEGATIVE)  # absolute: keep iff score(neg) <= score(pos) - margin
+    relative_margin: Optional[float] = setting(0.05, PROPER_FRACTION)  # keep iff score(neg) <= score(pos) * (1 - r) (TopK-PercPos)
     max_score: Optional[float] = None  # keep iff score(neg) <= max_score
     drop_group: bool = True  # drop documents of the positive's group (False: only the positive itself)
-    sampling: str = "top"  # top (best-ranked that pass) | random (uniform among those that pass, seeded)
+    sampling: Sampling = Sampling.top  # the best-ranked that pass, or uniform among those that pass (seeded)
     seed: int = 0  # seed of sampling=random
     keep_empty: bool = False  # also write rows left without negatives (else left out, and counted in a warning)
-    batch_size: int = 256  # encoding batch
+    batch_size: int = setting(256, AT_LEAST_ONE)  # encoding batch
     progress: bool = True  # progress lines while encoding
-
-    RANGES: ClassVar[dict[str, Range]] = {
-        "n_negatives": AT_LEAST_ONE, "range_min": NON_NEGATIVE, "range_max": NON_NEGATIVE, "margin": NON_NEGATIVE,
-        "relative_margin": PROPER_FRACTION, "batch_size": AT_LEAST_ONE,
-    }
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"sampling": ("top", "random"), "encoder": ("query", "key")}
 
 
 @dataclass
@@ -625,7 +543,7 @@ class EvaluateConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: Optional[str] = None  # a training checkpoint (.ckpt)
     model_dir: Optional[str] = None  # a directory written by moco_retrieval.export (or any HF model folder)
-    encoder: str = "query"  # query | key (a checkpoint's momentum key encoder)
+    encoder: Which = Which.query  # a checkpoint's trained (query) encoder, or its momentum key encoder
     compare: list[str] = field(default_factory=list)  # more models: base | CKPT | DIR
     name: Optional[str] = None  # report name of the main model
     out_dir: Optional[str] = None  # default: Hydra's run folder
@@ -641,7 +559,7 @@ class ExportConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)  # the base encoder when no checkpoint
     checkpoint: Optional[str] = None  # a training checkpoint (.ckpt)
-    encoder: str = "query"  # query | key (the momentum key encoder of a MoCo checkpoint)
+    encoder: Which = Which.query  # a checkpoint's trained (query) encoder, or its momentum key encoder
     out_dir: str = MISSING  # the model directory to write
     overwrite: bool = False  # replace an earlier export in out_dir (only its files; a folder that is not one: refused)
     adapter_only: bool = False  # a LoRA model: the adapter alone (peft files), not the merged model
@@ -656,7 +574,7 @@ class SearchConfig(RangeChecked):
     eval: EvalConfig = field(default_factory=EvalConfig)  # index kind and parameters
     checkpoint: Optional[str] = None  # a training checkpoint (.ckpt)
     model_dir: Optional[str] = None  # an exported directory (or a plain HF model folder)
-    encoder: str = "query"  # query | key
+    encoder: Which = Which.query  # a checkpoint's trained (query) encoder, or its momentum key encoder
     # a corpus.jsonl, a BEIR folder, or "eval" (the data group's held-out pool); default: every
     # document of the data group (Debian: ~40k descriptions, a quarter of an hour on a CPU)
     corpus: Optional[str] = None
@@ -664,15 +582,12 @@ class SearchConfig(RangeChecked):
     rebuild: bool = False  # re-encode the corpus even when its saved index is there
     query: Optional[str] = None  # one query (none: read queries from stdin, one a line)
     queries: list[str] = field(default_factory=list)  # more queries
-    k: int = 10  # hits shown per query
-    format: str = "text"  # text | json
-    max_chars: int = 160  # document text shown per hit (text format)
-    batch_size: Optional[int] = None  # default: data.eval_batch_size
+    k: int = setting(10, AT_LEAST_ONE)  # hits shown per query
+    format: Format = Format.text  # the hits as lines of text, or one JSON object per query
+    max_chars: int = setting(160, AT_LEAST_ONE)  # document text shown per hit (text format)
+    batch_size: Optional[int] = setting(None, AT_LEAST_ONE)  # default: data.eval_batch_size
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     progress: bool = True  # progress lines while encoding
-
-    RANGES: ClassVar[dict[str, Range]] = {"k": AT_LEAST_ONE, "max_chars": AT_LEAST_ONE, "batch_size": AT_LEAST_ONE}
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"format": ("text", "json")}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -697,27 +612,17 @@ def to_config(cls: type[T], node: Any) -> T:
     if node is None:
         return cls()
     if isinstance(node, DictConfig):
-        node = OmegaConf.to_container(node, resolve=True)
+        node = OmegaConf.to_container(node, resolve=True, enum_to_str=True)
     elif not isinstance(node, dict):
         raise TypeError(f"{cls.__name__}: expected a {cls.__name__}, a DictConfig or a dict, got {type(node).__name__}")
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), node))
     except OmegaConfBaseException as e:
+        choice = re.match(r"Invalid value '(.*)', expected one of \[(.*)\]", str(getattr(e, "msg", "")))
+        if choice and e.full_key:  # an Enum option, said as the ranges say it
+            section = getattr(cls, "SECTION", "")
+            raise ConfigError(choice_message(_key(section, e.full_key), choice.group(1), choice.group(2).split(", ")))
         raise ConfigError(f"{cls.__name__}: {e}") from e
-
-
-def objective_config(node: Any) -> ObjectiveConfig:
-    """The objective's own schema from a dataclass, DictConfig or dict (as saved in a checkpoint),
-    chosen by its ``name``; an unknown name or a field that objective does not use is an error."""
-    if isinstance(node, ObjectiveConfig):
-        return node
-    if isinstance(node, DictConfig):
-        node = OmegaConf.to_container(node, resolve=True)
-    name = node.get("name") if isinstance(node, dict) else None
-    schemas = objective_configs()
-    if name not in schemas:
-        raise ConfigError(f"objective.name={name!r}: expected one of {', '.join(schemas)}")
-    return to_config(schemas[name], node)
 
 
 def check_known_keys(cfg: DictConfig, path: str = "") -> None:
@@ -762,54 +667,23 @@ COMMAND_SCHEMAS: dict[str, type] = {
 }
 
 
-def register_configs() -> None:
-    """Register the command schemas with Hydra (idempotent) and the ``${mr_cache:NAME}`` resolver.
+def register_command_schemas() -> None:
+    """Register the command schemas with Hydra (idempotent) and the ``${mr_cache:NAME}`` resolver
+    (command.register_configs adds the objectives' group).
 
     ``conf/<command>.yaml`` starts its defaults list with ``<command>_schema``."""
     cs = ConfigStore.instance()
     for name, schema in COMMAND_SCHEMAS.items():
         cs.store(name=f"{name}_schema", node=schema)
-    for name, schema in objective_configs().items():
-        cs.store(group="objective", name=f"{name}_schema", node=schema)
     if not OmegaConf.has_resolver("mr_cache"):
         OmegaConf.register_new_resolver("mr_cache", lambda name: str(cache_root() / name))
 
 
 __all__ = [
-    "ConfigError",
-    "Range",
-    "LoraConfig",
-    "ModelConfig",
-    "ObjectiveConfig",
-    "InBatchConfig",
-    "QueueOptions",
-    "MomentumOptions",
-    "MoCoConfig",
-    "TwoQueueConfig",
-    "FeatureMemoryConfig",
-    "ICoLConfig",
-    "objective_configs",
-    "objective_config",
-    "OptimConfig",
-    "ColumnsConfig",
-    "PromptsConfig",
-    "SOURCE_MODES",
-    "SourceConfig",
-    "DataConfig",
-    "TrainerConfig",
-    "LoggerConfig",
-    "EvalConfig",
-    "INDEX_KINDS",
-    "TrainConfig",
-    "MineConfig",
-    "EvaluateConfig",
-    "ExportConfig",
-    "SearchConfig",
-    "COMMAND_SCHEMAS",
-    "MISSING",
-    "register_configs",
-    "to_config",
-    "check_known_keys",
-    "unknown_key",
-    "cache_root",
+    "ConfigError", "Range", "setting", "RangeChecked", "POSITIVE", "NON_NEGATIVE", "AT_LEAST_ONE", "FRACTION",
+    "PROPER_FRACTION", "PRECISIONS", "Dtype", "Pooling", "Head", "HeadInit", "BackboneKind", "LrSchedule", "DataKind",
+    "SourceMode", "IndexKind", "Which", "Sampling", "Format", "LoraConfig", "ModelConfig", "OptimConfig",
+    "ColumnsConfig", "PromptsConfig", "SourceConfig", "DataConfig", "TrainerConfig", "LoggerConfig", "EvalConfig",
+    "TrainConfig", "MineConfig", "EvaluateConfig", "ExportConfig", "SearchConfig", "COMMAND_SCHEMAS", "MISSING",
+    "register_command_schemas", "to_config", "check_known_keys", "unknown_key", "cache_root",
 ]

@@ -26,12 +26,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from moco_retrieval.command import command
-from moco_retrieval.config import EvalConfig, ModelConfig, register_configs, to_config
+from moco_retrieval.config import EvalConfig, ModelConfig, to_config
 from moco_retrieval.model.devices import pick_device
 from moco_retrieval.errors import ConfigError
 from moco_retrieval.model.loading import describe_spec, load_encoder
 
-register_configs()
 
 
 # --------------------------------------------------------------------------- pool

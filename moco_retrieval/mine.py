@@ -24,7 +24,6 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from moco_retrieval.command import command
-from moco_retrieval.config import register_configs
 from moco_retrieval.data.formats import Pair
 from moco_retrieval.errors import ConfigError
 from moco_retrieval.mining import (
@@ -39,7 +38,6 @@ from moco_retrieval.mining import (
     write_mined,
 )
 
-register_configs()
 
 
 def to_mine_config(cfg: DictConfig):

@@ -40,7 +40,6 @@ from moco_retrieval.config import (
     SearchConfig,
     cache_root,
     check_queries,
-    register_configs,
     to_config,
 )
 from moco_retrieval.model.loading import load_encoder
@@ -57,7 +56,7 @@ def model_identity(cfg: Any) -> dict:
         p = Path(cfg.model_dir).expanduser().resolve()
         stamp = max((f.stat().st_mtime_ns for f in p.rglob("*") if f.is_file()), default=0)
         return {"model_dir": str(p), "mtime": stamp}
-    return {"base": OmegaConf.to_container(OmegaConf.structured(to_config(ModelConfig, cfg.model)))}
+    return {"base": OmegaConf.to_container(OmegaConf.structured(to_config(ModelConfig, cfg.model)), enum_to_str=True)}
 
 
 def _corpus_digest(doc_ids: list[str], texts: Iterable[str]) -> str:
@@ -156,7 +155,6 @@ def default_index_dir(model_identity: dict, corpus_key: str, eval_cfg: Any) -> P
     return cache_root() / "search" / key
 
 
-register_configs()
 
 EVAL_CORPUS = "eval"
 FULL_CORPUS_HINT = "corpus=eval searches only the held-out pool (faster); the index is saved, later searches load it"

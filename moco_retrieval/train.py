@@ -40,7 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from moco_retrieval import distributed
 from moco_retrieval.command import command
-from moco_retrieval.config import TrainConfig, TrainerConfig, register_configs
+from moco_retrieval.config import TrainConfig, TrainerConfig
 from moco_retrieval.data.datamodule import RetrievalDataModule
 from moco_retrieval.data.multisource import source_prompts
 from moco_retrieval.data.prompts import apply_by_row, by_row
@@ -73,7 +73,6 @@ from moco_retrieval.training.report import ValidationReport, progress_callback
 from moco_retrieval.training.resume_check import RecordTraining, check_resumable
 from moco_retrieval.training.run_lock import RunLock, writable_run_dir
 
-register_configs()
 # (the eval-mode and FAISS notices every command shares are silenced in command.py)
 # validation metrics are computed on the whole pool by every rank, identical: nothing to sync
 warnings.filterwarnings("ignore", message=r".*sync_dist=True.*when logging on epoch level")
@@ -117,24 +116,14 @@ def trainer_kwargs(cfg: TrainerConfig) -> dict:
     return kw
 
 
-def ddp_strategy(timeout_s: int = 1800, find_unused_parameters: bool = False, **options) -> DDPStrategy:
+def ddp_strategy(timeout_s: int = 1800, **options) -> DDPStrategy:
     """DDP without the per-step broadcast of buffers from rank 0: every rank enqueues the same
     all-gathered keys, so the queue (K x d buffers) stays identical without it (each checkpoint
-    records every rank's fingerprint, see fingerprints.py), and copying it every step costs
+    records every rank's fingerprint, training/checkpoints.py), and copying it every step costs
     K x d x 4 bytes (200 MB at 65k x 768). The buffers are still synced once, at the start.
     ``timeout_s``: how long a collective waits for the other ranks (trainer.process_group_timeout).
-    ``find_unused_parameters``: for objectives that leave parameters without gradient in some steps
-    (``objective.unused_parameters``, e.g. icol's tower out of training); a graph walk per step.
     ``options``: more DDPStrategy arguments (e.g. ``start_method``)."""
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel
-
-    timeout = timedelta(seconds=timeout_s)
-    kw = dict(timeout=timeout, find_unused_parameters=find_unused_parameters, **options)
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
-        return DDPStrategy(forward_sync_buffers=False, **kw)  # torch >= 2.13: broadcast_buffers is deprecated
-    return DDPStrategy(broadcast_buffers=False, **kw)
+    return DDPStrategy(forward_sync_buffers=False, timeout=timedelta(seconds=timeout_s), **options)
 
 
 def build(cfg: TrainConfig, run_dir: Path, dm: Optional[RetrievalDataModule] = None,
@@ -180,7 +169,7 @@ def build(cfg: TrainConfig, run_dir: Path, dm: Optional[RetrievalDataModule] = N
         plugins.append(SLURMEnvironment(auto_requeue=True, requeue_signal=signal.SIGUSR1))
     kw = trainer_kwargs(cfg.trainer)
     if kw["strategy"] == "ddp" or (kw["strategy"] == "auto" and torchrun_devices() is not None):
-        kw["strategy"] = ddp_strategy(cfg.trainer.process_group_timeout, module.objective.unused_parameters)
+        kw["strategy"] = ddp_strategy(cfg.trainer.process_group_timeout)
     trainer = L.Trainer(
         default_root_dir=str(run_dir),
         logger=loggers or False,

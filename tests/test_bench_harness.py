@@ -15,7 +15,8 @@ sys.path.insert(0, str(BENCH))
 from harness import cli, runs, step_memory  # noqa: E402
 from harness.steps import OurStep, PeerTrainer  # noqa: E402
 
-from moco_retrieval.config import MoCoConfig, ModelConfig, OptimConfig  # noqa: E402
+from moco_retrieval.config import ModelConfig, OptimConfig  # noqa: E402
+from moco_retrieval.objectives.moco import MoCoConfig
 from moco_retrieval.training.module import RetrievalModule  # noqa: E402
 from moco_retrieval.model.encoder import build_encoder  # noqa: E402
 from moco_retrieval.model.tiny import build_tiny_bert  # noqa: E402

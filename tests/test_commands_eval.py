@@ -16,7 +16,9 @@ import torch
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 
-from moco_retrieval.config import ICoLConfig, MoCoConfig, ModelConfig, OptimConfig
+from moco_retrieval.config import ModelConfig, OptimConfig
+from moco_retrieval.objectives.inbatch import InBatchConfig
+from moco_retrieval.objectives.moco import MoCoConfig
 from moco_retrieval.data.formats import EvalSet, read_beir, write_beir
 from moco_retrieval.evaluate import run_evaluate
 from moco_retrieval.evaluation.encode import encode_texts
@@ -66,9 +68,9 @@ def checkpoint(tiny_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_tower_checkpoint(tiny_dir, tmp_path_factory):
-    """2 ICoL steps on two towers, one phase each: both towers trained, apart."""
+    """2 in-batch steps on two towers: both towers trained, apart."""
     return train_checkpoint(ModelConfig(backbone="tiny", path=tiny_dir, shared_tower=False, head="linear", head_dim=8),
-                            ICoLConfig(queue_size=16, temperature=0.1, phase_steps=1), tmp_path_factory.mktemp("run2"))
+                            InBatchConfig(temperature=0.1), tmp_path_factory.mktemp("run2"))
 
 
 def train_checkpoint(model: ModelConfig, objective, folder: Path, steps: int = 2, **module_options) -> str:

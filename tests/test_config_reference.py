@@ -72,8 +72,9 @@ def test_command_keys_and_presets_show_the_values_the_commands_compose():
     assert "`32-true`; train: `auto`" in rows["trainer.precision"]
     # each objective's column: its own default, or - where it has no such option
     queue_size = rows["objective.queue_size"]
-    assert "| `65536` (2^16) | `65536` (2^16) | - | `16384` | `4096` |" in queue_size
-    assert "| `0.995` | `0.999` | - | - | - |" in rows["objective.momentum"]
+    assert "| `65536` (2^16) | `65536` (2^16) | - | `16384` |" in queue_size
+    assert "| `0.995` | `0.999` | - | - |" in rows["objective.momentum"]
+    assert "one of `float32`, `bfloat16`, `float16`" in rows["objective.queue_dtype"]  # an Enum's members
     # the commands' own keys, required ones said so
     mine = text[text.index("## `mine`"):]
     assert "| `output` | str | required |" in mine and "| `range_max` |" in mine

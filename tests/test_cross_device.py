@@ -59,9 +59,9 @@ def rows(t, rank, per):
 def run(data, rank, symmetric, world, ddp=False):
     """Loss, gradients w.r.t. q, k, h (as leaves) and the tower's parameter gradient on this process's
     rows (all rows when world == 1)."""
-    from moco_retrieval.config import InBatchConfig
-    from moco_retrieval.objectives.inbatch import InBatchObjective
-    from moco_retrieval.objectives.step import StepInput
+    from helpers import Given
+
+    from moco_retrieval.objectives.inbatch import InBatchConfig, InBatchObjective
 
     per = B if world > 1 else W * B
     meta = {key: rows(data[key], rank, per) for key in ("doc_id", "group")}
@@ -72,14 +72,14 @@ def run(data, rank, symmetric, world, ddp=False):
     tower = Tower(data["weight"])
     with torch.no_grad():
         q, k, h = (t.detach().requires_grad_() for t in tower(*xs))
-    loss, _ = obj(StepInput(q, k, **meta, neg=h))
+    loss, _ = obj(meta, Given(query=q, doc=k, neg=h))
     loss.backward()
     out = {"loss": loss.detach(), "q": q.grad, "k": k.grad, "h": h.grad}
     # (2) parameters, through DDP when distributed
     tower = Tower(data["weight"])
     model = torch.nn.parallel.DistributedDataParallel(tower) if ddp else tower
     q, k, h = model(*xs)
-    loss2, _ = obj(StepInput(q, k, **meta, neg=h))
+    loss2, _ = obj(meta, Given(query=q, doc=k, neg=h))
     loss2.backward()
     out["weight"] = tower.lin.weight.grad.clone()
     return out
@@ -151,7 +151,8 @@ def _gc_texts():
 
 
 def _gc_module(tiny_dir, chunk):
-    from moco_retrieval.config import InBatchConfig, ModelConfig, OptimConfig
+    from moco_retrieval.config import ModelConfig, OptimConfig
+    from moco_retrieval.objectives.inbatch import InBatchConfig
     from moco_retrieval.training.module import RetrievalModule
 
     torch.manual_seed(0)

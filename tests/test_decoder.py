@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from moco_retrieval.config import ExportConfig, LoraConfig, ModelConfig, OptimConfig, PromptsConfig, TwoQueueConfig
+from moco_retrieval.errors import ConfigError
+from moco_retrieval.config import ExportConfig, LoraConfig, ModelConfig, OptimConfig, PromptsConfig
+from moco_retrieval.objectives.two_queue import TwoQueueConfig
 from moco_retrieval.data.formats import EvalSet, write_beir
 from moco_retrieval.data.prompts import Prompts
 from moco_retrieval.evaluation.encode import encode_texts
@@ -138,5 +140,5 @@ def test_a_bfloat16_base_trains_float32_adapters(decoder_dir, one_thread):
     out.pow(2).sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in enc.named_parameters()
                if "lora_B" in n)  # (B starts at zero, so A's gradient is zero at the first step)
-    with pytest.raises(Exception, match="backbone_dtype"):
+    with pytest.raises(ConfigError, match="model.backbone_dtype='int8': expected one of float32, bfloat16, float16"):
         build_encoder(decoder_cfg(decoder_dir, backbone_dtype="int8"))

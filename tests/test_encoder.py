@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moco_retrieval.errors import ConfigError
 from moco_retrieval.config import ModelConfig
 from moco_retrieval.model.backbone import resolve_backbone_path
 from moco_retrieval.model.encoder import build_encoder
@@ -135,7 +136,7 @@ def test_heads(tiny_dir):
         torch.testing.assert_close(ident({"texts": TEXTS}, "doc"), plain({"texts": TEXTS}, "doc"))
     with pytest.raises(ValueError, match="head_dim"):
         make(tiny_dir, head="linear", head_init="identity", head_dim=16)
-    with pytest.raises(ValueError, match="model.pooling"):
+    with pytest.raises(ConfigError, match="model.pooling='max': expected one of mean, cls, last"):
         make(tiny_dir, pooling="max")
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moco_retrieval.config import FeatureMemoryConfig, ModelConfig, OptimConfig
+from moco_retrieval.config import ModelConfig, OptimConfig
+from moco_retrieval.objectives.feature_memory import FeatureMemoryConfig
 from moco_retrieval.training.module import RetrievalModule
 from moco_retrieval.model.tiny import build_tiny_bert
 from synthetic import SyntheticData

@@ -10,7 +10,9 @@ import lightning as L
 import pytest
 import torch
 
-from moco_retrieval.config import InBatchConfig, MoCoConfig, ModelConfig, OptimConfig
+from moco_retrieval.config import ModelConfig, OptimConfig
+from moco_retrieval.objectives.inbatch import InBatchConfig
+from moco_retrieval.objectives.moco import MoCoConfig
 from moco_retrieval.model.gradcache import GradCache, split_side
 from moco_retrieval.training.module import RetrievalModule
 from moco_retrieval.model.tiny import build_tiny_bert

@@ -7,21 +7,16 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
+from helpers import Given, labels, momentum_step, unit
 
-from moco_retrieval.config import InBatchConfig, MoCoConfig, TwoQueueConfig
+from moco_retrieval.config import ConfigError
 from moco_retrieval.objectives.guided import GuidedMask
+from moco_retrieval.objectives.inbatch import InBatchConfig, InBatchObjective
 from moco_retrieval.objectives.logq import StreamingFrequency
-from moco_retrieval.objectives.moco import MoCoObjective
-from moco_retrieval.objectives.two_queue import TwoQueueObjective
-from moco_retrieval.objectives.step import StepInput
+from moco_retrieval.objectives.moco import MoCoConfig, MoCoObjective
+from moco_retrieval.objectives.two_queue import TwoQueueConfig, TwoQueueObjective
 
 TAU, D = 0.07, 8
-
-
-def unit(*shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    return F.normalize(torch.randn(*shape, generator=g), dim=-1)
 
 
 def ref_guided(gq, gpos, gcand, margin, threshold):
@@ -44,11 +39,11 @@ def test_guided_mask_equals_loops(margin, threshold):
     assert 0 < len(got) < 150  # the planted scores exercise the rule
 
 
-def test_guided_mask_refuses_out_of_range():
-    with pytest.raises(ValueError, match="guide_threshold"):
-        GuidedMask(0.0, 1.5)
-    with pytest.raises(ValueError, match="guide_margin"):
-        GuidedMask(3.0)
+def test_guide_settings_out_of_range_are_refused_with_the_config():
+    with pytest.raises(ConfigError, match="guide_threshold=1.5: must be in"):
+        MoCoConfig(guide_threshold=1.5)
+    with pytest.raises(ConfigError, match="guide_margin=3.0: must be in"):
+        MoCoConfig(guide_margin=3.0)
 
 
 # ------------------------------------------------------------------ MoCo with every rule
@@ -125,7 +120,7 @@ def test_moco_loss_gradient_and_counts_equal_loops(mask, margin, threshold, logq
         meta.update(g_q=gq, g_k=gk)
     g_queue = obj.docs.guide.keys().clone() if guided else None
     q = q0.clone().requires_grad_()
-    loss, stats = obj(StepInput(q, k, **meta, step=8))
+    loss, stats = momentum_step(obj, q, k, meta, 8)
     (grad,) = torch.autograd.grad(loss, q)
     q2 = q0.clone().requires_grad_()
     ref, counts = ref_moco(obj, q2, k, gq, gk, g_queue, mask, margin or 0.0, threshold, logq)
@@ -146,19 +141,26 @@ def test_moco_loss_gradient_and_counts_equal_loops(mask, margin, threshold, logq
         assert torch.equal(obj.docs.guide.ids(), obj.docs.queue.ids())
 
 
-def test_logq_changes_the_loss_when_on():
-    q, k = unit(6, D, seed=7), unit(6, D, seed=8)
-    meta = {"doc_id": IDS, "group": GROUPS}
-    off = moco(logq=False)(StepInput(q, k, **meta, step=8))[0]
-    on = moco(logq=True)(StepInput(q, k, **meta, step=8))[0]
-    assert abs(float(on - off)) > 1e-3
+def test_logq_raises_each_logit_by_the_log_of_its_documents_interval():
+    """The planted history (``moco(logq=True)``, alpha 0.5): ids 10, 12, 99 seen at every step (an
+    interval of 1 step: no correction), 11 at steps 0, 3 and 6 (interval 1, then 0.5 x 1 + 0.5 x 3 = 2,
+    then 0.5 x 2 + 0.5 x 3 = 2.5); 5 never (no correction). Each logit is corrected by -log q = +log interval."""
+    obj = moco(logq=True)
+    logits = unit(3, 5, seed=1)
+    ids = torch.tensor([10, 12, 99, 11, 5])
+    want = logits + torch.tensor([0.0, 0.0, 0.0, math.log(2.5), 0.0])
+    torch.testing.assert_close(obj.scoring.corrected(logits, ids), want)
+    torch.testing.assert_close(obj.scoring.corrected(logits[:, 3], ids[[3, 4, 3]]), logits[:, 3] + torch.tensor([math.log(2.5), 0.0, math.log(2.5)]))  # positives: [B]
+    assert moco(logq=False).scoring.corrected(logits, ids) is logits
 
 
 def test_momentum_guide_uses_the_ema_query_keys_and_queue():
     obj = moco(mask=False, guide="momentum", margin=0.05)
-    assert "q_key" in obj.views and obj.docs.guide is None
+    assert obj.docs.guide is None
     q0, k, q_key = unit(6, D, seed=7), unit(6, D, seed=8), unit(6, D, seed=11)
-    loss, stats = obj(StepInput(q0, k, doc_id=IDS, group=GROUPS, q_key=q_key, step=1))
+    embed = Given(1, query=q0, doc_key=k, query_key=q_key)
+    loss, stats = obj(labels(IDS, GROUPS), embed)
+    assert ("query", "momentum", False) in embed.asked  # the EMA query keys: the guide's anchors
     ref, counts = ref_moco(obj, q0, k, q_key, k, obj.docs.queue.keys(), False, 0.05, None, False)
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
     assert float(stats["masked_by_guide"]) == pytest.approx(counts["masked_by_guide"]) and counts["masked_by_guide"] > 0
@@ -170,11 +172,11 @@ def test_two_queue_guides_both_directions_and_queues_guide_embeddings():
     obj.queries.guide.enqueue(unit(10, D, seed=13), Q_IDS, Q_GROUPS, step=0)
     q, k, d, q_key, gq, gk = (unit(6, D, seed=s) for s in range(20, 26))
     meta = {"doc_id": IDS, "group": GROUPS, "d": d, "q_key": q_key, "g_q": gq, "g_k": gk}
-    loss, _ = obj(StepInput(q, k, **meta, step=1))
+    loss, _ = momentum_step(obj, q, k, meta, 1)
     # the document -> query direction: anchors are the guide's documents, candidates its queries
     unguided = moco(mask=True, cls=TwoQueueObjective, cfg_cls=TwoQueueConfig)
     unguided.queries.queue.enqueue(unit(10, D, seed=12), Q_IDS, Q_GROUPS, step=0)
-    assert float(loss) != pytest.approx(float(unguided(StepInput(q, k, **meta, step=1))[0]))
+    assert float(loss) != pytest.approx(float(momentum_step(unguided, q, k, meta, 1)[0]))
     obj.after_backward()
     assert obj.queries.guide.fill == 16
     torch.testing.assert_close(obj.queries.guide.keys()[10:], gq)
@@ -207,25 +209,21 @@ def test_two_queue_in_batch_term_masks_what_the_guide_masks(batch_negatives):
     obj.train()
     q, k, d, q_key, gq, gk = (unit(6, D, seed=s) for s in range(40, 46))
     meta = {"doc_id": IDS, "group": GROUPS, "d": d, "q_key": q_key, "g_q": gq, "g_k": gk}
-    _, stats = obj(StepInput(q, k, **meta, step=1))
+    _, stats = momentum_step(obj, q, k, meta, 1)
     ref, n = ref_guided_in_batch(q, d, gq, gk, 0.02)
     assert n > 0  # the planted guide scores mask something
     torch.testing.assert_close(stats["loss_in_batch"], ref, atol=1e-5, rtol=1e-5)
 
 
 def test_momentum_guide_needs_an_ema_encoder():
-    from moco_retrieval.objectives.inbatch import InBatchObjective
-
-    with pytest.raises(ValueError, match="guide=momentum needs an EMA key encoder"):
+    with pytest.raises(ConfigError, match="guide=momentum needs an EMA key encoder"):
         InBatchObjective(InBatchConfig(guide="momentum"))
 
 
 def test_inbatch_guided_mask_equals_loops():
-    from moco_retrieval.objectives.inbatch import InBatchObjective
-
     obj = InBatchObjective(InBatchConfig(temperature=TAU, guide="fixed", guide_margin=0.02, mask_false_negatives=False))
     q, k, gq, gk = (unit(6, D, seed=s) for s in range(30, 34))
-    loss, stats = obj(StepInput(q, k, doc_id=IDS, group=GROUPS, g_q=gq, g_k=gk, step=0))
+    loss, stats = obj(labels(IDS, GROUPS), Given(query=q, doc=k, guide_query=gq, guide_doc=gk))
     ref, n = ref_guided_in_batch(q, k, gq, gk, 0.02)
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
     assert float(stats["masked_by_guide"]) == pytest.approx(n / 6) and n > 0
@@ -287,7 +285,7 @@ def run(steps, rank, world):
     for s, st in enumerate(steps):
         q = st["q"][sl].clone().requires_grad_()
         meta = {"doc_id": st["ids"][sl], "group": st["groups"][sl], "g_q": st["gq"][sl], "g_k": st["gk"][sl]}
-        loss, _ = obj(StepInput(q, st["k"][sl], **meta, step=s))
+        loss, _ = momentum_step(obj, q, st["k"][sl], meta, s)
         loss.backward()
         obj.after_backward()
         out["loss"].append(loss.item())

@@ -7,7 +7,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from moco_retrieval.config import InBatchConfig, MoCoConfig, ModelConfig, OptimConfig
+from moco_retrieval.config import ModelConfig, OptimConfig
+from moco_retrieval.objectives.inbatch import InBatchConfig
+from moco_retrieval.objectives.moco import MoCoConfig
 from moco_retrieval.training.module import RetrievalModule
 from moco_retrieval.model.tiny import build_tiny_bert
 from synthetic import SyntheticData
@@ -141,40 +143,58 @@ def test_two_gloo_ranks_share_one_queue(tiny_dir, tmp_path):
 
 
 def test_bf16_mixed_precision_trains_with_fp32_logits(tiny_dir, tmp_path):
+    """The encoders run under the step's bf16 autocast; the objective scores with autocast off, in fp32."""
     torch.manual_seed(0)
     m = make_module(tiny_dir)
-    seen = []
-    orig = m.objective.forward
+    seen, encoding = [], []
+    orig, encoder_forward = m.objective.forward, m.encoder.forward
 
-    def spy(step):
-        loss, stats = orig(step)
-        seen.append(loss.dtype)
+    def spy(batch, embed):
+        loss, stats = orig(batch, embed)
+        seen.append((torch.is_autocast_enabled("cpu"), loss.dtype))
         return loss, stats
 
-    m.objective.forward = spy
+    def encoder_spy(*args, **kw):
+        encoding.append(torch.is_autocast_enabled("cpu"))
+        return encoder_forward(*args, **kw)
+
+    m.objective.forward, m.encoder.forward = spy, encoder_spy
     rec = RecordLosses()
     t = trainer(tmp_path, max_steps=3, callbacks=[rec], precision="bf16-mixed")
     t.fit(m, SyntheticData(m.encoder.tokenize, batch_size=4, batches=3))
-    assert seen == [torch.float32] * 3
+    assert seen == [(False, torch.float32)] * 3
+    assert encoding and all(encoding)  # the trained encoder ran under the step's autocast
     assert all(torch.isfinite(torch.tensor(rec.losses)))
     assert m.objective.docs.queue.fill == 12
 
 
-def test_views_decide_which_encoder_embeds_what(tiny_dir, monkeypatch):
-    """The module serves the objective's declared views: in-batch gets gradient-carrying documents
-    from the trained encoder and no EMA copy; MoCo gets constant keys from the EMA copy."""
+def test_the_module_serves_what_the_objective_asks(tiny_dir, monkeypatch):
+    """In-batch asks for the documents by the trained encoder with gradient, and gets no EMA copy;
+    MoCo asks for constant keys from the EMA copy. A side asked twice is embedded once, and served
+    detached when asked without gradient after it was embedded with gradient (online keys)."""
     inbatch, moco = make_module(tiny_dir, objective="inbatch"), make_module(tiny_dir)
     assert inbatch.key_encoder is None and moco.key_encoder is not None
     batch = next(iter(SyntheticData(inbatch.encoder.tokenize, batch_size=4).train_dataloader()))
-    seen = {}
-    for name, m in (("inbatch", inbatch), ("moco", moco)):
+    seen, calls = {}, []
+    for name, m, encoder in (("inbatch", inbatch, "trained"), ("moco", moco, "momentum")):
         m.eval()
-        monkeypatch.setattr(m.objective, "forward", lambda step, name=name: (seen.__setitem__(name, (step.q, step.k)), (step.q.sum(), {}))[1])
+        real = m.encode
+        monkeypatch.setattr(m, "encode", lambda *a, real=real: calls.append(a[:2]) or real(*a))
+
+        def forward(batch, embed, name=name, encoder=encoder):
+            q = embed("query")
+            k = embed("doc", encoder, grad=encoder == "trained")
+            seen[name] = (q, k, embed("query", grad=False), embed("query"))
+            return q.sum(), {}
+
+        monkeypatch.setattr(m.objective, "forward", forward)
         m.shared_step(batch)
-    q, k = seen["inbatch"]
-    assert q.requires_grad and k.requires_grad
+    q, k, q_again, q_grad_again = seen["inbatch"]
+    assert q.requires_grad and k.requires_grad and not q_again.requires_grad and q_grad_again is q
+    assert torch.equal(q_again, q.detach())
+    assert [c[0] for c in calls[:2]] == ["trained", "trained"]  # each side once
     assert torch.allclose(k, inbatch.encoder(batch["doc"], "doc"))
-    q, k = seen["moco"]
+    q, k, _, _ = seen["moco"]
     assert q.requires_grad and not k.requires_grad
     with torch.no_grad():  # move the trained encoder: the keys still come from the EMA copy
         for p in moco.encoder.parameters():

@@ -12,16 +12,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from moco_retrieval.config import (
-    COMMAND_SCHEMAS,
-    EvalConfig,
-    ExportConfig,
-    ModelConfig,
-    objective_config,
-    OptimConfig,
-    register_configs,
-    to_config,
-)
+from moco_retrieval.config import COMMAND_SCHEMAS, EvalConfig, ExportConfig, ModelConfig, OptimConfig, to_config
+from moco_retrieval.command import register_configs
+from moco_retrieval.objectives.registry import objective_config
 from moco_retrieval.training.module import RetrievalModule
 from moco_retrieval.model.encoder import build_encoder
 from moco_retrieval.model.momentum import state_dict_prefix

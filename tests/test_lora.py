@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from moco_retrieval.config import ExportConfig, LoraConfig, MoCoConfig, ModelConfig, OptimConfig
+from moco_retrieval.config import ExportConfig, LoraConfig, ModelConfig, OptimConfig
+from moco_retrieval.objectives.moco import MoCoConfig
 from moco_retrieval.errors import ConfigError
 from moco_retrieval.training.module import RetrievalModule
 from moco_retrieval.model.encoder import build_encoder
@@ -245,7 +246,8 @@ def test_lora_checkpoint_refuses_another_base_and_hydra_takes_the_keys(lora_runs
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    from moco_retrieval.config import TrainConfig, register_configs
+    from moco_retrieval.config import TrainConfig
+    from moco_retrieval.command import register_configs
     from moco_retrieval.errors import CheckpointError
     from moco_retrieval.model.loading import load_checkpoint_encoder
 
@@ -271,7 +273,7 @@ def test_a_lora_runs_base_guide_is_its_own_base_with_the_adapters_off(tiny_dir, 
     """objective.guide=base with LoRA: the guide runs the trained encoder's frozen base with the
     adapters disabled (no second copy of the base), gives a separately loaded base's embeddings,
     and leaves the trained encoder's modes and adapters as they were."""
-    from moco_retrieval.config import objective_config
+    from moco_retrieval.objectives.registry import objective_config
     from moco_retrieval.model.loading import build_guide_encoder
 
     module = RetrievalModule(lora_cfg(tiny_dir, gradient_checkpointing=True),

@@ -7,10 +7,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import momentum_step
 
-from moco_retrieval.config import ConfigError, InBatchConfig, MoCoConfig, TwoQueueConfig
-from moco_retrieval.objectives import build_objective
-from moco_retrieval.objectives.step import StepInput
+from moco_retrieval.config import ConfigError
+from moco_retrieval.objectives.inbatch import InBatchConfig
+from moco_retrieval.objectives.moco import MoCoConfig
+from moco_retrieval.objectives.registry import build_objective
+from moco_retrieval.objectives.two_queue import TwoQueueConfig
 
 TAU, D = 0.07, 8
 IDS = torch.tensor([10, 11, 12, 13, 10, 15])  # rows 0 and 4 share a positive document
@@ -55,11 +58,12 @@ def test_moco_loss_and_gradient_are_the_weighted_sum_over_prefixes(normalize):
     """Every block is truncated, queued keys included (they stay full-size in the queue)."""
     cfg = MoCoConfig(queue_size=20, temperature=TAU, matryoshka_dims=[8, 4, 2], matryoshka_weights=[1.0, 0.5, 0.25])
     obj = build_objective(cfg, encoder(normalize)).train()
-    obj.docs.queue.enqueue(unit(10, D, seed=5), Q_IDS, Q_GROUPS, step=0)
-    queue = obj.docs.queue.keys().clone()
+    docs = obj.objective.docs  # (Matryoshka wraps the objective)
+    docs.queue.enqueue(unit(10, D, seed=5), Q_IDS, Q_GROUPS, step=0)
+    queue = docs.queue.keys().clone()
     q, k = unit(6, D, seed=1).requires_grad_(), unit(6, D, seed=2)
     hard, hard_ids, hard_groups = unit(4, D, seed=9), torch.tensor([200, 11, 202, 203]), torch.tensor([-1, -1, 1, -1])
-    loss, stats = obj(StepInput(q, k, IDS, GROUPS, neg=hard, neg_id=hard_ids, neg_group=hard_groups))
+    loss, stats = momentum_step(obj, q, k, dict(doc_id=IDS, group=GROUPS, neg=hard, neg_id=hard_ids, neg_group=hard_groups))
     (got,) = torch.autograd.grad(loss, [q])
     q2 = q.detach().clone().requires_grad_()
     extra = [(hard, hard_ids, hard_groups), (queue, Q_IDS, Q_GROUPS)]
@@ -71,7 +75,7 @@ def test_moco_loss_and_gradient_are_the_weighted_sum_over_prefixes(normalize):
         assert stats[f"loss_dim{dim}"].item() == pytest.approx(part.item(), abs=1e-5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     obj.after_backward()
-    assert obj.docs.queue.keys().shape[1] == D  # the queue keeps full-size keys
+    assert docs.queue.keys().shape[1] == D and docs.queue.fill == 16  # full-size keys, written once
 
 
 def test_two_queue_prefixes_cover_both_queues_and_the_in_batch_term():
@@ -79,31 +83,37 @@ def test_two_queue_prefixes_cover_both_queues_and_the_in_batch_term():
     alone, the objective on truncated, re-normalised embeddings and queues."""
     def make(**kw):
         obj = build_objective(TwoQueueConfig(queue_size=20, temperature=TAU, **kw), encoder()).train()
-        obj.docs.queue.enqueue(unit(10, D, seed=5), Q_IDS, Q_GROUPS, step=0)
-        obj.queries.queue.enqueue(unit(10, D, seed=6), Q_IDS.flip(0), Q_GROUPS.flip(0), step=0)
+        core = getattr(obj, "objective", obj)  # (Matryoshka wraps the objective)
+        core.docs.queue.enqueue(unit(10, D, seed=5), Q_IDS, Q_GROUPS, step=0)
+        core.queries.queue.enqueue(unit(10, D, seed=6), Q_IDS.flip(0), Q_GROUPS.flip(0), step=0)
         return obj
     step = dict(q=unit(6, D, seed=1), k=unit(6, D, seed=2), doc_id=IDS, group=GROUPS, d=unit(6, D, seed=3),
                 q_key=unit(6, D, seed=4))
-    plain = make()(StepInput(**step))[0]
-    assert make(matryoshka_dims=[D])(StepInput(**step))[0].item() == pytest.approx(plain.item(), rel=1e-6)
-    cut = make(matryoshka_dims=[4])(StepInput(**step))[0]
+
+    def run(obj, step):
+        meta = {n: v for n, v in step.items() if n not in ("q", "k")}
+        return momentum_step(obj, step["q"], step["k"], meta)
+
+    plain = run(make(), step)[0]
+    assert run(make(matryoshka_dims=[D]), step)[0].item() == pytest.approx(plain.item(), rel=1e-6)
+    cut = run(make(matryoshka_dims=[4]), step)[0]
     truncated = make()  # the same queues, truncated and re-normalised by hand
     for memory in (truncated.docs, truncated.queries):
         memory.queue.queue_keys[:, 4:] = 0
         memory.queue.queue_keys.copy_(F.normalize(memory.queue.queue_keys, dim=1))
     short = {n: (F.pad(F.normalize(v[:, :4], dim=1), (0, D - 4)) if n in ("q", "k", "d", "q_key") else v)
              for n, v in step.items()}
-    assert cut.item() == pytest.approx(truncated(StepInput(**short))[0].item(), rel=1e-6)
+    assert cut.item() == pytest.approx(run(truncated, short)[0].item(), rel=1e-6)
     assert abs(cut.item() - plain.item()) > 1e-3
 
 
 def test_bad_prefixes_are_refused():
-    with pytest.raises(ValueError, match="the embeddings have 8 dimensions"):
+    with pytest.raises(ConfigError, match="the embeddings have 8 dimensions"):  # (the encoder's: known once built)
         build_objective(InBatchConfig(matryoshka_dims=[16, 8]), encoder())
-    with pytest.raises(ValueError, match="one weight >= 0 per dimension"):
-        build_objective(InBatchConfig(matryoshka_dims=[8, 4], matryoshka_weights=[1.0]), encoder())
-    with pytest.raises((ValueError, ConfigError)):
-        build_objective(InBatchConfig(matryoshka_dims=[8, 0]), encoder())
+    with pytest.raises(ConfigError, match="one weight >= 0 per dimension"):  # the rest with the config
+        InBatchConfig(matryoshka_dims=[8, 4], matryoshka_weights=[1.0])
+    with pytest.raises(ConfigError, match="distinct dimensions >= 1"):
+        InBatchConfig(matryoshka_dims=[8, 0])
 
 
 # ------------------------------------------------------------------ evaluation at each prefix

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from moco_retrieval.model.momentum import MomentumEncoder, momentum_at
+from moco_retrieval.model.momentum import MomentumEncoder
 
 
 class Net(nn.Module):
@@ -51,15 +51,6 @@ def test_key_encoder_dropout_mode(dropout):
     x = torch.ones(64, 4)
     same = torch.equal(m(x), m(x))
     assert same is (not dropout)
-
-
-def test_cosine_schedule_endpoints():
-    assert momentum_at(0, 100, 0.99, "cosine") == pytest.approx(0.99)
-    assert momentum_at(100, 100, 0.99, "cosine") == pytest.approx(1.0)
-    assert momentum_at(50, 100, 0.99, "cosine") == pytest.approx(0.995)
-    assert momentum_at(37, 100, 0.99, "constant") == 0.99
-    with pytest.raises(ValueError):
-        momentum_at(1, 10, 0.9, "linear")
 
 
 def test_frozen_parameters_stay_bit_identical():

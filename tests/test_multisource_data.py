@@ -97,7 +97,6 @@ def test_bad_sources_are_named(tmp_path):
         RetrievalDataModule(cfg, fake_tokenize, rank=0, world_size=1).setup()
     for change, message in [
         (dict(train_path=str(tmp_path / "a.jsonl")), "data.train_path and data.sources are both set"),
-        (dict(source_mode="random"), "data.source_mode='random': expected one of weighted, round_robin"),
     ]:
         with pytest.raises(DataError, match=message):
             RetrievalDataModule(two_sources(tmp_path / "x", **change), rank=0, world_size=1).setup()

@@ -138,8 +138,6 @@ def test_bad_inputs_are_named():
         MultiSourceBatchSampler(ids, groups, [0, 400, 400, 580], 8, rank=0, world_size=1)
     with pytest.raises(ValueError, match="weights"):
         MultiSourceBatchSampler(ids, groups, off, 8, weights=[1, 1], rank=0, world_size=1)
-    with pytest.raises(ValueError, match="mode"):
-        MultiSourceBatchSampler(ids, groups, off, 8, mode="random", rank=0, world_size=1)
     too_big = MultiSourceBatchSampler(ids, groups, off, 100, unique_in_batch=False, rank=0, world_size=1)
     with pytest.raises(ValueError, match="source 2 has 60 rows: no full batch of 100"):
         len(too_big)

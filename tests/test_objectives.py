@@ -4,19 +4,14 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import Given, labels, unit
 
-from moco_retrieval.config import InBatchConfig, MoCoConfig
-from moco_retrieval.objectives.contrastive import Block
-from moco_retrieval.objectives.inbatch import InBatchObjective
-from moco_retrieval.objectives.moco import MoCoObjective
-from moco_retrieval.objectives.step import StepInput
+from moco_retrieval.config import ConfigError
+from moco_retrieval.objectives.inbatch import InBatchConfig, InBatchObjective
+from moco_retrieval.objectives.infonce import info_nce
+from moco_retrieval.objectives.moco import MoCoConfig, MoCoObjective
 
 TAU = 0.07
-
-
-def unit(*shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    return F.normalize(torch.randn(*shape, generator=g), dim=-1)
 
 
 def ref_loss(q, pos_vecs, cand_lists, tau=TAU, smoothing=0.0):
@@ -50,7 +45,7 @@ def batch():
 def test_inbatch_matches_loops(batch, mask):
     q, k, ids, groups = batch
     obj = InBatchObjective(InBatchConfig(temperature=TAU, mask_false_negatives=mask))
-    loss, stats = obj(StepInput(q, k, doc_id=ids, group=groups))
+    loss, stats = obj(labels(ids, groups), Given(query=q, doc=k))
     cands = []
     for i in range(len(q)):
         cands.append([k[j] for j in range(len(q)) if j != i and not (mask and excluded(i, ids, groups, ids[j], groups[j]))])
@@ -61,7 +56,7 @@ def test_inbatch_matches_loops(batch, mask):
 def test_inbatch_symmetric_matches_loops(batch):
     q, k, ids, groups = batch
     obj = InBatchObjective(InBatchConfig(temperature=TAU, symmetric=True))
-    loss, _ = obj(StepInput(q, k, doc_id=ids, group=groups))
+    loss, _ = obj(labels(ids, groups), Given(query=q, doc=k))
     n = len(q)
     fwd = ref_loss(q, k, [[k[j] for j in range(n) if j != i and not excluded(i, ids, groups, ids[j], groups[j])] for i in range(n)])
     bwd = ref_loss(k, q, [[q[j] for j in range(n) if j != i and not excluded(i, ids, groups, ids[j], groups[j])] for i in range(n)])
@@ -71,7 +66,7 @@ def test_inbatch_symmetric_matches_loops(batch):
 def test_label_smoothing_matches_loops(batch):
     q, k, ids, groups = batch
     obj = InBatchObjective(InBatchConfig(temperature=TAU, label_smoothing=0.1, mask_false_negatives=False))
-    loss, _ = obj(StepInput(q, k, doc_id=ids, group=groups))
+    loss, _ = obj(labels(ids, groups), Given(query=q, doc=k))
     cands = [[k[j] for j in range(len(q)) if j != i] for i in range(len(q))]
     assert loss.item() == pytest.approx(ref_loss(q, k, cands, smoothing=0.1), abs=1e-5)
     # and it equals torch's own cross-entropy with label smoothing on the unmasked logit matrix
@@ -99,7 +94,7 @@ def test_moco_matches_loops(batch, batch_negatives, mask, with_hard):
     q_groups = torch.tensor([-1, 2, -1, -1, 1, -1, -1, 5, -1, -1, -1, -1])  # and duplicates of groups 1, 2
     _fill_queue(obj, 12, 5, q_ids, q_groups)
     queue = obj.docs.queue.keys().clone()
-    meta = {"doc_id": ids, "group": groups}
+    meta = {}
     hard = hard_ids = hard_groups = None
     if with_hard:
         hard = unit(12, 8, seed=9)
@@ -107,8 +102,8 @@ def test_moco_matches_loops(batch, batch_negatives, mask, with_hard):
         hard_ids[3] = 11  # row 1's positive as a "hard negative" of someone else
         hard_groups = torch.full((12,), -1)
         hard_groups[5] = 1
-        meta.update(neg=hard, neg_id=hard_ids, neg_group=hard_groups)
-    loss, stats = obj(StepInput(q, k, **meta))
+        meta.update(neg_id=hard_ids, neg_group=hard_groups)
+    loss, stats = obj(labels(ids, groups, **meta), Given(query=q, doc_key=k, neg_key=hard))
     cands = []
     for i in range(len(q)):
         c = []
@@ -139,8 +134,8 @@ def test_positive_copy_in_queue_is_masked(batch):
                 _fill_queue(obj, 10, 5, torch.arange(100, 110), torch.full((10,), -1))
                 if with_copy:
                     obj.docs.queue.enqueue(k[i : i + 1], ids[i : i + 1], groups[i : i + 1], step=0)
-                meta = {"doc_id": ids[i : i + 1], "group": groups[i : i + 1]}
-                results[mask, with_copy] = obj(StepInput(q[i : i + 1], k[i : i + 1], **meta))[0].item()
+                results[mask, with_copy] = obj(labels(ids[i : i + 1], groups[i : i + 1]),
+                                               Given(query=q[i : i + 1], doc_key=k[i : i + 1]))[0].item()
         assert results[True, True] == pytest.approx(results[True, False], abs=1e-6)
         # unmasked, the copy adds exp(s+/tau) to the denominator: loss grows by log(1 + p(positive))
         base = results[False, False]
@@ -153,7 +148,7 @@ def test_gradients_reach_query_only(batch):
     k = k.clone().requires_grad_(True)
     obj = _moco(True, True)
     _fill_queue(obj, 10, 5, torch.arange(100, 110), torch.full((10,), -1))
-    loss, _ = obj(StepInput(q, k, doc_id=ids, group=groups))
+    loss, _ = obj(labels(ids, groups), Given(query=q, doc_key=k))
     loss.backward()
     obj.after_backward()  # after backward, as the Lightning module does
     assert q.grad is not None and q.grad.abs().sum() > 0
@@ -164,7 +159,7 @@ def test_gradients_reach_query_only(batch):
 def test_learnable_temperature_is_clamped_and_trained(batch):
     q, k, ids, groups = batch
     obj = InBatchObjective(InBatchConfig(temperature=0.5, learn_temperature=True, temperature_min=0.1, temperature_max=1.0))
-    loss, stats = obj(StepInput(q, k, doc_id=ids, group=groups))
+    loss, stats = obj(labels(ids, groups), Given(query=q, doc=k))
     loss.backward()
     assert obj.scoring.temperature.log_tau.grad is not None and obj.scoring.temperature.log_tau.grad.abs() > 0
     with torch.no_grad():
@@ -172,19 +167,9 @@ def test_learnable_temperature_is_clamped_and_trained(batch):
     assert obj.scoring.temperature().item() == pytest.approx(0.1)
 
 
-def test_moco_rejects_empty_queue():
-    with pytest.raises(ValueError, match=r"objective.queue_size=0: must be >= 1"):  # refused with the config
-        MoCoObjective(MoCoConfig(queue_size=0), 8)
-
-
-def test_logits_fp32_under_bf16_autocast(batch):
-    q, k, ids, groups = batch
-    obj = InBatchObjective(InBatchConfig(temperature=TAU))
-    ref, _ = obj(StepInput(q, k, doc_id=ids, group=groups))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, _ = obj(StepInput(q, k, doc_id=ids, group=groups))
-    assert loss.dtype == torch.float32
-    assert loss.item() == pytest.approx(ref.item(), abs=1e-6)
+def test_an_empty_queue_is_refused_with_the_config():
+    with pytest.raises(ConfigError, match=r"objective.queue_size=0: must be >= 1"):
+        MoCoConfig(queue_size=0)
 
 
 def test_masked_counts_are_the_loss_own_blocks(batch):
@@ -199,7 +184,7 @@ def test_masked_counts_are_the_loss_own_blocks(batch):
     want_all = sum(int(excluded(i, ids, groups, cand_ids[j], cand_groups[j])) for i in range(len(ids)) for j in range(len(cand_ids)))
     pos = (q * k).sum(1) / TAU
     for _ in range(2):  # the same mask in two losses: counted in each, nothing drained
-        _, stats = obj.scoring.info_nce(pos, [Block(q @ unit(5, 8, seed=3).T / TAU, mine)], torch.tensor(TAU))
+        _, stats = info_nce(pos, [(q @ unit(5, 8, seed=3).T / TAU, mine)], torch.tensor(TAU))
         assert float(stats["masked_by_id"]) == pytest.approx(want_id / len(ids))
         assert float(stats["masked_by_group"]) == pytest.approx((want_all - want_id) / len(ids))
     assert want_id > 0 and want_all > want_id and int(other.counts["id"]) > 0

@@ -13,7 +13,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from moco_retrieval.training.checkpoints import atomic_torch_save
-from moco_retrieval.config import InBatchConfig, ModelConfig, PromptsConfig
+from moco_retrieval.config import ModelConfig, PromptsConfig
+from moco_retrieval.objectives.inbatch import InBatchConfig
 from moco_retrieval.data.collate import EvalCollator, collate
 from moco_retrieval.data.datamodule import RetrievalDataModule
 from moco_retrieval.data.formats import EvalSet, Negative, Pair, write_beir

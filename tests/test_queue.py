@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from moco_retrieval.objectives.queue import NegativeQueue
+from moco_retrieval.config import ConfigError
+from moco_retrieval.objectives.memory import NegativeQueue
+from moco_retrieval.objectives.moco import MoCoConfig
 
 
 def test_fifo_order_with_wrap():
@@ -64,9 +66,9 @@ def test_state_dict_names_and_round_trip():
     assert r.fill == 4 and int(r.queue_ptr) == 4 and torch.equal(r.keys(), q.keys())
 
 
-def test_zero_size_rejected():
-    with pytest.raises(ValueError, match="queue_size"):
-        NegativeQueue(0, 8)
+def test_a_queue_of_no_slots_is_refused_with_the_config():
+    with pytest.raises(ConfigError, match="queue_size=0: must be >= 1"):
+        MoCoConfig(queue_size=0)
 
 
 def write_steps(q, steps, per_step, dim=2, start_id=0):
@@ -125,5 +127,5 @@ def test_max_age_window_survives_load_state_dict():
 
 
 def test_max_age_must_be_positive():
-    with pytest.raises(ValueError, match="queue_max_age"):
-        NegativeQueue(8, 2, max_age=0)
+    with pytest.raises(ConfigError, match="queue_max_age=0: must be >= 1"):
+        MoCoConfig(queue_max_age=0)

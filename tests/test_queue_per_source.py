@@ -14,17 +14,16 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from moco_retrieval.config import MoCoConfig, TwoQueueConfig, objective_config
+from moco_retrieval.objectives.moco import MoCoConfig
+from moco_retrieval.objectives.two_queue import TwoQueueConfig
+from moco_retrieval.objectives.registry import objective_config
 from moco_retrieval.errors import ConfigError
 from moco_retrieval.objectives.memory import KeyMemory, PerSourceMemory
 from moco_retrieval.objectives.moco import MoCoObjective
-from moco_retrieval.objectives.step import StepInput
 from moco_retrieval.objectives.two_queue import TwoQueueObjective
+from helpers import momentum_step, ref_direction, train_steps, unit
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_two_queue import TAU, D, ref_direction, train_steps, unit  # noqa: E402
-
-B, SIZE = 4, 12
+TAU, D, B, SIZE = 0.07, 8, 4, 12
 
 
 def moco(sources=2, **kw) -> MoCoObjective:
@@ -46,10 +45,17 @@ def fill_each_source(obj, sides=("docs",)):
                                  torch.full((n,), -1), step=0)
 
 
-def batch(seed=0, source=1, step=1, **extra) -> StepInput:
+def batch(seed=0, source=1, step=1, **extra) -> SimpleNamespace:
+    """One step's queries q (with gradient), EMA keys k, labels and source (None: no source entry)."""
     ids = torch.arange(B) + 100 * seed
-    return StepInput(unit(B, D, seed=seed + 1).requires_grad_(), unit(B, D, seed=seed + 2), ids, torch.full((B,), -1),
-                     step=step, source=torch.full((B,), source), **extra)
+    return SimpleNamespace(q=unit(B, D, seed=seed + 1).requires_grad_(), k=unit(B, D, seed=seed + 2), doc_id=ids,
+                           group=torch.full((B,), -1), step=step,
+                           source=torch.full((B,), source) if source is not None else None, extra=extra)
+
+
+def score(obj, x):
+    meta = {"doc_id": x.doc_id, "group": x.group, **x.extra, **({"source": x.source} if x.source is not None else {})}
+    return momentum_step(obj, x.q, x.k, meta, x.step)
 
 
 def queue_of(memory: KeyMemory) -> tuple:
@@ -63,14 +69,14 @@ def test_moco_batch_scores_only_its_own_sources_queue(source):
     fill_each_source(obj)
     own, other = queue_of(obj.docs.sources[source]), queue_of(obj.docs.sources[1 - source])
     x = batch(source=source)
-    loss, _ = obj(x)
+    loss, _ = score(obj, x)
     got = torch.autograd.grad(loss, x.q)[0]
     q = x.q.detach().clone().requires_grad_()
-    ref = ref_direction(q, x.k, x.k, x.doc_id, x.group, [own])
+    ref = ref_direction(q, x.k, x.k, x.doc_id, x.group, [own], TAU)
     assert loss.item() == pytest.approx(ref.item(), abs=1e-5)
     torch.testing.assert_close(got, torch.autograd.grad(ref, q)[0], atol=1e-5, rtol=1e-4)
     # the other source's keys would have changed it: the routing is what the reference checks
-    mixed = ref_direction(q, x.k, x.k, x.doc_id, x.group, [own, other])
+    mixed = ref_direction(q, x.k, x.k, x.doc_id, x.group, [own, other], TAU)
     assert abs(mixed.item() - ref.item()) > 1e-3
 
 
@@ -80,12 +86,12 @@ def test_two_queue_batch_scores_only_its_own_sources_pair_of_queues():
     docs, queries = queue_of(obj.docs.sources[1]), queue_of(obj.queries.sources[1])
     d, q_key = unit(B, D, seed=7).requires_grad_(), unit(B, D, seed=8)
     x = batch(source=1, d=d, q_key=q_key)
-    loss, _ = obj(x)
-    ref = (ref_direction(x.q, x.k, x.k, x.doc_id, x.group, [docs])
-           + ref_direction(d, q_key, q_key, x.doc_id, x.group, [queries])) / 2
+    loss, _ = score(obj, x)
+    ref = (ref_direction(x.q, x.k, x.k, x.doc_id, x.group, [docs], TAU)
+           + ref_direction(d, q_key, q_key, x.doc_id, x.group, [queries], TAU)) / 2
     assert loss.item() == pytest.approx(ref.item(), abs=1e-5)
-    wrong = (ref_direction(x.q, x.k, x.k, x.doc_id, x.group, [queue_of(obj.docs.sources[0])])
-             + ref_direction(d, q_key, q_key, x.doc_id, x.group, [queue_of(obj.queries.sources[0])])) / 2
+    wrong = (ref_direction(x.q, x.k, x.k, x.doc_id, x.group, [queue_of(obj.docs.sources[0])], TAU)
+             + ref_direction(d, q_key, q_key, x.doc_id, x.group, [queue_of(obj.queries.sources[0])], TAU)) / 2
     assert abs(wrong.item() - ref.item()) > 1e-3
 
 
@@ -95,7 +101,7 @@ def test_enqueue_lands_in_the_batchs_source_memory_only(make, sides):
     extra = dict(d=unit(B, D, seed=7).requires_grad_(), q_key=unit(B, D, seed=8)) if "queries" in sides else {}
     for step, source in enumerate([2, 0, 2]):
         x = batch(seed=step, source=source, step=step, **extra)
-        loss, _ = obj(x)
+        loss, _ = score(obj, x)
         loss.backward()
         obj.after_backward()
     for side in sides:
@@ -120,13 +126,13 @@ def test_each_source_trains_as_a_plain_objective_on_its_own_batches(cls, cfg_cls
     plain = cls(dataclasses.replace(cfg, queue_per_source=False), D, guide_dim=D).train()
     per_losses, plain_losses = [], []
     for step, source in enumerate([0, 1, 1, 0, 1]):
-        x = dict(q=unit(B, D, seed=10 + step), k=unit(B, D, seed=20 + step), doc_id=torch.arange(B) + 10 * step,
-                 group=torch.full((B,), -1), step=step, g_q=unit(B, D, seed=30 + step), g_k=unit(B, D, seed=40 + step),
-                 d=unit(B, D, seed=50 + step), q_key=unit(B, D, seed=60 + step))
-        for obj, out, src in ((per, per_losses, torch.full((B,), source)), (plain, plain_losses, None)):
+        meta = dict(doc_id=torch.arange(B) + 10 * step, group=torch.full((B,), -1), g_q=unit(B, D, seed=30 + step),
+                    g_k=unit(B, D, seed=40 + step), d=unit(B, D, seed=50 + step), q_key=unit(B, D, seed=60 + step))
+        q, k = unit(B, D, seed=10 + step), unit(B, D, seed=20 + step)
+        for obj, out, src in ((per, per_losses, {"source": torch.full((B,), source)}), (plain, plain_losses, {})):
             if obj is plain and source != 1:
                 continue
-            loss, stats = obj(StepInput(**x, source=src))
+            loss, stats = momentum_step(obj, q, k, {**meta, **src}, step)
             obj.after_backward()
             out.append((loss.item(), float(stats["masked_by_guide"])))
     assert [per_losses[i] for i in (1, 2, 4)] == plain_losses
@@ -143,11 +149,11 @@ def test_a_batch_must_come_from_one_known_source():
     mixed = batch()
     mixed.source = torch.tensor([0, 1, 1, 1])
     with pytest.raises(RuntimeError, match="from one source"):
-        obj(mixed)
+        score(obj, mixed)
     with pytest.raises(ValueError, match="built for 2 source"):
-        obj(batch(source=2))
+        score(obj, batch(source=2))
     with pytest.raises(ValueError, match="no 'source' entry"):
-        obj(StepInput(unit(B, D, seed=1), unit(B, D, seed=2), torch.arange(B), torch.full((B,), -1)))
+        score(obj, batch(source=None))
 
 
 def test_one_source_is_the_shared_queue_and_the_same_checkpoint():
@@ -155,16 +161,14 @@ def test_one_source_is_the_shared_queue_and_the_same_checkpoint():
     on one dataset): one KeyMemory under the usual keys, and no source entry needed."""
     on, off = moco(sources=1), MoCoObjective(MoCoConfig(queue_size=SIZE, temperature=TAU), D).train()
     assert isinstance(on.docs, KeyMemory) and on.state_dict().keys() == off.state_dict().keys()
-    x = StepInput(unit(B, D, seed=1), unit(B, D, seed=2), torch.arange(B), torch.full((B,), -1))
-    assert on(x)[0].item() == off(x)[0].item()
+    x = batch(source=None)
+    assert score(on, x)[0].item() == score(off, x)[0].item()
     # off, with several sources: one shared queue
     assert isinstance(MoCoObjective(MoCoConfig(queue_size=SIZE), D, sources=3).docs, KeyMemory)
 
 
 def test_options_it_does_not_combine_with_are_refused():
-    with pytest.raises(ConfigError, match="queue_per_source"):  # icol / feature_memory have no such option
-        objective_config({"name": "icol", "queue_per_source": True})
-    with pytest.raises(ConfigError, match="queue_per_source"):
+    with pytest.raises(ConfigError, match="queue_per_source"):  # feature_memory has no such option
         objective_config({"name": "feature_memory", "queue_per_source": True})
     with pytest.raises(ValueError, match="queue_refresh"):
         MoCoObjective(MoCoConfig(queue_size=SIZE, queue_per_source=True, queue_refresh=2), D, {"doc": 8, "query": 8},
@@ -178,14 +182,14 @@ def test_options_it_does_not_combine_with_are_refused():
 
 def test_all_the_queues_memory_is_checked_together(monkeypatch):
     """Each queue alone fits; two sources' two pairs of queues do not: refused before allocating."""
-    from moco_retrieval.objectives import queue
+    from moco_retrieval.objectives import memory
 
-    one = queue.queue_bytes(SIZE, D, "float32")
-    monkeypatch.setattr(queue, "available_memory", lambda: 3 * one - 1)
+    one = SIZE * (D * 4 + 24)  # a float32 queue's keys and its slots' id, group and step
+    monkeypatch.setattr(memory, "available_memory", lambda: 3 * one - 1)
     TwoQueueObjective(TwoQueueConfig(queue_size=SIZE), D, sources=2)  # off: 2 queues
-    with pytest.raises(ConfigError, match=rf"objective.queue_size={SIZE}: the objective's 4 queues need {4 * one:,} bytes"):
+    with pytest.raises(ConfigError, match=rf"objective.queue_size={SIZE}: the objective's queues need {4 * one:,} bytes"):
         two_queue(sources=2)
-    with pytest.raises(ConfigError, match="the objective's 3 queues"):
+    with pytest.raises(ConfigError, match=rf"the objective's queues need {3 * one:,} bytes"):
         moco(sources=3)
     moco(sources=2)
 
@@ -232,7 +236,7 @@ def run_disagreeing(rank, world):
     """Each rank's batch of another source: every rank refuses (no rank writes another's memory)."""
     obj = moco()
     try:
-        obj(batch(source=rank))
+        score(obj, batch(source=rank))
     except RuntimeError as e:
         return str(e)
     return "no error"

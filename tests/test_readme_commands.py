@@ -48,7 +48,8 @@ def test_every_documented_command_composes_as_a_strict_config():
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    from moco_retrieval.config import COMMAND_SCHEMAS, check_known_keys, register_configs
+    from moco_retrieval.config import COMMAND_SCHEMAS, check_known_keys
+    from moco_retrieval.command import register_configs
 
     commands = documented_commands()
     names = {c.split()[2].removeprefix("moco_retrieval.") for _, c in commands}

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moco_retrieval.config import TwoQueueConfig
-from moco_retrieval.objectives.queue import NegativeQueue
+from helpers import Given, labels
+
+from moco_retrieval.objectives.memory import NegativeQueue
 from moco_retrieval.objectives.refresh import QueueRefresh, side_of, token_rows
-from moco_retrieval.objectives.two_queue import TwoQueueObjective
-from moco_retrieval.objectives.step import StepInput
+from moco_retrieval.objectives.two_queue import TwoQueueConfig, TwoQueueObjective
 
 D, VOCAB, WIDTH = 8, 50, 6
 TABLE = F.normalize(torch.randn(VOCAB, D, generator=torch.Generator().manual_seed(0)), dim=-1)
@@ -102,7 +102,7 @@ def test_module_refreshes_with_the_key_encoder_before_the_logits(tmp_path_factor
                         TwoQueueConfig(queue_size=16, temperature=0.1, momentum=0.5, queue_refresh=3),
                         OptimConfig(lr=1e-3, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
     m.train()
-    assert {"k_fresh", "q_key_fresh"} <= set(m.objective.views)
+    assert m.objective.docs.refresh is not None and m.objective.queries.refresh is not None
     batches = iter(SyntheticData(m.encoder.tokenize, batch_size=4).train_dataloader())
     first = next(batches)
     loss, _ = m.shared_step(first)  # empty queues: nothing to refresh yet
@@ -130,7 +130,7 @@ def test_frozen_backbone_with_refresh_is_a_config_error():
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    from moco_retrieval.config import register_configs
+    from moco_retrieval.command import register_configs
     from moco_retrieval.errors import ConfigError
 
     register_configs()
@@ -165,13 +165,11 @@ def run(steps, rank, world):
     for s, st in enumerate(steps):
         doc = {k: v[sl] for k, v in st["doc"].items()}
         query = {k: v[sl] for k, v in st["query"].items()}
-        meta = {"doc_id": st["ids"][sl], "group": st["groups"][sl], "d": st["d"][sl].clone().requires_grad_(),
-                "q_key": fake_encode(query), "tokens": {"doc": doc, "query": query}}
-        for side, view in (("stored_doc", "k_fresh"), ("stored_query", "q_key_fresh")):
-            stored = obj.stored_inputs(side, s)  # this rank's block of the draw (3 rows: blocks of 2 and 1)
-            meta[view] = fake_encode(stored) if stored is not None else None
         q = st["q"][sl].clone().requires_grad_()
-        loss, _ = obj(StepInput(q, fake_encode(doc), **meta, step=s))
+        # the stored texts this rank draws (3 a step: blocks of 2 and 1) embed as fake_encode does
+        embed = Given(s, query=q, doc=st["d"][sl].clone().requires_grad_(), doc_key=fake_encode(doc),
+                      query_key=fake_encode(query), tokens=lambda side, kind: fake_encode(side))
+        loss, _ = obj(labels(st["ids"][sl], st["groups"][sl], doc=doc, query=query), embed)
         loss.backward()
         obj.after_backward()
         out["loss"].append(loss.item())

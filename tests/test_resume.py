@@ -69,7 +69,7 @@ def reference_run(run_dir: Path, env: dict, extra: tuple = ()) -> None:
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    from moco_retrieval.config import register_configs
+    from moco_retrieval.command import register_configs
     from moco_retrieval.train import train
 
     register_configs()
@@ -90,14 +90,12 @@ def reference_run(run_dir: Path, env: dict, extra: tuple = ()) -> None:
                 os.environ[k] = v
 
 
-@pytest.mark.parametrize("objective,refresh", [("moco", 0), ("two_queue", 0), ("two_queue", 2), ("icol", 0)])
+@pytest.mark.parametrize("objective,refresh", [("moco", 0), ("two_queue", 0), ("two_queue", 2)])
 def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_env, objective, refresh):
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "run"
     extra = (f"objective={objective}",)
     if objective == "two_queue":  # an age bound that bites on both sides of the stop: its window is restored too
         extra += ("objective.queue_max_age=2",)
-    if objective == "icol":  # two towers in turns; the phase turns at steps 3 and 6, around the stop
-        extra += ("model.shared_tower=false", "objective.phase_steps=3")
     if refresh:  # queued texts re-encoded each step: the stored tokens and the draws resume too
         extra += (f"objective.queue_refresh={refresh}",)
     run = subprocess.Popen(cli(run_dir, *extra), cwd=tmp_path, env=cli_env, stdout=subprocess.PIPE,
@@ -155,7 +153,7 @@ def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_e
     assert a["global_step"] == b["global_step"] == STEPS
     assert a["state_dict"].keys() == b["state_dict"].keys()
     assert any("queue_keys" in k for k in a["state_dict"])
-    assert any(k.startswith("key_encoder.") for k in a["state_dict"]) == (objective != "icol")  # icol has no EMA copy
+    assert any(k.startswith("key_encoder.") for k in a["state_dict"])
     if objective == "two_queue":  # both queues are carried
         assert "objective.queries.queue.queue_keys" in a["state_dict"]
     if refresh:  # and the texts of both, and when each key was last encoded
@@ -188,7 +186,8 @@ def tiny_dir(tmp_path_factory):
 
 
 def make_module(tiny_dir):
-    from moco_retrieval.config import MoCoConfig, ModelConfig, OptimConfig
+    from moco_retrieval.config import ModelConfig, OptimConfig
+    from moco_retrieval.objectives.moco import MoCoConfig
     from moco_retrieval.training.module import RetrievalModule
 
     return RetrievalModule(ModelConfig(backbone="tiny", path=tiny_dir),
@@ -298,7 +297,7 @@ def test_build_wires_preemption_and_slurm_requeue(tmp_path, monkeypatch):
     from lightning.pytorch.plugins.environments import SLURMEnvironment
     from omegaconf import OmegaConf
 
-    from moco_retrieval.config import register_configs
+    from moco_retrieval.command import register_configs
     from moco_retrieval.train import build
 
     register_configs()

@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from moco_retrieval.training.checkpoints import atomic_torch_save, read_checkpoint
-from moco_retrieval.config import register_configs
+from moco_retrieval.command import register_configs
 from moco_retrieval.errors import CheckpointError
 
 SHARED_DEBIAN = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "debian-bookworm"

@@ -116,7 +116,7 @@ def test_help_says_what_the_command_does_without_the_schemas(tmp_path, name):
     assert "_schema" not in text and "powered by Hydra" not in text
     assert f"python -m moco_retrieval.{name}" in text and "data: beir, csv, debian, hf, jsonl, parquet" in text
     if name == "train":
-        assert "objective: feature_memory, icol, inbatch, moco, two_queue" in text
+        assert "objective: feature_memory, inbatch, moco, two_queue" in text
         assert "+experiment=NAME" in text and "smoke" in text and "ckpt_path=null" in text
         assert "checkpoints/last.ckpt" in text  # what it does and writes, from the module's docstring
     else:

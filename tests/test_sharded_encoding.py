@@ -47,7 +47,8 @@ def _rows(rank: int, n: int) -> np.ndarray:
 def _validate(tiny_dir: str) -> dict:
     """The module's validation pass as Lightning drives it: this rank's val batches through
     ``validation_step``, then the rows the epoch end scores (gathered when the pool is split)."""
-    from moco_retrieval.config import DataConfig, InBatchConfig, OptimConfig
+    from moco_retrieval.config import DataConfig, OptimConfig
+    from moco_retrieval.objectives.inbatch import InBatchConfig
     from moco_retrieval.data.datamodule import RetrievalDataModule
     from moco_retrieval.training.module import RetrievalModule
 

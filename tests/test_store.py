@@ -18,7 +18,7 @@ from moco_retrieval.data import convert  # noqa: E402
 from moco_retrieval.data.datamodule import RetrievalDataModule  # noqa: E402
 from moco_retrieval.data.formats import DataError, read_pairs_jsonl  # noqa: E402
 from moco_retrieval.data.sources import load, load_training_pairs, pair_spec, prepare_store, store_root  # noqa: E402
-from moco_retrieval.objectives.masking import false_negative_pairs  # noqa: E402
+from moco_retrieval.objectives.infonce import false_negative_pairs  # noqa: E402
 
 
 def rich_rows(n):

@@ -119,7 +119,7 @@ def test_not_a_parquet_file(tmp_path):
 def test_data_kind_loads_training_and_eval(tmp_path, fmt):
     from hydra import compose, initialize_config_module
 
-    from moco_retrieval.config import register_configs
+    from moco_retrieval.command import register_configs
 
     path = (write_csv if fmt == "csv" else write_parquet)(tmp_path / f"p.{fmt}", ROWS * 3, {"query": "title"})
     write_eval(tmp_path / "eval")

@@ -11,7 +11,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from moco_retrieval.config import register_configs
+from moco_retrieval.command import register_configs
 
 REPO = Path(__file__).resolve().parents[1]
 

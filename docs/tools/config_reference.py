@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import enum
 import inspect
 import io
 import sys
 import textwrap
 import tokenize
+import typing
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
@@ -89,11 +91,25 @@ def meaning(schema: type, name: str) -> str:
 # ---- types, defaults, valid values
 
 
-def type_text(annotation: Any) -> str:
-    """``Optional[int]`` -> ``int or null``; a nested schema's name stays (its own section says more)."""
+def enum_of(schema: type, name: str) -> Optional[type]:
+    """The Enum a field's value is one of (Optional[...] or not), else None."""
+    hint = typing.get_type_hints(schema).get(name)
+    for t in (hint, *typing.get_args(hint)):
+        if isinstance(t, type) and issubclass(t, enum.Enum):
+            return t
+    return None
+
+
+def type_text(annotation: Any, schema: type = None, name: str = "") -> str:
+    """``Optional[int]`` -> ``int or null``; an Enum -> ``str``; a nested schema's name stays (its own
+    section says more)."""
     text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
     if text.startswith("Optional[") and text.endswith("]"):
-        return f"{type_text(text[len('Optional['):-1])} or null"
+        return f"{type_text(text[len('Optional['):-1], schema, name)} or null"
+    if text.endswith(" | None"):
+        return f"{type_text(text[: -len(' | None')], schema, name)} or null"
+    if schema is not None and enum_of(schema, name) is not None:
+        return "str"
     return {"Any": "any"}.get(text, text)
 
 
@@ -125,6 +141,9 @@ def schema_default(f: dataclasses.Field) -> Any:
 def valid_text(schema: type, name: str) -> str:
     ranges = schema.ranges() if hasattr(schema, "ranges") else {}
     choices = schema.choices() if hasattr(schema, "choices") else {}
+    options = enum_of(schema, name)
+    if options is not None:
+        return "one of " + ", ".join(f"`{c.value}`" for c in options)
     if name in choices:
         return "one of " + ", ".join(f"`{c}`" for c in choices[name])
     if name in ranges:
@@ -141,9 +160,9 @@ def composed(command: str, overrides: tuple[str, ...] = ()) -> dict:
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    from moco_retrieval.command import CONFIG_PATH
+    from moco_retrieval.command import CONFIG_PATH, register_configs
 
-    C.register_configs()
+    register_configs()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(CONFIG_PATH.removeprefix("pkg://"), version_base="1.3"):
@@ -195,7 +214,7 @@ def section_table(prefix: str, schema: type, tree: Optional[dict], command: str)
             what = f"see [`{section}`](#{anchor(section)})" + (f"; {what}" if what else "")
         composed_value = lookup(tree, key.replace("[]", "")) if tree is not None and "[]" not in key else ...
         default = "(section)" if nested else default_text(schema_default(f), composed_value, command)
-        rows.append(row(key, type_text(f.type), default, valid_text(schema, f.name), what))
+        rows.append(row(key, type_text(f.type, schema, f.name), default, valid_text(schema, f.name), what))
     return rows
 
 
@@ -227,7 +246,7 @@ def objective_table(trees: dict[str, dict]) -> list[str]:
                 continue
             cells.append(cell(default_text(schema_default(fields[key]), lookup(trees[name], f"objective.{key}"),
                                            "yaml")))
-        typ = type_text(next(f.type for f in dataclasses.fields(first) if f.name == key))
+        typ = type_text(next(f.type for f in dataclasses.fields(first) if f.name == key), first, key)
         rows.append(f"| `objective.{key}` | {cell(typ)} | " + " | ".join(cells)
                     + f" | {cell(valid_text(first, key))} | {cell(meaning(first, key))} |")
     return rows
@@ -305,7 +324,7 @@ def command_section(command: str) -> list[str]:
     also = ("Also the sections " + ", ".join(f"[`{s}`](#{anchor(s)})" for s in shared) + " (as in training)."
             if shared else "")
     rows = [f"## `{command}`", "", f"{doc_summary(schema)} {also}".strip(), "", HEADER]
-    rows += [row(f.name, type_text(f.type), default_text(schema_default(f), lookup(tree, f.name), command),
+    rows += [row(f.name, type_text(f.type, schema, f.name), default_text(schema_default(f), lookup(tree, f.name), command),
                  valid_text(schema, f.name), meaning(schema, f.name))
              for f in dataclasses.fields(schema) if f.name not in shared]
     return rows

@@ -103,8 +103,7 @@ def _parser(prepare_help: bool = False) -> argparse.ArgumentParser:
 
 def _data_options() -> str:
     """``prepare --help``'s list of data kinds, as the commands' ``--help`` lists a group's options."""
-    from moco_retrieval.command import groups_and_options
-    from moco_retrieval.config import register_configs
+    from moco_retrieval.command import groups_and_options, register_configs
 
     register_configs()
     kinds = groups_and_options("train")[0].get("data", [])
@@ -163,8 +162,8 @@ def _data_config(overrides: Sequence[str]):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from moco_retrieval.command import composition_message
-    from moco_retrieval.config import DataConfig, register_configs, to_config
+    from moco_retrieval.command import composition_message, register_configs
+    from moco_retrieval.config import DataConfig, to_config
 
     bad = [o for o in overrides if not (o.startswith("data=") or o.startswith("data."))]
     if bad:

@@ -17,7 +17,6 @@ from typing import Any, Optional
 import numpy as np
 from omegaconf import OmegaConf
 
-from moco_retrieval.config import SOURCE_MODES
 
 from moco_retrieval.data.formats import DataError
 from moco_retrieval.data.prompts import Prompts, to_prompts
@@ -42,9 +41,7 @@ def source_config(cfg: Any, i: int) -> Any:
 
 
 def check_sources(cfg: Any) -> None:
-    """The settings of ``data.sources`` that no reader checks: names, weights, mode, no train_path."""
-    if cfg.source_mode not in SOURCE_MODES:
-        raise DataError(f"data.source_mode={cfg.source_mode!r}: expected one of {', '.join(SOURCE_MODES)}")
+    """The settings of ``data.sources`` that no reader checks: names, weights, no train_path."""
     if getattr(cfg, "train_path", None):
         raise DataError("data.train_path and data.sources are both set: give the training files in data.sources only")
     names = source_names(cfg)

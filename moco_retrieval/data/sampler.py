@@ -8,10 +8,9 @@ from __future__ import annotations
 from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
-import torch
 from torch.utils.data import DataLoader, Sampler
 
-from moco_retrieval.config import SOURCE_MODES
+from moco_retrieval.config import SourceMode
 from moco_retrieval.distributed import rank_and_world
 
 from moco_retrieval.data.ids import NO_GROUP
@@ -256,7 +255,7 @@ class MultiSourceBatchSampler(EpochPosition, Sampler[list[int]]):
         batch_size: int,
         *,
         weights: Optional[Sequence[float]] = None,
-        mode: str = "weighted",
+        mode: SourceMode = SourceMode.weighted,
         seed: int = 0,
         shuffle: bool = True,
         unique_in_batch: bool = True,
@@ -266,8 +265,6 @@ class MultiSourceBatchSampler(EpochPosition, Sampler[list[int]]):
     ):
         if len(doc_ids) != len(groups):
             raise ValueError("doc_ids and groups differ in length")
-        if mode not in SOURCE_MODES:
-            raise ValueError(f"mode={mode!r}: expected one of {SOURCE_MODES}")
         self.offsets = check_offsets(source_offsets, len(doc_ids))
         n_sources = len(self.offsets) - 1
         if weights is not None:
@@ -276,7 +273,7 @@ class MultiSourceBatchSampler(EpochPosition, Sampler[list[int]]):
                 raise ValueError(f"weights must be {n_sources} non-negative numbers, not all 0, got {list(weights)}")
         self.weights = None if weights is None else [float(x) for x in weights]
         self.names = [f"source {s}" for s in range(n_sources)] if names is None else [str(n) for n in names]
-        self.mode, self.seed, self.shuffle = mode, int(seed), bool(shuffle)
+        self.mode, self.seed, self.shuffle = str(mode), int(seed), bool(shuffle)
         self.sources = [
             RetrievalBatchSampler(
                 doc_ids[a:b], groups[a:b], batch_size, seed=source_seed(seed, s), shuffle=shuffle,
@@ -391,7 +388,6 @@ __all__ = [
     "MultiSourceBatchSampler",
     "RetrievalBatchSampler",
     "ResumableDataLoader",
-    "SOURCE_MODES",
     "apportion",
     "check_offsets",
     "source_of",

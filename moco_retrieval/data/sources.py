@@ -30,6 +30,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 from omegaconf import OmegaConf
 
+from moco_retrieval.config import DataKind
 from moco_retrieval.data.convert import PairSpec, ensure_store
 from moco_retrieval.data.formats import (
     DataError,
@@ -45,8 +46,8 @@ from moco_retrieval.data.formats import (
 )
 from moco_retrieval.data.store import PairList, PairRows, PairStore
 
-KINDS = ("debian", "jsonl", "parquet", "csv", "beir", "hf")
-PAIR_KINDS = ("jsonl", "parquet", "csv", "hf")  # training pairs (a file, or hf's folder) + a BEIR folder for validation
+# training pairs (a file, or hf's folder) + a BEIR folder for validation
+PAIR_KINDS = (DataKind.jsonl, DataKind.parquet, DataKind.csv, DataKind.hf)
 
 
 @dataclass
@@ -129,11 +130,8 @@ def cap_eval_set(
 # ---------------------------------------------------------------------------------- locations
 
 
-def _check_kind(cfg: Any) -> str:
-    kind = cfg.kind
-    if kind not in KINDS:
-        raise DataError(f"data.kind={kind!r}: expected one of {', '.join(KINDS)}")
-    return kind
+def _check_kind(cfg: Any) -> DataKind:
+    return DataKind(cfg.kind)
 
 
 def _value(cfg: Any, key: str) -> Any:
@@ -461,11 +459,10 @@ def load_documents(cfg: Any) -> tuple[dict[str, str], str]:
         if not docs:
             raise DataError(f"data={kind}: set data.train_path and/or data.eval_dir (or give corpus=PATH)")
         return docs, "data.train_path + data.eval_dir"
-    raise DataError(f"data.kind={kind!r}: expected one of {', '.join(KINDS)}")
+    raise DataError(f"data.kind={kind!r}: expected one of {', '.join(DataKind)}")
 
 
 __all__ = [
-    "KINDS",
     "PAIR_KINDS",
     "TrainingPairs",
     "EvalPool",

@@ -39,7 +39,7 @@ import numpy as np
 
 import faiss
 
-from moco_retrieval.config import INDEX_KINDS  # the config checks eval.index against them
+from moco_retrieval.config import IndexKind
 
 PQ_BITS = 8  # bits per sub-vector code: 256 codewords, one byte (FAISS's well-trodden setting)
 ADD_CHUNK = 65_536  # documents converted and added at a time: a memory-mapped corpus is never copied whole
@@ -122,7 +122,7 @@ def build_index(
         index.hnsw.efConstruction = ef_construction
         index.hnsw.efSearch = ef_search
     else:
-        raise ValueError(f"unknown index kind {kind!r}; expected one of {INDEX_KINDS}")
+        raise ValueError(f"unknown index kind {kind!r}; expected one of {', '.join(IndexKind)}")
     if n:
         _add_in_chunks(index, x)
     return index
@@ -257,7 +257,6 @@ def load_index(path: str | os.PathLike, *, nprobe: int | None = None, ef_search:
 
 
 __all__ = [
-    "INDEX_KINDS",
     "build_index",
     "build_index_from_config",
     "ivfpq_train_size",

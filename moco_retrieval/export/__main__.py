@@ -44,14 +44,12 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from moco_retrieval.command import command
-from moco_retrieval.config import register_configs
 from moco_retrieval.errors import ConfigError
 from moco_retrieval.export.folder import apply_umask, earlier_export
 from moco_retrieval.export.writer import export_adapter, export_encoder
 from moco_retrieval.model.loading import META_FILE, load_encoder
 from moco_retrieval.model.momentum import ENCODERS
 
-register_configs()
 
 
 def write_model_card(out: Path, desc: dict, checkpoint: Optional[str], side: str, name: str) -> Path:

@@ -19,8 +19,6 @@ from torch import nn
 from moco_retrieval.config import ModelConfig
 from moco_retrieval.errors import ConfigError, MissingPackageError, ModelLoadError, ModelNotFoundError
 
-BACKBONE_KINDS = ("transformer", "bag_of_wordpieces")
-DTYPES = ("float32", "bfloat16", "float16")  # model.backbone_dtype
 
 
 def resolve_backbone(cfg: ModelConfig) -> tuple[Path, str]:
@@ -96,12 +94,10 @@ def _quiet_transformers():
 
 
 def load_backbone(path: Path, key: str = "model.path", dtype: Optional[str] = None) -> tuple[nn.Module, Any]:
-    """(AutoModel without pooler, AutoTokenizer) from a local folder, its weights in ``dtype`` (one of
-    :data:`DTYPES`; None: transformers' default); errors name path and key."""
+    """(AutoModel without pooler, AutoTokenizer) from a local folder, its weights in ``dtype``
+    (model.backbone_dtype; None: transformers' default); errors name path and key."""
     from transformers import AutoModel, AutoTokenizer
 
-    if dtype is not None and dtype not in DTYPES:
-        raise ConfigError(f"model.backbone_dtype={dtype!r}: expected one of {DTYPES}")
     load_kw = {"local_files_only": True, **({"dtype": getattr(torch, dtype)} if dtype else {})}
 
     try:
@@ -138,8 +134,6 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 __all__ = [
-    "BACKBONE_KINDS",
-    "DTYPES",
     "bag_of_wordpieces",
     "load_backbone",
     "resolve_backbone",

@@ -117,13 +117,14 @@ class RandState:
             yield
 
 
-def _autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
+def autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
+    """The autocast settings now (CPU's and ``device_type``'s), to re-enter later with ``autocast_to``."""
     types = ["cpu"] + ([device_type] if device_type != "cpu" else [])
     return [(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types]
 
 
 @contextmanager
-def _autocast(states: list[tuple[str, bool, torch.dtype]]) -> Iterator[None]:
+def autocast_to(states: list[tuple[str, bool, torch.dtype]]) -> Iterator[None]:
     ctxs = [torch.autocast(device_type=t, dtype=d, enabled=e) for t, e, d in states]
     for c in ctxs:
         c.__enter__()
@@ -141,7 +142,7 @@ class _CachedEmbed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor: Tensor, fn: Callable[[Side], Tensor], chunks: list[Side], device: torch.device, replay: bool):
         ctx.fn, ctx.chunks, ctx.replay = fn, chunks, replay
-        ctx.autocast = _autocast_state(device.type)
+        ctx.autocast = autocast_state(device.type)
         ctx.states, outs = [], []
         for c in chunks:
             ctx.states.append(RandState(device))
@@ -152,7 +153,7 @@ class _CachedEmbed(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         offset = 0
-        with torch.enable_grad(), _autocast(ctx.autocast):
+        with torch.enable_grad(), autocast_to(ctx.autocast):
             for c, state, n in zip(ctx.chunks, ctx.states, ctx.sizes):
                 with state.replay() if ctx.replay else nullcontext():
                     emb = ctx.fn(c)

@@ -151,7 +151,7 @@ def load_model_dir(path: str | Path, fallback: Optional[ModelConfig] = None) -> 
     if not meta_path.is_file():
         if fallback is None:
             raise ModelNotFoundError(f"model_dir={path}: no {META_FILE} (not written by moco_retrieval.export)")
-        cfg = to_config(ModelConfig, {**OmegaConf.to_container(OmegaConf.structured(fallback)), "path": str(d)})
+        cfg = to_config(ModelConfig, {**OmegaConf.to_container(OmegaConf.structured(fallback), enum_to_str=True), "path": str(d)})
         enc = build_encoder(cfg)
         enc.eval()
         enc.prompts = stored_prompts(d) or enc.prompts

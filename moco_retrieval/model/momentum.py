@@ -1,4 +1,4 @@
-"""The momentum (EMA) key encoder and its momentum schedule (MoCo, He et al. 2020, eq. 2).
+"""The momentum (EMA) key encoder (MoCo, He et al. 2020, eq. 2).
 
 The key encoder is a copy of the query side (tower and head) that never receives gradients and
 follows it as k <- m*k + (1-m)*q after every optimizer step; buffers are copied.
@@ -11,7 +11,6 @@ module's ``encoder`` attribute), ``state_dict_prefix("key")`` is ``"key_encoder.
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 from torch import nn
@@ -29,16 +28,6 @@ def state_dict_prefix(encoder: str) -> str:
     if encoder == "key":
         return f"{KEY_ENCODER_ATTR}.{KEY_ENCODER_ATTR}."
     raise ValueError(f"encoder={encoder!r}: expected one of {ENCODERS}")
-
-
-def momentum_at(step: int, total_steps: int, m0: float, schedule: str = "constant") -> float:
-    """Momentum for ``step``: ``m0`` throughout, or cosine from ``m0`` (step 0) to 1 (last step)."""
-    if schedule == "constant" or total_steps <= 0:
-        return m0
-    if schedule != "cosine":
-        raise ValueError(f"objective.momentum_schedule must be 'constant' or 'cosine', got {schedule!r}")
-    t = min(max(step, 0), total_steps) / total_steps
-    return 1.0 - (1.0 - m0) * (math.cos(math.pi * t) + 1.0) / 2.0
 
 
 def copy_sharing_frozen(module: nn.Module) -> nn.Module:

@@ -1,118 +1,159 @@
-"""The protocol every objective follows, and what they all share.
+"""The protocol every objective follows, and what every objective shares.
 
-An objective is called as ``objective(batch: StepInput) -> (loss, stats)``. It says what it needs
-through ``views``: which encoder embeds which side of the batch, with or without gradient
-(``views_for(step)``: those of one training step, for an objective whose views change, icol.py).
-The Lightning module serves those declarations without knowing which objective it holds, and
-hands them as one ``StepInput`` (step.py) whose fields are the view names.
+    loss, stats = objective(batch, embed)
 
-An objective is composed of parts, each declaring the views it needs:
+``batch`` is the collated batch (docs/design.md: the positives' ``doc_id`` and ``group``, the hard
+negatives' ``neg_id`` and ``neg_group``, the ``source``, the tokenized sides). ``embed`` is the
+Lightning module's service (training/module.py), the one way an objective gets embeddings:
 
-* ``scoring`` (scoring.py): temperature, label smoothing, the masking rules, logQ;
-* ``guide`` (guided.py): with ``objective.guide`` set, the guide's views ("g_q", "g_k", "g_neg":
-  a frozen guide encoder; or "q_key" for the "momentum" guide, whose other embeddings are the EMA
-  keys the objective has anyway);
-* key memories (memory.py): queues of past keys with their guide embeddings and texts (a
-  refreshing memory declares the view of its re-encoded keys).
+    embed(side, encoder="trained", grad=True)   the batch's "query", "doc" or "neg" texts (None: no
+                                                such side) by the trained encoder, its EMA copy
+                                                ("momentum", never with gradient) or a frozen guide
+                                                ("guide"); asked twice, a side is embedded once
+    embed.step                                  the optimizer step
 
-``forward`` builds its directions (direction.py) from these and sums their losses; it hands each
-memory what to enqueue (``hold``), and ``after_backward()`` writes it (the memory logits'
-backward needs the memory as it was). ``stats(step)`` reports what is remembered between steps
-(queue fill and age) for logging; ``unsynced_state()`` names it all: the state each rank keeps
-itself, identical across ranks by construction, which DDP neither synchronises nor checks
-(fingerprints.py fingerprints it in every checkpoint).
+An objective builds its InfoNCE ``directions`` (infonce.py) from what it asks for and combines
+their losses (``total``); it hands each key memory (memory.py) the keys to write after backward,
+when the module calls ``after_backward()``. Options wrap or plug into this: the guide and logQ
+plug into the ``Scoring`` every direction scores with, Matryoshka re-scores the directions at each
+prefix (matryoshka.py), the refresh lives in a memory (refresh.py). The module never asks which
+objective it holds: it builds an EMA key encoder when ``momentum`` is set and a guide encoder
+when ``guide.fixed``.
 """
 from __future__ import annotations
 
-import math
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import ClassVar, Optional, Protocol
 
+from omegaconf import MISSING
 from torch import Tensor, nn
 
-from moco_retrieval.config import ObjectiveConfig
-from moco_retrieval.model.momentum import momentum_at
+from moco_retrieval.config import AT_LEAST_ONE, POSITIVE, PROPER_FRACTION, ConfigError, Range, RangeChecked, setting
 from moco_retrieval.objectives.guided import Guide
+from moco_retrieval.objectives.infonce import Direction, Scoring
+from moco_retrieval.objectives.logq import StreamingFrequency
 from moco_retrieval.objectives.memory import KeyMemory, PerSourceMemory
-from moco_retrieval.objectives.scoring import Scoring
-from moco_retrieval.objectives.step import GUIDE, MOMENTUM, TRAINED, StepInput, View
+
+TRAINED, MOMENTUM, GUIDE = "trained", "momentum", "guide"
+
+
+@dataclass
+class ObjectiveConfig(RangeChecked):
+    """What every objective shares: InfoNCE's temperature, label smoothing and false-negative masking."""
+
+    name: str = MISSING
+    temperature: float = setting(0.05, POSITIVE)  # InfoNCE's tau: logits are cosine (or dot) / temperature
+    learn_temperature: bool = False  # train the temperature too, clamped to [temperature_min, temperature_max]
+    temperature_min: float = setting(0.01, POSITIVE)  # lower clamp of a learned temperature
+    temperature_max: float = setting(1.0, POSITIVE)  # upper clamp of a learned temperature
+    label_smoothing: float = setting(0.0, PROPER_FRACTION)  # cross-entropy label smoothing of every InfoNCE loss
+    mask_false_negatives: bool = True  # mask candidates sharing the positive's document id or group
+    # guided false-negative masking (objectives/guided.py): "none"; "momentum" (the EMA key
+    # encoder's own keys: moco, two_queue); "base" (the run's backbone, untrained, frozen); or a
+    # backbone name / local model folder, frozen. A candidate the guide scores above the positive's
+    # guide score minus `guide_margin`, or above `guide_threshold` (a cosine), is masked.
+    guide: str = "none"
+    guide_margin: float = setting(0.0, Range(-2, 2))  # masked: guide score > the positive's guide score - guide_margin
+    guide_threshold: Optional[float] = setting(None, Range(-1, 1))  # masked: guide score > this cosine (null: the margin rule only)
+    # logQ correction of the sampling bias (objectives/logq.py): subtract log q(d) from batch and
+    # queue logits, q estimated in a stream from hashed per-document intervals between sightings
+    logq_correction: bool = False
+    logq_alpha: float = setting(0.01, Range(0, 1, lo_open=True))  # the estimator's learning rate (Yi et al. 2019)
+    logq_buckets: int = setting(1 << 20, AT_LEAST_ONE)  # hash buckets of the estimator (collisions merge documents)
+    # Matryoshka embeddings (objectives/matryoshka.py): the loss summed over these prefixes of every
+    # embedding (e.g. [384, 256, 128, 64]), weighted by matryoshka_weights (empty: 1 each); empty: off
+    matryoshka_dims: list[int] = setting(factory=list)
+    matryoshka_weights: list[float] = setting(factory=list)  # one weight per matryoshka_dims entry
+
+    SECTION: ClassVar[str] = "objective"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.learn_temperature and not self.temperature_min <= self.temperature <= self.temperature_max:
+            raise ConfigError(
+                f"objective.temperature={self.temperature}: must be in [objective.temperature_min, "
+                f"objective.temperature_max] = [{self.temperature_min}, {self.temperature_max}] "
+                "when objective.learn_temperature=true")
+        dims, weights = self.matryoshka_dims, self.matryoshka_weights
+        if len(set(dims)) != len(dims) or min(dims, default=1) < 1:
+            raise ConfigError(f"objective.matryoshka_dims={list(dims)}: must be distinct dimensions >= 1")
+        if weights and (len(weights) != len(dims) or min(weights) < 0):
+            raise ConfigError(f"objective.matryoshka_weights={list(weights)}: must be one weight >= 0 per dimension "
+                              f"of objective.matryoshka_dims={list(dims)}")
+
+
+class Embed(Protocol):
+    """What the module serves an objective for one step (see the module docstring)."""
+
+    step: int
+
+    def __call__(self, side: str, encoder: str = TRAINED, grad: bool = True) -> Tensor | None: ...
+
+    def tokens(self, side: dict, kind: str) -> Tensor:
+        """Stored texts (a tokenized side) by the EMA key encoder, without gradient (refresh.py)."""
+
+    def features(self, side: str) -> Tensor:
+        """The frozen backbone's features of the batch's ``side``, without gradient (feature_memory.py)."""
+
+    def project(self, features: Tensor) -> Tensor:
+        """Backbone features through the trained encoder's head now, with gradient (feature_memory.py)."""
 
 
 class Objective(nn.Module):
     """Base of every objective: see the module docstring for the protocol."""
 
-    VIEWS: ClassVar[dict[str, View]] = {"q": View("query"), "k": View("doc"), "neg": View("neg")}
     momentum_keys: ClassVar[bool] = False  # EMA keys of both sides: guide=momentum works
-    unused_parameters: ClassVar[bool] = False  # some trained parameters get no gradient in some steps (DDP must know)
-    # state-dict keys of checkpoints written before the objectives were composed -> where they are now
-    LEGACY_KEYS: ClassVar[dict[str, str]] = {"temperature.": "scoring.temperature.", "logq.": "scoring.logq."}
-
-    # objectives with a "momentum" view set these from their config
-    momentum: "MomentumSchedule | None" = None
-    key_encoder_dropout = False
+    momentum: Optional[float] = None  # an EMA key encoder's momentum (None: the objective needs none)
+    key_encoder_dropout: bool = False
 
     def __init__(self, cfg: ObjectiveConfig):
         super().__init__()
-        self.guide = Guide(cfg.guide, cfg.name, self.momentum_keys)
-        self.scoring = Scoring(cfg, guided=self.guide.on)
-        self._register_load_state_dict_pre_hook(_rename_legacy_keys, with_module=True)
-
-    def use_momentum_encoder(self, cfg) -> None:
-        """An EMA key encoder as ``cfg``'s momentum options set it: its schedule and dropout."""
-        self.momentum = MomentumSchedule(cfg.momentum, cfg.momentum_schedule)
-        self.key_encoder_dropout = bool(cfg.key_encoder_dropout)
+        self.guide = Guide(cfg.guide, cfg.name, self.momentum_keys, cfg.guide_margin, cfg.guide_threshold)
+        logq = StreamingFrequency(cfg.logq_buckets, cfg.logq_alpha) if cfg.logq_correction else None
+        self.scoring = Scoring(cfg, guide=self.guide.rule, logq=logq)
 
     @classmethod
     def build(cls, cfg: ObjectiveConfig, encoder, guide_dim: int | None, sources: int = 1) -> "Objective":
-        """The objective ``cfg`` describes, for ``encoder`` (checks what it needs of the encoder) and
-        ``sources`` training sources (``data.sources``; per-source memories need their number)."""
+        """The objective ``cfg`` describes, for ``encoder`` (checks what it needs of it), a fixed
+        guide's ``guide_dim`` and ``sources`` training sources (per-source memories need their number)."""
         return cls(cfg)
 
-    # ---- what the module asks
-    @property
-    def views(self) -> dict[str, View]:
-        """The objective's own views and those of its parts (guide, memories)."""
-        out = {**self.VIEWS, **self.guide.views}
-        for memory in self.memories():
-            out.update(memory.views)
-        return out
+    def forward(self, batch: dict, embed: Embed) -> tuple[Tensor, dict]:
+        return self.combine({name: d.loss() for name, d in self.directions(batch, embed).items()})
 
-    def views_for(self, step: int) -> dict[str, View]:
-        """The views of training step ``step`` (``views`` unless they change with the step, as ICoL's do)."""
-        return self.views
+    def directions(self, batch: dict, embed: Embed) -> dict[str, Direction]:
+        """This step's InfoNCE directions by name, the main one first; memories hold their keys."""
+        raise NotImplementedError
 
-    @property
-    def uses_momentum_encoder(self) -> bool:
-        return any(v.encoder == MOMENTUM for v in self.views.values())
+    def total(self, losses: dict[str, Tensor]) -> Tensor:
+        """The objective's loss from its directions' (default: its one direction's)."""
+        (loss,) = losses.values()
+        return loss
 
-    @property
-    def fixed_guide(self) -> bool:
-        return self.guide.fixed
+    def combine(self, scored: dict[str, tuple[Tensor, dict]]) -> tuple[Tensor, dict]:
+        """The total loss and the stats: the main direction's, and each direction's loss, accuracy and
+        masks per query by name when there are several."""
+        loss = self.total({name: s[0] for name, s in scored.items()})
+        names = list(scored)
+        stats = dict(scored[names[0]][1])
+        for i, name in enumerate(names if len(names) > 1 else []):
+            stats[f"loss_{name}"] = scored[name][0].detach()
+            if i:
+                stats.update({f"{k}_{name}": scored[name][1][k] for k in ("accuracy", "masked_per_query")})
+        stats["loss"] = loss.detach()
+        return loss, stats
 
+    # ---- memories
     def memories(self) -> list[KeyMemory]:
         """Every key memory, those of each source included."""
         return [m for m in self.modules() if isinstance(m, KeyMemory)]
 
-    def memory_features(self) -> Tensor:
-        raise TypeError(f"{type(self).__name__} stores no features (it declares no 'memory' view)")
-
-    def stored_inputs(self, side: str, step: int) -> dict | None:
-        """The texts of a "stored_query" / "stored_doc" view at ``step``, tokenized (None: none now)."""
-        for memory in self.memories():
-            if memory.refresh is not None and side == f"stored_{memory.kind}":
-                return memory.stored_inputs(step)
-        raise TypeError(f"{type(self).__name__} stores no texts (it declares no {side!r} view)")
-
-    def write_fresh(self, batch: StepInput) -> None:
-        """Refreshing memories: write the re-encoded keys the module embedded for this step (before any logits)."""
-        for memory in self.memories():
-            memory.write_fresh(batch)
-
-    def hold(self, memory: KeyMemory, enqueue) -> None:
-        """What ``memory`` writes after backward: a training forward's keys (evaluation writes nothing)."""
-        memory.hold(enqueue if self.training else None)
+    def hold(self, memory: KeyMemory, *args, **kwargs) -> None:
+        """What ``memory`` writes after backward (a training forward's keys; evaluation writes nothing)."""
+        memory.hold(*args, **kwargs) if self.training else memory.hold(None)
 
     def after_backward(self) -> None:
-        """Called once per training batch after its backward pass: the memories write what they hold."""
+        """Once per training batch, after its backward pass: the memories write what they hold."""
         for memory in self.memories():
             memory.commit()
 
@@ -120,7 +161,7 @@ class Objective(nn.Module):
         """What is remembered between steps, for logging (e.g. queue fill and age)."""
         out: dict[str, float] = {}
         for memory in self.children():
-            if isinstance(memory, (KeyMemory, PerSourceMemory)):  # a per-source one names each source's
+            if isinstance(memory, (KeyMemory, PerSourceMemory)):
                 out.update(memory.stats(step))
         return out
 
@@ -133,28 +174,4 @@ class Objective(nn.Module):
         return {f"{name}.{b}": t for name, m in parts for b, t in m.named_buffers()}
 
 
-def _rename_legacy_keys(module: Objective, state_dict: dict, prefix: str, *args) -> None:
-    """Checkpoints whose objective state uses the older key names (``LEGACY_KEYS``) still load:
-    their keys are renamed."""
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        rest = key[len(prefix):]
-        for old, new in module.LEGACY_KEYS.items():
-            if rest.startswith(old):
-                state_dict[prefix + new + rest[len(old):]] = state_dict.pop(key)
-                break
-
-
-class MomentumSchedule:
-    """The EMA momentum of an objective's key encoder: constant, or cosine from m0 to 1."""
-
-    def __init__(self, m0: float, schedule: str):
-        if not 0.0 <= m0 <= 1.0 or math.isnan(m0):
-            raise ValueError(f"objective.momentum must be in [0, 1], got {m0}")
-        momentum_at(0, 1, m0, schedule)  # validates the schedule's name
-        self.m0, self.schedule = float(m0), str(schedule)
-
-    def __call__(self, step: int, total_steps: int) -> float:
-        return momentum_at(step, total_steps, self.m0, self.schedule)
-
-
-__all__ = ["View", "StepInput", "Objective", "MomentumSchedule", "TRAINED", "MOMENTUM", "GUIDE"]
+__all__ = ["ObjectiveConfig", "Objective", "Embed", "TRAINED", "MOMENTUM", "GUIDE"]

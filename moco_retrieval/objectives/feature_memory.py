@@ -3,92 +3,78 @@ backbone *features*, projected by the trained head every step, with gradient thr
 
 Design notes. With a frozen backbone a document's embedding is a function of (backbone feature,
 head) only, so a queue of features re-projected by the current head holds exactly the keys the
-current encoder would give: nothing goes stale, whatever the queue's age. The module serves the
-projection as the "memory" view (the stored features through the head, with gradient). The cost is
-one K x hidden x d projection (and its backward) per step. A fine-tuned backbone cannot use this:
-its stored features would be stale, so ``build`` refuses it.
+current encoder would give: nothing goes stale, whatever the queue's age. The cost is one
+K x hidden x d projection (and its backward) per step. A fine-tuned backbone cannot use this: its
+stored features would be stale, so ``build`` refuses it.
 """
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from dataclasses import dataclass
 
-from moco_retrieval.config import FeatureMemoryConfig
+from moco_retrieval.config import ConfigError
 from moco_retrieval.distributed import all_gather_no_grad, all_gather_with_grad
-from moco_retrieval.objectives.base import Objective
-from moco_retrieval.objectives.direction import Direction, Keys
-from moco_retrieval.objectives.memory import KeyMemory
-from moco_retrieval.objectives.step import Enqueue, StepInput, View
+from moco_retrieval.objectives.base import Objective, ObjectiveConfig
+from moco_retrieval.objectives.infonce import Direction, Keys
+from moco_retrieval.objectives.memory import Enqueue, QueueOptions, side_memories
+
+
+@dataclass
+class FeatureMemoryConfig(QueueOptions, ObjectiveConfig):
+    """``objective=feature_memory`` (frozen backbones): a queue of backbone features, projected by
+    the trained head every step, with gradient."""
+
+    name: str = "feature_memory"
+    temperature: float = 0.02  # the best for both queue and in-batch setups (benchmarks B2)
+    queue_size: int = 16384  # the frozen_queue preset's measured choice (benchmarks B1)
 
 
 class FeatureMemoryObjective(Objective):
-    """In-batch InfoNCE whose candidates also include K past documents: each query against its document,
-    the batch's other documents, the hard negatives and the memory's documents, every one embedded by
-    the current encoder with gradient, so both sides train. Candidates sharing the positive's document
-    id or group are masked.
+    """In-batch InfoNCE whose candidates also include K past documents: each query against its
+    document, the batch's other documents, the hard negatives and the memory's documents, every one
+    embedded by the current encoder with gradient, so both sides train. Candidates sharing the
+    positive's document id or group are masked.
 
     Args:
-        cfg: ``FeatureMemoryConfig``. Defaults, and why: ``queue_size`` 16,384 (the ``frozen_queue``
-            preset's measured choice; see benchmarks/results/batch_size.md); ``batch_negatives`` on;
-            the temperature comes from the preset.
+        cfg: ``FeatureMemoryConfig``. Defaults, and why: ``queue_size`` 16,384 (benchmarks B1) and
+            ``temperature`` 0.02 (B2); ``batch_negatives`` on.
         feature_dim: the frozen backbone's feature width (what the memory stores).
         guide_dim: a fixed guide encoder's dimension, when ``cfg.guide`` names one.
 
-    References:
-        - Wang et al., "Cross-Batch Memory for Embedding Learning" (XBM), CVPR 2020: a cross-batch
-          memory, made exact here (XBM stores embeddings and relies on their slow drift).
+    References: Wang et al., "Cross-Batch Memory for Embedding Learning" (XBM), CVPR 2020: a
+    cross-batch memory, made exact here (XBM stores embeddings and relies on their slow drift).
 
-    Parts: one ``Direction``; one ``KeyMemory`` of features, ``memory``.
-
-    Relations:
-        - ``MoCoObjective``'s queued keys are constants and train only the query side.
-        - ``InBatchObjective`` is this without the memory.
+    Relations: ``MoCoObjective``'s queued keys are constants and train only the query side;
+    ``InBatchObjective`` is this without the memory.
     """
-
-    VIEWS = {
-        "q": View("query"),
-        "k": View("doc"),
-        "neg": View("neg"),
-        "doc_features": View("doc", grad=False, features=True),  # what is stored
-        "memory": View("memory"),  # the stored features, projected by the current head
-    }
-    LEGACY_KEYS = {**Objective.LEGACY_KEYS, "queue.": "memory.queue.", "guide_queue.": "memory.guide."}
 
     def __init__(self, cfg: FeatureMemoryConfig, feature_dim: int, guide_dim: int | None = None):
         super().__init__(cfg)
-        # (a fixed guide's embeddings of the queued documents, slot for slot with the features)
-        self.memory = KeyMemory.of(cfg, feature_dim, guide_dim=guide_dim if self.fixed_guide else None)
+        (self.memory,) = side_memories(cfg, feature_dim, 1, ("doc",), guide_dim if self.guide.fixed else None)
         self.batch_negatives = bool(cfg.batch_negatives)
 
     @classmethod
-    def build(cls, cfg: FeatureMemoryConfig, encoder, guide_dim: int | None, sources: int = 1) -> "FeatureMemoryObjective":
+    def build(cls, cfg, encoder, guide_dim, sources=1):
         if not encoder.frozen:
-            raise ValueError(
+            raise ConfigError(
                 "objective=feature_memory needs model.frozen_backbone=true: only a frozen backbone's features stay "
                 "valid, so the queue can hold features and re-project them every step; use objective=moco or "
-                "objective=two_queue to fine-tune the backbone"
-            )
+                "objective=two_queue to fine-tune the backbone")
         return cls(cfg, encoder.hidden_size, guide_dim)
 
-    def memory_features(self) -> Tensor:
-        return self.memory.keys()
-
-    def forward(self, batch: StepInput) -> tuple[Tensor, dict]:
-        with torch.autocast(device_type=batch.q.device.type, enabled=False):  # logits in fp32
-            tau = self.scoring.temperature()
-            q, k = batch.q.float() / tau, batch.k.float()
-            ids, groups = batch.doc_id, batch.group
-            keys = None
-            if self.batch_negatives:
-                keys = Keys(all_gather_with_grad(k), all_gather_no_grad(ids), all_gather_no_grad(groups))
-            self.scoring.observe(keys.ids if keys is not None else None, ids, batch.step)
-            guide = self.guide.scores(batch, "query", memory=self.memory, hard=True,
-                                      batch_keys=keys.vectors if keys is not None else None)
-            hard = Keys(batch.neg.float(), batch.neg_id, batch.neg_group) if batch.neg is not None else None
-            fm = Direction(self.scoring, q, k, ids, groups, guide).add_keys(keys, hard)
-            if self.memory.fill > 0:  # the stored features as the current head projects them
-                fm.add(batch.memory.float(), self.memory.ids(), self.memory.groups(), "queue")
-            loss, stats = fm.loss(tau)
-        self.hold(self.memory, Enqueue(batch.doc_features, ids, groups, batch.step,
-                                       guide_keys=batch.g_k if self.fixed_guide else None))
-        return loss, stats
+    def directions(self, batch: dict, embed) -> dict[str, Direction]:
+        ids, groups = batch["doc_id"], batch["group"]
+        q, k, neg = embed("query"), embed("doc").float(), embed("neg")
+        features = embed.features("doc")  # what is stored
+        keys = None
+        if self.batch_negatives:
+            keys = Keys(all_gather_with_grad(k), all_gather_no_grad(ids), all_gather_no_grad(groups))
+        self.scoring.observe(keys.ids if keys is not None else None, ids, embed.step)
+        guide = self.guide.scores(embed, "query", memory=self.memory, hard=True,
+                                  batch_keys=keys.vectors if keys is not None else None)
+        hard = Keys(neg, batch["neg_id"], batch["neg_group"]) if neg is not None else None
+        fm = Direction(self.scoring, q.float() / self.scoring.temperature(), k, ids, groups, guide).add_keys(keys, hard)
+        if self.memory.fill > 0:  # the stored features as the current head projects them, with gradient
+            fm.add(embed.project(self.memory.keys()), self.memory.ids(), self.memory.groups(), "queue")
+        self.hold(self.memory, Enqueue(features, ids, groups, embed.step,
+                                       guide_keys=self.guide.embedding(embed, "doc") if self.guide.fixed else None))
+        return {"query_to_doc": fm}

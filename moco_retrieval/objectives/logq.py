@@ -29,10 +29,6 @@ class StreamingFrequency(nn.Module):
 
     def __init__(self, buckets: int = 1 << 20, alpha: float = 0.01):
         super().__init__()
-        if buckets <= 0:
-            raise ValueError(f"objective.logq_buckets must be > 0, got {buckets}")
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"objective.logq_alpha must be in (0, 1], got {alpha}")
         self.buckets, self.alpha = int(buckets), float(alpha)
         self.register_buffer("logq_last", torch.full((buckets,), -1, dtype=torch.long))
         self.register_buffer("logq_interval", torch.zeros(buckets, dtype=torch.float64))

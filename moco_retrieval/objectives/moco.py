@@ -3,47 +3,39 @@
 Design notes. Queries come from the trained encoder; documents (positives, hard negatives) from its
 EMA copy, without gradient. For query i the candidates are, in this order: its positive k_i+ (the
 target), the other keys of the current (global) batch, the batch's hard negatives (shared by every
-query of the batch), every negative of the queue. The loss is computed before this batch's keys
-are enqueued, so a query never sees its own key in the queue within the step that produced it:
-``forward`` holds the keys back (an ``Enqueue``) and ``after_backward`` writes them (the queue
-logits' backward still needs the queue as it was, and copying a K x d queue every step to avoid
-that is what this design avoids).
-
-Guided masking (``objective.guide``, guided.py): "momentum" scores candidates with the EMA key
-encoder (its query embeddings, one extra forward of the queries without gradient, against the keys
-this objective holds anyway); a fixed guide keeps its own embeddings of queued documents in the
-memory, slot for slot. logQ (``objective.logq_correction``) corrects the positive, batch and queue
-logits. ``queue_refresh`` N re-encodes N queued documents a step with the current key encoder (the
-negative cache's refresh, refresh.py); their new keys replace the stale ones before the step's logits.
+query of the batch), every negative of the queue. The loss is computed before this batch's keys are
+enqueued, so a query never sees its own key in the queue within the step that produced it: the
+keys are held and written after backward (the queue logits' backward still needs the queue as it
+was, and copying a K x d queue every step to avoid that is what this design avoids).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from moco_retrieval.config import MoCoConfig
-from moco_retrieval.objectives.base import Objective
-from moco_retrieval.objectives.direction import Direction, Keys, gathered_keys
-from moco_retrieval.objectives.memory import batch_enqueue, check_memories_fit, side_memory
-from moco_retrieval.objectives.step import MOMENTUM, Enqueue, StepInput, View
+from moco_retrieval.objectives.base import MOMENTUM, Objective, ObjectiveConfig
+from moco_retrieval.objectives.infonce import Direction, Keys, gathered_keys
+from moco_retrieval.objectives.memory import Enqueue, MomentumOptions, QueueOptions, batch_enqueue, side_memories
 
 
-def hard_keys(batch: StepInput) -> Keys | None:
-    """The batch's hard negatives as EMA keys (no gradient, fp32), or None."""
-    if batch.neg is None:
-        return None
-    return Keys(batch.neg.detach().float(), batch.neg_id, batch.neg_group)
+@dataclass
+class MoCoConfig(MomentumOptions, QueueOptions, ObjectiveConfig):
+    """``objective=moco``: queries against an EMA key encoder's keys and a queue of its past keys."""
+
+    name: str = "moco"
+    enqueue_hard_negatives: bool = False  # also enqueue the batch's mined hard negatives' keys
 
 
-def build_momentum_objective(cls, cfg, encoder, guide_dim: int | None, sources: int = 1):
-    """``cls(cfg, dim, guide_dim, max_len, sources)`` for ``encoder``: MoCo's and the two-queue
-    objective's ``build`` (``max_len``, the encoder's tokens per kind, is the width of a refreshing
-    memory's texts)."""
-    max_len = None
-    if cfg.queue_refresh:
-        if encoder.frozen:  # (TrainConfig refuses the combination first)
-            raise ValueError("objective.queue_refresh needs a trained backbone: a frozen one never changes its keys")
-        max_len = {kind: encoder.max_len(kind) for kind in ("query", "doc")}
-    return cls(cfg, encoder.dim, guide_dim, max_len, sources)
+def hard_keys(batch: dict, embed) -> Keys | None:
+    """The batch's hard negatives as EMA keys (no gradient), or None."""
+    neg = embed("neg", MOMENTUM, grad=False)
+    return None if neg is None else Keys(neg, batch["neg_id"], batch["neg_group"])
+
+
+def memory_widths(cfg, encoder) -> dict | None:
+    """The encoder's tokens per kind: the width of a refreshing memory's stored texts (else None)."""
+    return {kind: encoder.max_len(kind) for kind in ("query", "doc")} if cfg.queue_refresh else None
 
 
 class MoCoObjective(Objective):
@@ -59,68 +51,50 @@ class MoCoObjective(Objective):
             ``enqueue_hard_negatives`` off (they are chosen per query and would make the queue less
             representative of the corpus); ``queue_max_age`` null and ``queue_refresh`` 0 (every queued
             key counts as it was encoded: MoCo's own setting).
-        dim: the embedding dimension (the queue's key width).
-        guide_dim: a fixed guide encoder's dimension, when ``cfg.guide`` names one.
-        max_len: the encoder's tokens per kind, when ``cfg.queue_refresh`` keeps the queued texts.
-        sources: the training sources (``data.sources``); with ``cfg.queue_per_source`` and more than
-            one, one queue per source, and a batch (of one source) meets only its own source's keys:
-            a queue mixing kinds of text hands a batch mostly easy negatives. Off by default (MoCo's
-            one queue); with one source it changes nothing.
+        dim, guide_dim, max_len, sources: as ``TwoQueueObjective``'s.
 
     References:
         - He et al., "Momentum Contrast for Unsupervised Visual Representation Learning", CVPR 2020.
         - Izacard et al., "Unsupervised Dense Information Retrieval with Contrastive Learning"
           (Contriever), 2021; facebookresearch/contriever ``src/moco.py``.
 
-    Parts: one ``Direction`` (queries -> documents); one ``KeyMemory``, ``docs`` (a ``PerSourceMemory``
-    of them with ``queue_per_source``).
-
-    Relations:
-        - ``TwoQueueObjective`` adds the document -> query direction and a query memory: both
-          inputs train.
-        - ``InBatchObjective`` has neither EMA keys nor queue: the batch's documents, with gradient.
+    Relations: ``TwoQueueObjective`` adds the document -> query direction and a query memory, so both
+    inputs train; in fine-tuning MoCo alone falls far below in-batch negatives (benchmarks B6, B11).
     """
 
-    VIEWS = {"q": View("query"), "k": View("doc", MOMENTUM, grad=False), "neg": View("neg", MOMENTUM, grad=False)}
     momentum_keys = True
-    LEGACY_KEYS = {**Objective.LEGACY_KEYS, "queue.": "docs.queue.", "guide_queue.": "docs.guide.",
-                   "doc_refresh.": "docs.refresh."}
 
     def __init__(self, cfg: MoCoConfig, dim: int, guide_dim: int | None = None, max_len: dict | None = None,
                  sources: int = 1):
         super().__init__(cfg)
-        guide_dim = guide_dim if self.fixed_guide else None
-        check_memories_fit(cfg, dim, guide_dim, sides=1, sources=sources)
-        self.docs = side_memory(cfg, dim, sources, guide_dim=guide_dim, max_len=max_len)
+        (self.docs,) = side_memories(cfg, dim, sources, ("doc",), guide_dim if self.guide.fixed else None, max_len)
         self.batch_negatives = bool(cfg.batch_negatives)
         self.enqueue_hard_negatives = bool(cfg.enqueue_hard_negatives)
-        self.use_momentum_encoder(cfg)
+        self.momentum, self.key_encoder_dropout = float(cfg.momentum), bool(cfg.key_encoder_dropout)
 
-    build = classmethod(build_momentum_objective)
+    @classmethod
+    def build(cls, cfg, encoder, guide_dim, sources=1):
+        return cls(cfg, encoder.dim, guide_dim, memory_widths(cfg, encoder), sources)
 
-    def forward(self, batch: StepInput) -> tuple[torch.Tensor, dict]:
-        self.write_fresh(batch)
-        with torch.autocast(device_type=batch.q.device.type, enabled=False):  # logits in fp32
-            tau = self.scoring.temperature()
-            q, k = batch.q.float() / tau, batch.k.detach().float()  # q scaled once: every block arrives as logits
-            keys = gathered_keys(k, batch.doc_id, batch.group) if self.batch_negatives else None
-            self.scoring.observe(keys.ids if keys is not None else None, batch.doc_id, batch.step)
-            hard = hard_keys(batch)
-            docs = self.docs.for_batch(batch)  # (the batch's source's, with queue_per_source)
-            guide = self.guide.scores(batch, "query", memory=docs,
-                                      batch_keys=keys.vectors if keys is not None else None, hard=True)
-            qd = Direction(self.scoring, q, k, batch.doc_id, batch.group, guide).add_keys(keys, hard, docs)
-            loss, stats = qd.loss(tau)
-        self.hold(docs, self.enqueue(batch, k, keys, guide))
-        return loss, stats
-
-    def enqueue(self, batch: StepInput, k: torch.Tensor, keys: Keys | None, guide) -> Enqueue:
-        """The batch's keys (and with ``enqueue_hard_negatives`` its hard negatives) for the queue."""
-        fixed = self.fixed_guide
-        if self.enqueue_hard_negatives and batch.neg is not None:
-            return Enqueue(torch.cat([k, batch.neg.float()]), torch.cat([batch.doc_id, batch.neg_id]),
-                           torch.cat([batch.group, batch.neg_group]), batch.step,
-                           guide_keys=torch.cat([batch.g_k, batch.g_neg]) if fixed else None,
-                           tokens=[batch.tokens[s] for s in ("doc", "neg") if s in batch.tokens])
-        return batch_enqueue(batch, "doc", k, keys, batch.g_k if fixed else None,
-                             guide.candidates.get("batch") if fixed else None)
+    def directions(self, batch: dict, embed) -> dict[str, Direction]:
+        step, ids, groups = embed.step, batch["doc_id"], batch["group"]
+        docs = self.docs.for_source(self.docs.source_of(batch))  # (the batch's source's, with queue_per_source)
+        docs.refresh_keys(embed)
+        q, k = embed("query"), embed("doc", MOMENTUM, grad=False)
+        keys = gathered_keys(k, ids, groups) if self.batch_negatives else None
+        self.scoring.observe(keys.ids if keys is not None else None, ids, step)
+        hard = hard_keys(batch, embed)
+        guide = self.guide.scores(embed, "query", memory=docs, batch_keys=keys.vectors if keys is not None else None,
+                                  hard=True)
+        qd = Direction(self.scoring, q.float() / self.scoring.temperature(), k, ids, groups, guide).add_keys(keys, hard, docs)
+        fixed = self.guide.fixed
+        if self.enqueue_hard_negatives and hard is not None:
+            self.hold(docs, Enqueue(torch.cat([k.float(), hard.vectors.float()]), torch.cat([ids, hard.ids]),
+                                    torch.cat([groups, hard.groups]), step,
+                                    guide_keys=torch.cat([self.guide.embedding(embed, s) for s in ("doc", "neg")])
+                                    if fixed else None,
+                                    tokens=[batch[s] for s in ("doc", "neg")]))
+        else:
+            self.hold(docs, batch_enqueue(batch, step, "doc", k, keys, self.guide.embedding(embed, "doc") if fixed else None,
+                                          guide.candidates.get("batch") if fixed else None))
+        return {"query_to_doc": qd}

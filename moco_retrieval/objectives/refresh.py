@@ -28,7 +28,6 @@ import torch
 from torch import Tensor, nn
 
 from moco_retrieval.distributed import all_gather_blocks, all_gather_no_grad, rank, shard_range, world_size
-from moco_retrieval.objectives.queue import NegativeQueue
 
 PAD = -1
 SALT = {"query": 0x51, "doc": 0xD0C}  # the two queues of one objective draw independently
@@ -59,10 +58,8 @@ class QueueRefresh(nn.Module):
     :meth:`write` with their new keys at the start of its forward.
     """
 
-    def __init__(self, queue: NegativeQueue, per_step: int, width: int, kind: str):
+    def __init__(self, queue, per_step: int, width: int, kind: str):
         super().__init__()
-        if per_step <= 0:
-            raise ValueError(f"objective.queue_refresh must be > 0 to refresh, got {per_step}")
         self._queue = (queue,)  # the objective's queue, not a submodule here: its state is saved once
         self.per_step, self.kind = int(per_step), kind
         self.register_buffer("queue_tokens", torch.full((queue.size, width), PAD, dtype=torch.int32))
@@ -71,7 +68,7 @@ class QueueRefresh(nn.Module):
         self._draw_at: tuple[int, int] = (-1, 0)  # (step, micro-batch within it) of the last draw
 
     @property
-    def queue(self) -> NegativeQueue:
+    def queue(self):
         return self._queue[0]
 
     @property

@@ -159,7 +159,7 @@ def build_loggers(cfg: LoggerConfig, run_dir: Path, resume: bool = False) -> lis
 def log_config(loggers: list[Logger], cfg: Any) -> None:
     """The whole resolved config (data.*, trainer.*, ... as nested keys) as every logger's
     hyperparameters, so runs can be compared by any of them (W&B config, CSV hparams.yaml)."""
-    params = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    params = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
     for logger in loggers:
         logger.log_hyperparams(params)
 

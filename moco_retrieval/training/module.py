@@ -1,5 +1,7 @@
-"""The Lightning module: wires encoder, key encoder, objective (and its queue), optimizer and
-validation. The flow of one step is in docs/design.md.
+"""The Lightning module: the trained encoder, its EMA key encoder and a frozen guide when the
+objective needs them, the objective, the optimizer and validation. The flow of one step is in
+docs/design.md: the module serves ``embed`` (``Embeddings``), the objective asks it for what it
+needs and returns the loss, and after backward the objective's memories write their keys.
 """
 from __future__ import annotations
 
@@ -11,20 +13,12 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from moco_retrieval.config import (
-    EvalConfig,
-    ModelConfig,
-    ObjectiveConfig,
-    OptimConfig,
-    TrainConfig,
-    objective_config,
-    to_config,
-)
+from moco_retrieval.config import EvalConfig, LrSchedule, ModelConfig, OptimConfig, TrainConfig, to_config
 from moco_retrieval.data.prompts import to_prompts
 from moco_retrieval.distributed import all_gather_rows, row_counts, shard_range
 from moco_retrieval.evaluation.encode import evaluate_embeddings, metrics_by_dim
 from moco_retrieval.model.encoder import build_encoder
-from moco_retrieval.model.gradcache import GradCache
+from moco_retrieval.model.gradcache import GradCache, autocast_state, autocast_to
 from moco_retrieval.model.loading import build_guide_encoder
 from moco_retrieval.model.lora import (
     LORA_BASE,
@@ -35,23 +29,61 @@ from moco_retrieval.model.lora import (
     restore_base_weights,
 )
 from moco_retrieval.model.momentum import MomentumEncoder
-from moco_retrieval.objectives import GUIDE, TRAINED, StepInput, View, build_objective
+from moco_retrieval.objectives.base import MOMENTUM, TRAINED, ObjectiveConfig
+from moco_retrieval.objectives.registry import build_objective, objective_config
 
 
-def lr_lambda(schedule: str, warmup: int, total: int):
+def lr_lambda(schedule: LrSchedule, warmup: int, total: int):
     """Linear warmup to 1, then linear decay to 0, cosine decay to 0, or constant."""
 
     def f(step: int) -> float:
         if warmup > 0 and step < warmup:
             return (step + 1) / warmup
-        if schedule == "constant" or total <= warmup:
+        if schedule == LrSchedule.constant or total <= warmup:
             return 1.0
         t = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 1.0 - t if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * t))
+        return 1.0 - t if schedule == LrSchedule.linear else 0.5 * (1 + math.cos(math.pi * t))
 
-    if schedule not in ("linear", "cosine", "constant"):
-        raise ValueError(f"optim.schedule must be linear, cosine or constant, got {schedule!r}")
     return f
+
+
+class Embeddings:
+    """``embed`` for one training step (objectives/base.py's ``Embed``): the batch's sides by the
+    encoder an objective names, each (side, encoder) embedded once, under the autocast the step
+    started in (the objective scores in fp32 with autocast off); through GradCache when
+    ``model.grad_cache_chunk`` is set. A side asked without gradient after it was embedded with
+    gradient is served detached (online keys); the other way round is a bug in the objective."""
+
+    KIND = {"query": "query", "doc": "doc", "neg": "doc"}
+
+    def __init__(self, module: "RetrievalModule", batch: dict, step: int):
+        self.module, self.batch, self.step = module, batch, step
+        self.autocast = autocast_state(module.device.type)
+        self._done: dict[tuple[str, str], tuple[torch.Tensor, bool]] = {}
+
+    def __call__(self, side: str, encoder: str = TRAINED, grad: bool = True) -> torch.Tensor | None:
+        if side not in self.batch:
+            return None
+        if grad and encoder != TRAINED:
+            raise ValueError(f"embed({side!r}, {encoder!r}): only the trained encoder's embeddings carry gradient")
+        if (side, encoder) not in self._done:
+            self._done[side, encoder] = (self.module.encode(encoder, self.batch[side], self.KIND[side], grad,
+                                                            self.autocast), grad)
+        out, with_grad = self._done[side, encoder]
+        if grad and not with_grad:
+            raise RuntimeError(f"embed({side!r}) with gradient after embedding it without: ask with gradient first")
+        return out if grad else out.detach()
+
+    def tokens(self, side: dict, kind: str) -> torch.Tensor:
+        return self.module.encode(MOMENTUM, side, kind, False, self.autocast)
+
+    def features(self, side: str) -> torch.Tensor:
+        with torch.no_grad(), autocast_to(self.autocast):
+            return self.module.encoder.features(self.batch[side], self.KIND[side])
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        with autocast_to(self.autocast):
+            return self.module.encoder.embed_features(features, "doc")
 
 
 def decay_groups(named_parameters, weight_decay: float) -> list[dict]:
@@ -70,9 +102,10 @@ def decay_groups(named_parameters, weight_decay: float) -> list[dict]:
 class RetrievalModule(L.LightningModule):
     """Trains a text encoder with a contrastive objective.
 
-    The objective declares the embeddings it needs (``objective.views``); this module makes them
-    (trained encoder with or without gradient, or the EMA key encoder when a view asks for it),
-    calls the objective, and after backward lets it enqueue. It never asks which objective it holds.
+    The objective asks for the embeddings it needs (``Embeddings``): the trained encoder with or
+    without gradient, its EMA copy (built when ``objective.momentum`` is set) or a frozen guide
+    (``objective.guide.fixed``); after backward it lets the objective enqueue. It never asks which
+    objective it holds.
 
     Args:
         model, objective, optim, eval: configs (dataclasses, DictConfigs or dicts); see config.py.
@@ -92,7 +125,7 @@ class RetrievalModule(L.LightningModule):
         self.eval_cfg: EvalConfig = to_config(EvalConfig, eval)
         # plain containers, so checkpoints reload without this package's classes pickled in
         self.save_hyperparameters(
-            {k: OmegaConf.to_container(OmegaConf.structured(v)) for k, v in
+            {k: OmegaConf.to_container(OmegaConf.structured(v), enum_to_str=True) for k, v in
              dict(model=self.model_cfg, objective=self.objective_cfg, optim=self.optim_cfg, eval=self.eval_cfg).items()}
             | {"seed": seed, "prompts": to_prompts(prompts).to_dict(), "sources": int(sources)}
         )
@@ -103,10 +136,10 @@ class RetrievalModule(L.LightningModule):
         guide = build_guide_encoder(self.objective_cfg.guide, self.model_cfg, self.encoder)
         self._guide = (guide,) if guide is not None else ()
         self.objective = build_objective(self.objective_cfg, self.encoder, guide, sources=int(sources))
-        uses_ema = self.objective.uses_momentum_encoder
+        uses_ema = self.objective.momentum is not None
         self.key_encoder = MomentumEncoder(self.encoder, self.objective.key_encoder_dropout) if uses_ema else None
-        # GradCache (model.grad_cache_chunk, see gradcache.py): sides embedded with gradient go through
-        # the encoder in chunks and are re-run during backward; the others are embedded in chunks.
+        # GradCache (model.grad_cache_chunk, see model/gradcache.py): sides embedded with gradient go
+        # through the encoder in chunks and are re-run during backward; the others are embedded in chunks.
         # Automatic optimization is kept: clipping, accumulation, schedules and the EMA/queue hooks
         # see an ordinary loss.backward().
         chunk = self.model_cfg.grad_cache_chunk
@@ -126,55 +159,27 @@ class RetrievalModule(L.LightningModule):
 
     # ---- training -------------------------------------------------------------------------
     def momentum(self) -> float:
-        total = self.trainer.estimated_stepping_batches if self._trainer is not None else 0
-        return self.objective.momentum(self.global_step, int(total))
+        return self.objective.momentum
 
-    def _encoder_for(self, view: View):
-        if view.encoder == TRAINED:
-            return self.encoder
-        if view.encoder == GUIDE:
-            guide = self._guide[0]
-            if guide.tower.special_ids.device != self.device:  # not a submodule: Lightning does not move it
-                guide.to(self.device)
-            return guide
-        return self.key_encoder.key_encoder
-
-    def _embed(self, view: View, batch: dict) -> torch.Tensor:
-        """The embedding one view of the objective asks for."""
-        encoder = self._encoder_for(view)
-        if view.side == "memory":  # the objective's stored features through the encoder's head now
-            with torch.set_grad_enabled(view.grad and torch.is_grad_enabled()):
-                return encoder.embed_features(self.objective.memory_features(), "doc")
-        if view.side.startswith("stored_"):  # queued texts the objective re-encodes (None: none yet)
-            side = self.objective.stored_inputs(view.side, self.global_step)  # on the objective's device
-            if side is None:
-                return None
+    def encode(self, encoder: str, side: dict, kind: str, grad: bool, autocast) -> torch.Tensor:
+        """``side`` by the trained encoder, its EMA copy or the guide, under ``autocast`` (the step's)."""
+        if encoder == TRAINED:
+            enc = self.encoder
+        elif encoder == MOMENTUM:
+            enc = self.key_encoder.key_encoder
         else:
-            side = batch[view.side]
-        kind = "query" if view.side in ("query", "stored_query") else "doc"
-        if view.features:
-            with torch.no_grad():
-                return encoder.features(side, kind)
-        if not view.grad:
-            with torch.no_grad():
-                return self._encode(encoder, side, kind, grad=False)
-        return self._encode(encoder, side, kind)
-
-    def _encode(self, encoder, side: dict, kind: str, grad: bool = True) -> torch.Tensor:
-        """``encoder(side, kind)``; through GradCache when ``model.grad_cache_chunk`` is set."""
-        if self.grad_cache is None:
-            return encoder(side, kind)
-        return self.grad_cache.embed(lambda part: encoder(part, kind), side, device=self.device, grad=grad)
+            enc = self._guide[0]
+            if enc.tower.special_ids.device != self.device:  # not a submodule: Lightning does not move it
+                enc.to(self.device)
+        with autocast_to(autocast), torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+            if self.grad_cache is None:
+                return enc(side, kind)
+            return self.grad_cache.embed(lambda part: enc(part, kind), side, device=self.device, grad=grad)
 
     def shared_step(self, batch: dict) -> tuple[torch.Tensor, dict]:
-        has_neg = "neg" in batch
-        emb = {name: self._embed(view, batch) for name, view in self.objective.views_for(self.global_step).items()
-               if view.side != "neg" or has_neg}
-        step = StepInput(**emb, doc_id=batch["doc_id"], group=batch["group"], step=self.global_step,
-                         neg_id=batch.get("neg_id"), neg_group=batch.get("neg_group"),
-                         tokens={name: batch[name] for name in ("query", "doc", "neg") if name in batch},
-                         source=batch.get("source"))
-        return self.objective(step)
+        embed = Embeddings(self, batch, self.global_step)
+        with torch.autocast(device_type=self.device.type, enabled=False):  # logits in fp32
+            return self.objective(batch, embed)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss, stats = self.shared_step(batch)
@@ -204,12 +209,6 @@ class RetrievalModule(L.LightningModule):
                      batch_size=bs)
 
     def on_fit_start(self) -> None:
-        if self.grad_cache is not None and self.trainer.world_size > 1 and self.objective.unused_parameters:
-            raise ValueError(
-                "model.grad_cache_chunk with several processes needs DDP's static graph, which an objective that "
-                f"leaves parameters without gradient in some steps (objective={self.objective_cfg.name}) cannot have; "
-                "unset model.grad_cache_chunk"
-            )
         if self.grad_cache is not None and self.trainer.world_size > 1:
             # Each chunk's re-run inside the one backward fires every parameter's DDP hook again
             # (reentrant backward, as in activation checkpointing); DDP supports that with a static

@@ -38,7 +38,7 @@ OPTIONS_BEFORE_THEY_EXISTED = {"inbatch_weight": 0.0, "queue_max_age": None, "qu
 
 
 def _plain(node: Any) -> Any:
-    return OmegaConf.to_container(OmegaConf.structured(node)) if not isinstance(node, dict) else node
+    return OmegaConf.to_container(OmegaConf.structured(node), enum_to_str=True) if not isinstance(node, dict) else node
 
 
 def _flat(prefix: str, d: dict) -> dict[str, Any]:
