@@ -45,10 +45,6 @@ class ModelNotFoundError(ModelLoadError, FileNotFoundError):
     """A model folder or file that is not there."""
 
 
-class MissingPackageError(UserError, ModuleNotFoundError):
-    """An optional package the config asks for is not installed."""
-
-
 class OutputExistsError(UserError, FileExistsError):
     """An output the command would write is there already, or is one of its inputs (names the key)."""
 
@@ -91,5 +87,5 @@ def reports_user_errors(command: str) -> Callable[[Callable[..., Any]], Callable
 
 
 __all__ = ["UserError", "ConfigError", "CheckpointError", "ModelLoadError", "ModelNotFoundError",
-           "MissingPackageError", "OutputExistsError", "INTERRUPTED_STATUS", "USER_ERROR_STATUS", "report",
+           "OutputExistsError", "INTERRUPTED_STATUS", "USER_ERROR_STATUS", "report",
            "reports_user_errors", "wrap_message"]

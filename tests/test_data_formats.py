@@ -260,7 +260,7 @@ def test_normalize_text_fast_path_agrees_with_the_rule():
 
 
 def test_jsonl_errors_and_values_are_those_of_json(tmp_path):
-    """Lines go through orjson when installed; what it refuses (NaN, huge integers) is json's to decide."""
+    """Lines go through orjson; what it refuses (NaN, huge integers) is json's to decide."""
     from moco_retrieval.data.formats import iter_jsonl
 
     p = tmp_path / "x.jsonl"

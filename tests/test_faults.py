@@ -332,10 +332,9 @@ def test_a_bug_is_not_reported_as_a_known_error():
 
 
 def test_error_classes_share_one_base():
-    from moco_retrieval.errors import MissingPackageError, ModelLoadError, ModelNotFoundError
+    from moco_retrieval.errors import ModelLoadError, ModelNotFoundError
 
-    for cls in (DataError, ConfigError, CheckpointError, ModelLoadError, ModelNotFoundError, MissingPackageError,
-                RunDirLocked):
+    for cls in (DataError, ConfigError, CheckpointError, ModelLoadError, ModelNotFoundError, RunDirLocked):
         assert issubclass(cls, UserError), cls
     assert issubclass(DataError, ValueError) and issubclass(ConfigError, ValueError)  # as before
     assert issubclass(ModelNotFoundError, FileNotFoundError) and issubclass(CheckpointError, OSError)

@@ -262,7 +262,6 @@ def write_shards(folder: Path, n_shards=2, rows_per_shard=40):
 
 
 def test_hf_parquet_shards(tmp_path):
-    pytest.importorskip("pyarrow")
     folder = write_shards(tmp_path / "shards" / "train")  # DIR/<split>/*.parquet
     dm = RetrievalDataModule(hf_cfg(tmp_path, tmp_path / "shards"))
     assert [p.query for p in dm.train_pairs] == [f"shard query {i}" for i in range(80)]

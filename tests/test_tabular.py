@@ -37,7 +37,7 @@ def write_csv(path: Path, rows, rename=None, header=None):
 
 
 def write_parquet(path: Path, rows, rename=None):
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     rename = rename or {}
@@ -109,7 +109,6 @@ def test_csv_value_errors(tmp_path):
 
 
 def test_not_a_parquet_file(tmp_path):
-    pytest.importorskip("pyarrow")
     (tmp_path / "p.parquet").write_text("query,positive\n")
     with pytest.raises(DataError, match="not a readable Parquet file"):
         read_pairs_parquet_located(tmp_path / "p.parquet")

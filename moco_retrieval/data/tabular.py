@@ -103,11 +103,8 @@ def _parquet_rows(p: Path, read: dict[str, str]) -> Iterator[dict[str, Any]]:
 
 
 def _parquet_schema(p: Path) -> list[str]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{p}: reading Parquet needs pyarrow: pip install 'moco-retrieval[tabular]' "
-                        "(or pip install pyarrow)") from None
+    import pyarrow.parquet as pq
+
     try:
         return list(pq.read_schema(p).names)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a file that is not Parquet

@@ -1,6 +1,6 @@
-"""The encoder and its parts: ``backbone.py`` (finding and loading the Hugging Face backbone),
-``feature_cache.py`` (frozen-backbone features), ``encoder.py`` (heads, ``Tower``, ``TextEncoder``,
-``build_encoder``), ``lora.py`` (LoRA adapters on a frozen backbone), ``decoder.py`` (last-token
-pooling and the end-of-text token of decoder backbones), ``momentum.py`` (the EMA key encoder,
-``state_dict_prefix``), ``queue.py`` (the MoCo negative queue), ``loading.py`` (encoders from
-checkpoints and model directories), ``tiny.py`` (the tiny test backbones: BERT, Llama, Qwen2)."""
+"""The encoder and what builds, loads and copies it: ``encoder.py`` (heads, ``Tower``, ``TextEncoder``,
+``build_encoder``), ``backbone.py`` (finding and loading the Hugging Face backbone), ``decoder.py``
+(decoder backbones), ``tiny.py`` (tiny test backbones), ``feature_cache.py`` (frozen-backbone
+features), ``lora.py`` (LoRA adapters on a frozen backbone), ``momentum.py`` (the EMA key encoder),
+``gradcache.py`` (large contrastive batches in chunks), ``loading.py`` (encoders from checkpoints,
+model directories and the base; the frozen guide), ``devices.py``."""

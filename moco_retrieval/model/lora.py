@@ -66,10 +66,7 @@ def apply_lora(backbone: nn.Module, cfg: Any) -> nn.Module:
 
 
 def is_lora(backbone: nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:  # without peft nothing has adapters
-        return False
+    from peft import PeftModel
 
     return isinstance(backbone, PeftModel)
 

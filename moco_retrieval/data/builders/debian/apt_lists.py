@@ -37,13 +37,8 @@ def read_index_text(path: os.PathLike | str, strict_utf8: bool = True) -> str:
         elif head.startswith(b"BZh"):
             data = bz2.open(p).read()
         elif head.startswith(b"\x04\x22\x4d\x18"):
-            try:
-                import lz4.frame  # type: ignore[import-not-found]
-            except ImportError:
-                raise DataError(
-                    f"{p}: lz4-compressed (apt's default); reading it needs the lz4 package: `pip install lz4` "
-                    "(or decompress it first with `lz4 -d`)"
-                ) from None
+            import lz4.frame
+
             data = lz4.frame.open(p).read()
         elif head.startswith(b"\x28\xb5\x2f\xfd"):
             raise DataError(f"{p}: zstd-compressed, which is not supported; decompress it first (`zstd -d`)")
