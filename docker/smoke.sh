@@ -136,7 +136,8 @@ trap 'exit 143' TERM
 # ------------------------------------------------------------------ 1. the container engine
 apt_install() {
   say "installing $* from the distribution's packages"
-  if ! (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@") \
+  # with the recommended packages (apparmor among them: a kernel with AppArmor needs its parser)
+  if ! (apt-get update -qq && DEBIAN_FRONTEND=noninteractive NEEDRESTART_MODE=l apt-get install -y -qq "$@") \
       >"${TMPDIR:-/tmp}/moco-smoke-apt.log" 2>&1; then
     tail -20 "${TMPDIR:-/tmp}/moco-smoke-apt.log" >&2
     return 1
