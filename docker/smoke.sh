@@ -18,8 +18,9 @@
 #     (fetched once from the configured package index, then cached), served by `python3 -m
 #     http.server` on 127.0.0.1 only;
 #  4. the CPU variant through the build arguments (BASE_IMAGE, BUILDER_IMAGE, TORCH_INDEX_URL,
-#     PIP_INDEX_URL, PIP_TRUSTED_HOST, CA_CERT) with the legacy builder (DOCKER_BUILDKIT=0), and the
-#     builder stage once more with BuildKit (no frontend image may be fetched);
+#     PIP_INDEX_URL, PIP_TRUSTED_HOST, CA_CERT) with the legacy builder (DOCKER_BUILDKIT=0); a
+#     rebuild after a source edit (the apt layer, torch and the dependencies must come from the
+#     cache); the builder stage once more with BuildKit (no frontend image may be fetched);
 #  5. the checks, by exit codes and files: --help; run.sh without a GPU; a 3-step smoke run with the
 #     Debian lists mounted read-only (the README's "one machine" steps, as a non-root host user);
 #     one with the data built into the image, as an arbitrary uid; `docker stop` mid-run (exit 143,
@@ -32,7 +33,8 @@
 # Environment: SMOKE_DEBIAN_DIR (default ../shared/data/debian-bookworm beside the repository),
 # SMOKE_STATE (/var/lib/moco-retrieval-smoke: docker data root), SMOKE_CACHE
 # (/var/cache/moco-retrieval-smoke: wheels), DEBIAN_MIRROR (default: this machine's apt source),
-# TORCH_WHEEL (the CPU wheel of the pinned torch), SMOKE_KEEP=1 (keep the work folder).
+# TORCH_WHEEL (the CPU wheel of the pinned torch), SMOKE_INDEX_PORT (38517: the local index, on
+# 127.0.0.1), SMOKE_RUN_TIMEOUT (600 s per container run), SMOKE_KEEP=1 (keep the work folder).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -71,11 +73,13 @@ die() {
   exit 1
 }
 required() { [[ "${CI:-}" == true || "${SMOKE_REQUIRED:-0}" == 1 ]]; }
+skipped=""
 skip() {
   if required; then
     die "no container engine: $*"
   fi
   say "SKIP: no container engine can start here: $*"
+  skipped=1
   exit 0
 }
 
@@ -115,6 +119,17 @@ cleanup() {
       kill -0 "$started_dockerd" 2>/dev/null || break
       sleep 0.5
     done
+    if kill -0 "$started_dockerd" 2>/dev/null; then
+      say "dockerd (pid $started_dockerd) did not stop in 30 s; its log: $RUN_ROOT/dockerd.log"
+    elif ((failed > 0)); then
+      say "dockerd's log: $RUN_ROOT/dockerd.log"
+    else
+      # what dockerd leaves mounted (its default network namespace), then its run folder
+      awk -v root="$RUN_ROOT/" 'index($2, root) == 1 {print $2}' /proc/mounts | sort -r | while read -r m; do
+        umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null
+      done
+      rm -rf --one-file-system "$RUN_ROOT"
+    fi
   fi
   if [[ -n "$WORK" && "${SMOKE_KEEP:-0}" != 1 ]]; then
     rm -rf "$WORK"
@@ -122,6 +137,10 @@ cleanup() {
     say "work folder kept: $WORK"
   fi
   say "total $((SECONDS - T0)) s"
+  if [[ -n "$skipped" ]]; then
+    echo "smoke: skipped (no container engine)"
+    exit 0
+  fi
   printf 'smoke: %d passed, %d failed\n' "$passed" "$failed"
   if ((failed > 0)); then
     printf '  failed: %s\n' "${failures[@]}"
@@ -347,6 +366,31 @@ if [[ -n "$old_image" && "$old_image" != "$new_image" ]]; then
 fi
 say "image: $(docker image inspect --format '{{.Size}}' "$IMAGE" | awk '{printf "%.2f GB", $1 / 1e9}')"
 
+# A source edit rebuilds only what follows the project's files: the apt layer (the default data),
+# torch and the other dependencies come from the cache, so no apt-get update reaches the network.
+mkdir -p "$WORK/edited"
+cp -a "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/.dockerignore" "$ROOT/conf" "$ROOT/moco_retrieval" "$ROOT/docker" "$WORK/edited/"
+printf '\n# an edit (docker/smoke.sh)\n' >>"$WORK/edited/moco_retrieval/__init__.py"
+t=$SECONDS
+if DOCKER_BUILDKIT=0 nice -n 10 docker build --network host -f "$WORK/edited/docker/Dockerfile" -t "$LABEL/edited:latest" \
+    "${build_args[@]}" "$WORK/edited" >"$WORK/edited.log" 2>&1; then
+  # the legacy builder's log: "Step N/M : RUN ..." then " ---> Using cache" or " ---> Running in ..."
+  cached="$(awk '/^Step /{step=$0} / ---> Using cache/{print step}' "$WORK/edited.log")"
+  ran="$(awk '/^Step /{step=$0} / ---> Running in /{print step}' "$WORK/edited.log")"
+  if grep -q "apt-get update" <<<"$cached" && grep -q "torch==" <<<"$cached" \
+      && grep -q -- "-r /opt/venv/requirements.txt" <<<"$cached" && ! grep -q "apt-get update" <<<"$ran" \
+      && grep -q "pip wheel" <<<"$ran"; then
+    pass "rebuild after a source edit: apt data, torch and dependencies from the cache ($((SECONDS - t)) s)"
+  else
+    printf '%s\n' "ran:" "$ran" | sed 's/^/    | /' >&2
+    fail "rebuild after a source edit: a layer before the project's files ran again"
+  fi
+else
+  tail -20 "$WORK/edited.log" >&2
+  fail "rebuild after a source edit"
+fi
+docker image rm "$LABEL/edited:latest" >/dev/null 2>&1 || true
+
 # BuildKit: a client with the buildx plugin, or one from before Docker 23 (BuildKit built in), e.g.
 # the engine package's own /usr/bin/docker when a newer client without buildx comes first on PATH
 buildkit_client() {
@@ -501,10 +545,12 @@ stop_and_resume() {
   docker logs "$cid" >"$WORK/$name-stop.log" 2>&1
   docker rm "$cid" >/dev/null
   line="$(grep -o 'to resume this run: .*' "$WORK/$name-stop.log" | tail -1)"
-  local why=""
+  local why="" stopped
+  # the trainer's own line (rank 0's under torchrun): "stopped by SIGTERM after step N; checkpoint ...; exit status 143"
+  stopped="$(sed -n 's/.*stopped by SIGTERM after step \([0-9]\+\);.*exit status 143.*/\1/p' "$WORK/$name-stop.log" | tail -1)"
   [[ -n "$step" && "$step" -ge 2 ]] || why="no progress line seen before the stop"
   [[ "$status" == "$expected" ]] || why="${why:-exit $status, expected $expected}"
-  grep -q "stopped by SIGTERM after step" "$WORK/$name-stop.log" || why="${why:-no 'stopped by SIGTERM' line}"
+  [[ -n "$stopped" ]] || why="${why:-no 'stopped by SIGTERM after step N; ...; exit status 143' line}"
   [[ -f "$out/run/checkpoints/last.ckpt" ]] || why="${why:-no checkpoints/last.ckpt}"
   [[ ! -f "$out/run/metrics.json" ]] || why="${why:-metrics.json written: the run was not stopped mid-run}"
   [[ -n "$line" && "$line" == *ckpt_path=last* ]] || why="${why:-no printed resume command with ckpt_path=last}"
@@ -513,7 +559,7 @@ stop_and_resume() {
     fail "$name: docker stop mid-run: $why"
     return
   fi
-  pass "$name: docker stop after step $step -> exit $status, last.ckpt, printed: ${line#to resume this run: }"
+  pass "$name: docker stop -> stopped after step $stopped, exit $status, last.ckpt, printed: ${line#to resume this run: }"
   # the printed command's overrides, split as a shell would (no eval)
   line="${line#to resume this run: }"
   line="${line#python -m moco_retrieval.train }"
@@ -533,8 +579,10 @@ stop_and_resume() {
   fi
 }
 
-LONG=(+experiment=smoke trainer.max_steps=40 trainer.log_every_n_steps=1 trainer.val_check_interval=20)
+# 100 steps (a few a second here): room to stop the run well before its end, after step 2
+LONG=(+experiment=smoke data.max_train_examples=3200 trainer.max_steps=100 trainer.log_every_n_steps=1
+  trainer.val_check_interval=50)
 stop_and_resume single 143 -- "${LONG[@]}"
-# torchrun: the workers exit 143 and torchrun itself 1 (moco_retrieval/preemption.py)
+# torchrun: the workers stop with status 143 and torchrun itself exits 1 (moco_retrieval/preemption.py)
 stop_and_resume torchrun 1 -e NPROC_PER_NODE=2 -e TORCH_ELASTIC_SHUTDOWN_TIMEOUT=100 -- \
   "${LONG[@]}" trainer=ddp trainer.accelerator=cpu
