@@ -370,7 +370,8 @@ say "image: $(docker image inspect --format '{{.Size}}' "$IMAGE" | awk '{printf 
 # torch and the other dependencies come from the cache, so no apt-get update reaches the network.
 mkdir -p "$WORK/edited"
 cp -a "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/.dockerignore" "$ROOT/conf" "$ROOT/moco_retrieval" "$ROOT/docker" "$WORK/edited/"
-printf '\n# an edit (docker/smoke.sh)\n' >>"$WORK/edited/moco_retrieval/__init__.py"
+# (a new edit each run: an earlier run's edited layers may still be in the cache)
+printf '\n# an edit (docker/smoke.sh, %s)\n' "$(date +%s%N)" >>"$WORK/edited/moco_retrieval/__init__.py"
 t=$SECONDS
 if DOCKER_BUILDKIT=0 nice -n 10 docker build --network host -f "$WORK/edited/docker/Dockerfile" -t "$LABEL/edited:latest" \
     "${build_args[@]}" "$WORK/edited" >"$WORK/edited.log" 2>&1; then
@@ -389,7 +390,12 @@ else
   tail -20 "$WORK/edited.log" >&2
   fail "rebuild after a source edit"
 fi
+# the edited image and the layers its build made (the builder stage's too), not the cached ones
 docker image rm "$LABEL/edited:latest" >/dev/null 2>&1 || true
+awk '/^Step [0-9]+\/[0-9]+ : /{from = ($4 == "FROM"); cached = 0}
+  / ---> Using cache/{cached = 1}
+  / ---> [0-9a-f]+$/{if (!from && !cached) print $2}' "$WORK/edited.log" | tac |
+  while read -r id; do docker image rm "$id" >/dev/null 2>&1 || true; done
 
 # BuildKit: a client with the buildx plugin, or one from before Docker 23 (BuildKit built in), e.g.
 # the engine package's own /usr/bin/docker when a newer client without buildx comes first on PATH
@@ -438,7 +444,9 @@ run() {
   shift
   timeout "$RUN_TIMEOUT" "${RUN[@]}" --rm "$@" >"$WORK/$name.log" 2>&1
 }
-show() { tail -"${2:-25}" "$WORK/$1.log" | sed 's/^/    | /' >&2; }
+show() { # the log's error lines, then its tail
+  { grep -E 'Error|error:|refus' "$WORK/$1.log" | head -10; echo '    ...'; tail -"${2:-25}" "$WORK/$1.log"; } | sed 's/^/    | /' >&2
+}
 no_hydra_folder() { # defect 8: nothing but run directories in the outputs folder
   local stray
   stray="$(find "$1" -mindepth 1 -maxdepth 1 -name '20[0-9][0-9]-*' -print -quit)"
