@@ -161,6 +161,7 @@ apt_install() {
     tail -20 "${TMPDIR:-/tmp}/moco-smoke-apt.log" >&2
     return 1
   fi
+  rm -f "${TMPDIR:-/tmp}/moco-smoke-apt.log"
 }
 
 if docker info >/dev/null 2>&1; then
