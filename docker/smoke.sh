@@ -592,6 +592,6 @@ stop_and_resume() {
 LONG=(+experiment=smoke data.max_train_examples=3200 trainer.max_steps=100 trainer.log_every_n_steps=1
   trainer.val_check_interval=50)
 stop_and_resume single 143 -- "${LONG[@]}"
-# torchrun: the workers stop with status 143 and torchrun itself exits 1 (moco_retrieval/preemption.py)
+# torchrun: the workers stop with status 143 and torchrun itself exits 1 (moco_retrieval/training/preemption.py)
 stop_and_resume torchrun 1 -e NPROC_PER_NODE=2 -e TORCH_ELASTIC_SHUTDOWN_TIMEOUT=100 -- \
   "${LONG[@]}" trainer=ddp trainer.accelerator=cpu
