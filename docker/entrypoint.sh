@@ -32,6 +32,8 @@
 #   hydra.run.dir=$OUTPUT_ROOT/<job id> (OUTPUT_ROOT default: outputs) when there is a job id
 #     (MOCO_RETRIEVAL_JOB_ID, SLURM_JOB_ID, PYTORCHJOB_NAME, K8S_JOB_NAME), so that every rank
 #     and every requeued run of one job uses one run directory. RUN_DIR_FROM_JOB=0 turns it off.
+#   hydra.run.dir=<run_dir> when the arguments set run_dir: Hydra's own folder (its .hydra record)
+#     is then the run directory, not a new outputs/<date>/<time> beside it.
 # Other knobs: ENTRY (module), PYTHON (default python), TORCHRUN (default torchrun),
 #   TORCHRUN_ARGS (extra torchrun options, split on spaces), DRY_RUN=1 (print, do not run).
 set -euo pipefail
@@ -66,6 +68,20 @@ has_override() {
     fi
   done
   return 1
+}
+
+# The value of the last KEY=..., +KEY=... or ++KEY=... among the arguments (nothing when none).
+override_value() {
+  local key="$1" arg value=""
+  shift
+  for arg in "$@"; do
+    arg="${arg#++}"
+    arg="${arg#+}"
+    if [[ "$arg" == "$key="* ]]; then
+      value="${arg#"$key="}"
+    fi
+  done
+  printf '%s' "$value"
 }
 
 gpu_count() {
@@ -169,6 +185,10 @@ fi
 jid="$(job_id)"
 if [[ -n "$jid" && "${RUN_DIR_FROM_JOB:-1}" != 0 ]] && ! has_override hydra.run.dir "$@" && ! has_override run_dir "$@"; then
   extra+=("hydra.run.dir=${OUTPUT_ROOT:-outputs}/$jid")
+fi
+run_dir="$(override_value run_dir "$@")"
+if [[ -n "$run_dir" && "$run_dir" != null ]] && ! has_override hydra.run.dir "$@"; then
+  extra+=("hydra.run.dir=$run_dir")
 fi
 
 case "$LAUNCHER" in
