@@ -273,7 +273,7 @@ class ModelConfig(RangeChecked):
     # tiny random encoder (tests): written into `path` when missing
     tiny_hidden: int = setting(32, AT_LEAST_ONE)
     tiny_layers: int = setting(2, AT_LEAST_ONE)  # the tiny encoder's hidden size (above) and layers
-    # GradCache (gradcache.py): texts encoded with gradient go through the encoder this many at a
+    # GradCache (model/gradcache.py): texts encoded with gradient go through the encoder this many at a
     # time and are re-run during backward, so a large batch fits in memory (None: all at once)
     grad_cache_chunk: Optional[int] = setting(None, AT_LEAST_ONE)
     lora: LoraConfig = field(default_factory=LoraConfig)

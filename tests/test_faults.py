@@ -17,8 +17,9 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from moco_retrieval.training import checkpoints as checkpoint_file
-from moco_retrieval.training.checkpoints import AtomicCheckpointIO, atomic_torch_save, previous_of, read_checkpoint
+from moco_retrieval import files as checkpoint_file
+from moco_retrieval.training.checkpoints import AtomicCheckpointIO
+from moco_retrieval.files import atomic_torch_save, previous_of, read_checkpoint
 from moco_retrieval.training.checkpoints import resolve_ckpt_path
 from moco_retrieval.command import register_configs
 from moco_retrieval.data.formats import DataError, EvalSet, read_beir, read_pairs_jsonl, write_beir, write_jsonl

@@ -15,7 +15,7 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from moco_retrieval.training.checkpoints import atomic_torch_save, read_checkpoint
+from moco_retrieval.files import atomic_torch_save, read_checkpoint
 from moco_retrieval.command import register_configs
 from moco_retrieval.errors import CheckpointError
 
