@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from moco_retrieval.config import AT_LEAST_ONE, POSITIVE, PROPER_FRACTION, ConfigError, Range, RangeChecked, setting
 from moco_retrieval.objectives.guided import Guide
-from moco_retrieval.objectives.infonce import Direction, Scoring
+from moco_retrieval.objectives.infonce import Direction, Keys, Scoring
 from moco_retrieval.objectives.logq import StreamingFrequency
 from moco_retrieval.objectives.memory import KeyMemory, PerSourceMemory
 
@@ -97,6 +97,12 @@ class Embed(Protocol):
 
     def project(self, features: Tensor) -> Tensor:
         """Backbone features through the trained encoder's head now, with gradient (feature_memory.py)."""
+
+
+def hard_keys(batch: dict, embed, encoder: str = MOMENTUM) -> Keys | None:
+    """The batch's hard negatives as keys by ``encoder`` (the EMA one: no gradient), or None."""
+    neg = embed("neg", encoder, grad=encoder == TRAINED)
+    return None if neg is None else Keys(neg, batch["neg_id"], batch["neg_group"])
 
 
 class Objective(nn.Module):
@@ -174,4 +180,4 @@ class Objective(nn.Module):
         return {f"{name}.{b}": t for name, m in parts for b, t in m.named_buffers()}
 
 
-__all__ = ["ObjectiveConfig", "Objective", "Embed", "TRAINED", "MOMENTUM", "GUIDE"]
+__all__ = ["ObjectiveConfig", "Objective", "Embed", "hard_keys", "TRAINED", "MOMENTUM", "GUIDE"]

@@ -402,6 +402,11 @@ class PerSourceMemory(nn.Module):
         return {f"{k}_source_{s}": v for s, memory in enumerate(self.sources) for k, v in memory.stats(step).items()}
 
 
+def memory_widths(cfg, encoder) -> dict | None:
+    """The encoder's tokens per kind: the width of a refreshing memory's stored texts (else None)."""
+    return {kind: encoder.max_len(kind) for kind in ("query", "doc")} if cfg.queue_refresh else None
+
+
 def side_memories(cfg, dim: int, sources: int, sides: tuple[str, ...], guide_dim: int | None = None,
                   max_len: dict | None = None) -> list["KeyMemory | PerSourceMemory"]:
     """One memory per side ("doc" -> stats prefix "queue", "query" -> "query_queue"), or one per source
@@ -418,4 +423,4 @@ def side_memories(cfg, dim: int, sources: int, sides: tuple[str, ...], guide_dim
 
 
 __all__ = ["QueueOptions", "MomentumOptions", "NegativeQueue", "Enqueue", "batch_enqueue", "KeyMemory",
-           "PerSourceMemory", "side_memories", "check_queues_fit"]
+           "PerSourceMemory", "side_memories", "memory_widths", "check_queues_fit"]

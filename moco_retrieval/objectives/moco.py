@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from moco_retrieval.objectives.base import MOMENTUM, Objective, ObjectiveConfig
-from moco_retrieval.objectives.infonce import Direction, Keys, gathered_keys
-from moco_retrieval.objectives.memory import Enqueue, MomentumOptions, QueueOptions, batch_enqueue, side_memories
+from moco_retrieval.objectives.base import MOMENTUM, Objective, ObjectiveConfig, hard_keys
+from moco_retrieval.objectives.infonce import Direction, gathered_keys
+from moco_retrieval.objectives.memory import (Enqueue, MomentumOptions, QueueOptions, batch_enqueue, memory_widths,
+                                              side_memories)
 
 
 @dataclass
@@ -25,17 +26,6 @@ class MoCoConfig(MomentumOptions, QueueOptions, ObjectiveConfig):
 
     name: str = "moco"
     enqueue_hard_negatives: bool = False  # also enqueue the batch's mined hard negatives' keys
-
-
-def hard_keys(batch: dict, embed) -> Keys | None:
-    """The batch's hard negatives as EMA keys (no gradient), or None."""
-    neg = embed("neg", MOMENTUM, grad=False)
-    return None if neg is None else Keys(neg, batch["neg_id"], batch["neg_group"])
-
-
-def memory_widths(cfg, encoder) -> dict | None:
-    """The encoder's tokens per kind: the width of a refreshing memory's stored texts (else None)."""
-    return {kind: encoder.max_len(kind) for kind in ("query", "doc")} if cfg.queue_refresh else None
 
 
 class MoCoObjective(Objective):

@@ -28,11 +28,10 @@ from torch import Tensor
 
 from moco_retrieval.config import NON_NEGATIVE, setting
 from moco_retrieval.distributed import all_gather_no_grad, all_gather_with_grad
-from moco_retrieval.objectives.base import MOMENTUM, Objective, ObjectiveConfig
+from moco_retrieval.objectives.base import MOMENTUM, Objective, ObjectiveConfig, hard_keys
 from moco_retrieval.objectives.guided import GuideScores
 from moco_retrieval.objectives.infonce import Direction, Keys, gathered_keys
-from moco_retrieval.objectives.memory import MomentumOptions, QueueOptions, batch_enqueue, side_memories
-from moco_retrieval.objectives.moco import hard_keys, memory_widths
+from moco_retrieval.objectives.memory import MomentumOptions, QueueOptions, batch_enqueue, memory_widths, side_memories
 
 
 @dataclass
