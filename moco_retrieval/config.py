@@ -79,78 +79,23 @@ def setting(default: Any = MISSING, valid: Optional[Range] = None, *, factory: A
 # ---- text options: one Enum each, checked by OmegaConf whenever a config is composed or merged
 
 
-class Dtype(StrEnum):
-    """Tensor storage: model.backbone_dtype, objective.queue_dtype."""
-
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
+def choices(name: str, values: str) -> type[StrEnum]:
+    """A text option's choices as an Enum whose members are their own values."""
+    return StrEnum(name, values.split(), module=__name__)
 
 
-class Pooling(StrEnum):
-    mean = "mean"
-    cls = "cls"
-    last = "last"  # the last non-padding token: decoder backbones (model/decoder.py)
-
-
-class Head(StrEnum):
-    none = "none"
-    linear = "linear"
-    mlp = "mlp"
-
-
-class HeadInit(StrEnum):
-    random = "random"
-    identity = "identity"  # linear head only, head_dim == hidden
-
-
-class BackboneKind(StrEnum):
-    transformer = "transformer"
-    bag_of_wordpieces = "bag_of_wordpieces"  # the input embeddings alone (model/backbone.py)
-
-
-class LrSchedule(StrEnum):
-    linear = "linear"
-    cosine = "cosine"
-    constant = "constant"
-
-
-class DataKind(StrEnum):
-    debian = "debian"
-    jsonl = "jsonl"
-    parquet = "parquet"
-    csv = "csv"
-    hf = "hf"
-    beir = "beir"
-
-
-class SourceMode(StrEnum):
-    weighted = "weighted"  # by weight, else by size
-    round_robin = "round_robin"
-
-
-class IndexKind(StrEnum):
-    flat = "flat"
-    ivf = "ivf"
-    ivfpq = "ivfpq"
-    hnsw = "hnsw"
-
-
-class Which(StrEnum):
-    """Which encoder of a checkpoint: the trained (query) one, or a MoCo checkpoint's EMA key encoder."""
-
-    query = "query"
-    key = "key"
-
-
-class Sampling(StrEnum):
-    top = "top"
-    random = "random"
-
-
-class Format(StrEnum):
-    text = "text"
-    json = "json"
+Dtype = choices("Dtype", "float32 bfloat16 float16")  # tensor storage: backbone_dtype, queue_dtype
+Pooling = choices("Pooling", "mean cls last")  # last: the last real token (decoders, model/decoder.py)
+Head = choices("Head", "none linear mlp")
+HeadInit = choices("HeadInit", "random identity")  # identity: linear head only, head_dim == hidden
+BackboneKind = choices("BackboneKind", "transformer bag_of_wordpieces")  # the latter: input embeddings alone
+LrSchedule = choices("LrSchedule", "linear cosine constant")
+DataKind = choices("DataKind", "debian jsonl parquet csv hf beir")
+SourceMode = choices("SourceMode", "weighted round_robin")  # weighted: by weight, else by size
+IndexKind = choices("IndexKind", "flat ivf ivfpq hnsw")
+Which = choices("Which", "query key")  # a checkpoint's trained (query) encoder, or a MoCo checkpoint's EMA one
+Sampling = choices("Sampling", "top random")
+Format = choices("Format", "text json")
 
 
 def field_names(schema: type) -> list[str]:

@@ -32,7 +32,7 @@ from moco_retrieval.config import AT_LEAST_ONE, POSITIVE, PROPER_FRACTION, Confi
 from moco_retrieval.objectives.guided import Guide
 from moco_retrieval.objectives.infonce import Direction, Keys, Scoring
 from moco_retrieval.objectives.logq import StreamingFrequency
-from moco_retrieval.objectives.memory import KeyMemory, PerSourceMemory
+from moco_retrieval.objectives.memory import KeyMemory, MomentumOptions, PerSourceMemory
 
 TRAINED, MOMENTUM, GUIDE = "trained", "momentum", "guide"
 
@@ -114,6 +114,8 @@ class Objective(nn.Module):
 
     def __init__(self, cfg: ObjectiveConfig):
         super().__init__()
+        if isinstance(cfg, MomentumOptions):  # an EMA key encoder makes the keys
+            self.momentum, self.key_encoder_dropout = float(cfg.momentum), bool(cfg.key_encoder_dropout)
         self.guide = Guide(cfg.guide, cfg.name, self.momentum_keys, cfg.guide_margin, cfg.guide_threshold)
         logq = StreamingFrequency(cfg.logq_buckets, cfg.logq_alpha) if cfg.logq_correction else None
         self.scoring = Scoring(cfg, guide=self.guide.rule, logq=logq)

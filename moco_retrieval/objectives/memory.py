@@ -402,9 +402,11 @@ class PerSourceMemory(nn.Module):
         return {f"{k}_source_{s}": v for s, memory in enumerate(self.sources) for k, v in memory.stats(step).items()}
 
 
-def memory_widths(cfg, encoder) -> dict | None:
-    """The encoder's tokens per kind: the width of a refreshing memory's stored texts (else None)."""
-    return {kind: encoder.max_len(kind) for kind in ("query", "doc")} if cfg.queue_refresh else None
+def build_with_memories(cls, cfg, encoder, guide_dim: int | None, sources: int = 1):
+    """``cls(cfg, dim, guide_dim, max_len, sources)``: an objective whose memories hold ``encoder``'s
+    keys; ``max_len``, the encoder's tokens per kind, is the width of a refreshing memory's texts."""
+    max_len = {kind: encoder.max_len(kind) for kind in ("query", "doc")} if cfg.queue_refresh else None
+    return cls(cfg, encoder.dim, guide_dim, max_len, sources)
 
 
 def side_memories(cfg, dim: int, sources: int, sides: tuple[str, ...], guide_dim: int | None = None,
@@ -423,4 +425,4 @@ def side_memories(cfg, dim: int, sources: int, sides: tuple[str, ...], guide_dim
 
 
 __all__ = ["QueueOptions", "MomentumOptions", "NegativeQueue", "Enqueue", "batch_enqueue", "KeyMemory",
-           "PerSourceMemory", "side_memories", "memory_widths", "check_queues_fit"]
+           "PerSourceMemory", "side_memories", "build_with_memories", "check_queues_fit"]

@@ -16,7 +16,7 @@ import torch
 
 from moco_retrieval.objectives.base import MOMENTUM, Objective, ObjectiveConfig, hard_keys
 from moco_retrieval.objectives.infonce import Direction, gathered_keys
-from moco_retrieval.objectives.memory import (Enqueue, MomentumOptions, QueueOptions, batch_enqueue, memory_widths,
+from moco_retrieval.objectives.memory import (Enqueue, MomentumOptions, QueueOptions, batch_enqueue, build_with_memories,
                                               side_memories)
 
 
@@ -60,11 +60,8 @@ class MoCoObjective(Objective):
         (self.docs,) = side_memories(cfg, dim, sources, ("doc",), guide_dim if self.guide.fixed else None, max_len)
         self.batch_negatives = bool(cfg.batch_negatives)
         self.enqueue_hard_negatives = bool(cfg.enqueue_hard_negatives)
-        self.momentum, self.key_encoder_dropout = float(cfg.momentum), bool(cfg.key_encoder_dropout)
 
-    @classmethod
-    def build(cls, cfg, encoder, guide_dim, sources=1):
-        return cls(cfg, encoder.dim, guide_dim, memory_widths(cfg, encoder), sources)
+    build = classmethod(build_with_memories)
 
     def directions(self, batch: dict, embed) -> dict[str, Direction]:
         step, ids, groups = embed.step, batch["doc_id"], batch["group"]

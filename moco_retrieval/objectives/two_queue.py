@@ -31,7 +31,8 @@ from moco_retrieval.distributed import all_gather_no_grad, all_gather_with_grad
 from moco_retrieval.objectives.base import MOMENTUM, Objective, ObjectiveConfig, hard_keys
 from moco_retrieval.objectives.guided import GuideScores
 from moco_retrieval.objectives.infonce import Direction, Keys, gathered_keys
-from moco_retrieval.objectives.memory import MomentumOptions, QueueOptions, batch_enqueue, memory_widths, side_memories
+from moco_retrieval.objectives.memory import (MomentumOptions, QueueOptions, batch_enqueue, build_with_memories,
+                                              side_memories)
 
 
 @dataclass
@@ -99,11 +100,8 @@ class TwoQueueObjective(Objective):
         self.queue_warmup_steps = int(cfg.queue_warmup_steps)
         self.same_side_negatives = bool(cfg.same_side_negatives)
         self.inbatch_weight = float(cfg.inbatch_weight)
-        self.momentum, self.key_encoder_dropout = float(cfg.momentum), bool(cfg.key_encoder_dropout)
 
-    @classmethod
-    def build(cls, cfg, encoder, guide_dim, sources=1):
-        return cls(cfg, encoder.dim, guide_dim, memory_widths(cfg, encoder), sources)
+    build = classmethod(build_with_memories)
 
     def directions(self, batch: dict, embed) -> dict[str, Direction]:
         step, ids, groups = embed.step, batch["doc_id"], batch["group"]
