@@ -74,6 +74,9 @@ class ObjectiveConfig(RangeChecked):
                 f"objective.temperature={self.temperature}: must be in [objective.temperature_min, "
                 f"objective.temperature_max] = [{self.temperature_min}, {self.temperature_max}] "
                 "when objective.learn_temperature=true")
+        if self.guide == "momentum" and not isinstance(self, MomentumOptions):
+            raise ConfigError(f"objective.guide=momentum needs an EMA key encoder (objective=moco or two_queue); "
+                              f"objective={self.name} has none: use guide=base or a model folder")
         dims, weights = self.matryoshka_dims, self.matryoshka_weights
         if len(set(dims)) != len(dims) or min(dims, default=1) < 1:
             raise ConfigError(f"objective.matryoshka_dims={list(dims)}: must be distinct dimensions >= 1")
@@ -108,7 +111,6 @@ def hard_keys(batch: dict, embed, encoder: str = MOMENTUM) -> Keys | None:
 class Objective(nn.Module):
     """Base of every objective: see the module docstring for the protocol."""
 
-    momentum_keys: ClassVar[bool] = False  # EMA keys of both sides: guide=momentum works
     momentum: Optional[float] = None  # an EMA key encoder's momentum (None: the objective needs none)
     key_encoder_dropout: bool = False
 
@@ -116,7 +118,7 @@ class Objective(nn.Module):
         super().__init__()
         if isinstance(cfg, MomentumOptions):  # an EMA key encoder makes the keys
             self.momentum, self.key_encoder_dropout = float(cfg.momentum), bool(cfg.key_encoder_dropout)
-        self.guide = Guide(cfg.guide, cfg.name, self.momentum_keys, cfg.guide_margin, cfg.guide_threshold)
+        self.guide = Guide(cfg.guide, cfg.guide_margin, cfg.guide_threshold)
         logq = StreamingFrequency(cfg.logq_buckets, cfg.logq_alpha) if cfg.logq_correction else None
         self.scoring = Scoring(cfg, guide=self.guide.rule, logq=logq)
 

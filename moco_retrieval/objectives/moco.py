@@ -52,8 +52,6 @@ class MoCoObjective(Objective):
     inputs train; in fine-tuning MoCo alone falls far below in-batch negatives (benchmarks B6, B11).
     """
 
-    momentum_keys = True
-
     def __init__(self, cfg: MoCoConfig, dim: int, guide_dim: int | None = None, max_len: dict | None = None,
                  sources: int = 1):
         super().__init__(cfg)

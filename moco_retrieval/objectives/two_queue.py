@@ -89,8 +89,6 @@ class TwoQueueObjective(Objective):
     is both directions without EMA keys or queues.
     """
 
-    momentum_keys = True
-
     def __init__(self, cfg: TwoQueueConfig, dim: int, guide_dim: int | None = None, max_len: dict | None = None,
                  sources: int = 1):
         super().__init__(cfg)
