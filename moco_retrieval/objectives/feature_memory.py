@@ -71,7 +71,7 @@ class FeatureMemoryObjective(Objective):
         self.scoring.observe(keys.ids if keys is not None else None, ids, embed.step)
         guide = self.guide.scores(embed, "query", memory=self.memory, hard=True,
                                   batch_keys=keys.vectors if keys is not None else None)
-        hard = hard_keys(batch, embed, TRAINED)
+        hard = hard_keys(batch, embed, TRAINED, grad=True)
         fm = Direction(self.scoring, q.float() / self.scoring.temperature(), k, ids, groups, guide).add_keys(keys, hard)
         if self.memory.fill > 0:  # the stored features as the current head projects them, with gradient
             fm.add(embed.project(self.memory.keys()), self.memory.ids(), self.memory.groups(), "queue")

@@ -62,10 +62,10 @@ class Guide:
     """An objective's guide (``objective.guide``): its masking ``rule`` (None: off) and, for one
     direction, its scores of that direction's candidates (``scores``)."""
 
-    def __init__(self, name: str, margin: float = 0.0, threshold: float | None = None):
+    def __init__(self, name: str, margin: float = 0.0, threshold: float | None = None, keys: str = MOMENTUM):
         self.name = str(name)
         self.rule = GuidedMask(margin, threshold) if self.name != NONE else None
-        self.encoder = "guide" if self.fixed else MOMENTUM
+        self.encoder = "guide" if self.fixed else keys  # "momentum": the encoder that makes the keys
 
     @property
     def fixed(self) -> bool:

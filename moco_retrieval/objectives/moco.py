@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moco_retrieval.objectives.base import MOMENTUM, Objective, ObjectiveConfig, hard_keys
+from moco_retrieval.objectives.base import Objective, ObjectiveConfig, hard_keys
 from moco_retrieval.objectives.infonce import Direction, gathered_keys
 from moco_retrieval.objectives.memory import (Enqueue, MomentumOptions, QueueOptions, batch_enqueue, build_with_memories,
                                               side_memories)
@@ -64,11 +64,11 @@ class MoCoObjective(Objective):
     def directions(self, batch: dict, embed) -> dict[str, Direction]:
         step, ids, groups = embed.step, batch["doc_id"], batch["group"]
         docs = self.docs.for_source(self.docs.source_of(batch))  # (the batch's source's, with queue_per_source)
-        docs.refresh_keys(embed)
-        q, k = embed("query"), embed("doc", MOMENTUM, grad=False)
+        docs.refresh_keys(embed, self.keys)
+        q, k = embed("query"), embed("doc", self.keys, grad=False)
         keys = gathered_keys(k, ids, groups) if self.batch_negatives else None
         self.scoring.observe(keys.ids if keys is not None else None, ids, step)
-        hard = hard_keys(batch, embed)
+        hard = hard_keys(batch, embed, self.keys)
         guide = self.guide.scores(embed, "query", memory=docs, batch_keys=keys.vectors if keys is not None else None,
                                   hard=True)
         qd = Direction(self.scoring, q.float() / self.scoring.temperature(), k, ids, groups, guide).add_keys(keys, hard, docs)
