@@ -173,7 +173,7 @@ def import_lightly_memory_bank():
 
 
 def section_queue(args) -> dict:
-    from moco_retrieval.objectives.queue import NegativeQueue
+    from moco_retrieval.objectives.memory import NegativeQueue
 
     dev = pick_device(args.device)
     ks = [int(k) for k in args.queue_ks.split(",")]
