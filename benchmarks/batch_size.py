@@ -23,17 +23,15 @@ batch_size_vs_negatives.png. ``--quick``: a 6,000-pair slice, 1 epoch, fewer poi
 """
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    FROZEN_BASE, Bench, Runner, bench_cache, compose_cfg, environment, f3, figure, log, mean, median, peak_rss_mb, std,
-)
-from harness import cli  # noqa: E402
-from harness.runs import md_table, write_results  # noqa: E402
+from benchmarks.harness import cli
+from benchmarks.harness.cli import bench_cache
+from benchmarks.harness.report import environment, f3, figure, log, mean, median, peak_rss_mb, std
+from benchmarks.harness.training import FROZEN_BASE, Bench, Runner, compose_cfg
+from benchmarks.harness.runs import md_table, write_results
 
 
 NAME = "batch_size"

@@ -23,10 +23,9 @@ import tempfile
 import threading
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import environment  # noqa: E402
-from harness import cli  # noqa: E402
-from harness.runs import md_table, write_results  # noqa: E402
+from benchmarks.harness.report import environment
+from benchmarks.harness import cli
+from benchmarks.harness.runs import md_table, write_results
 
 NAME = "export_memory"
 MIB = 2**20
@@ -95,7 +94,7 @@ def measure(tmp: Path) -> list[dict]:
             build_tiny_bert(model_dir, hidden=HIDDEN, layers=layers, heads=16)
         out = tmp / f"out-{len(rows)}"
         limit = LIMITS.get(label, 0)
-        code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import export_memory as m; "
+        code = ("import json; from benchmarks import export_memory as m; "
                 f"print(json.dumps(m.one_case({str(model_dir)!r}, {lora}, {limit}, {str(out)!r})))")
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         row = {"layers": layers, "lora": lora, "file_limit": label, **json.loads(res.stdout.strip().splitlines()[-1])}

@@ -40,16 +40,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import FROZEN_BASE, Bench, Runner, compose_cfg, environment, f3, figure, log, median, std  # noqa: E402
-from harness import cli  # noqa: E402
-from harness.runs import cached_keys, md_table, read_jsonl, run_missing, write_results  # noqa: E402
+from benchmarks.harness.training import FROZEN_BASE, Bench, Runner, compose_cfg
+from benchmarks.harness.report import environment, f3, figure, log, median, std
+from benchmarks.harness import cli
+from benchmarks.harness.runs import cached_keys, md_table, read_jsonl, run_missing, write_results
 
-import torch  # noqa: E402
+import torch
 
 NAME = "false_negatives"
 BASE = ["+experiment=frozen_queue", "objective.queue_size=4096"]
@@ -130,7 +129,7 @@ def false_mask_rate(bench: Bench, enc, margin: float, batches: int = 100, window
 
 def finetune(args, out_dir: Path) -> list[dict]:
     """B4-setup fine-tunes with the groups withheld (see the module docstring); cached records."""
-    import finetune as ft
+    from benchmarks import finetune as ft
 
     from moco_retrieval.data.sources import cap_eval_set
 

@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, set_locations  # noqa: E402
-from moco_retrieval.training.checkpoints import last_checkpoint  # noqa: E402
+from benchmarks.harness.cli import ROOT, set_locations
+from moco_retrieval.training.checkpoints import last_checkpoint
 
 PY = sys.executable
 SMOKE = ["+experiment=smoke", "data.max_train_examples=128", "data.max_eval_queries=16", "data.max_eval_docs=32",

@@ -33,18 +33,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import TRAINER, Bench, compose_cfg, environment, figure, log, quiet_trainer  # noqa: E402
-from harness import cli  # noqa: E402
-from harness.runs import md_table, read_jsonl, run_selected, write_results  # noqa: E402
-from harness.runs import records as cached_records  # noqa: E402
-from harness.steps import PeerTrainer, step_clock  # noqa: E402
+from benchmarks.harness.training import TRAINER, Bench, compose_cfg, quiet_trainer
+from benchmarks.harness.report import environment, figure, log
+from benchmarks.harness import cli
+from benchmarks.harness.runs import md_table, read_jsonl, run_selected, write_results
+from benchmarks.harness.runs import records as cached_records
+from benchmarks.harness.steps import PeerTrainer, step_clock
 
-import torch  # noqa: E402
+import torch
 
 NAME = "finetune"
 BASE = [f"trainer={TRAINER}", "logger=none", "data=debian", "trainer.val_check_interval=null"]

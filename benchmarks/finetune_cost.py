@@ -20,18 +20,16 @@ from __future__ import annotations
 
 import gc
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Bench, compose_cfg, environment, log  # noqa: E402
-from harness import cli, step_memory  # noqa: E402
-from harness.runs import md_table, write_results  # noqa: E402
-from finetune import BASE, HEADLINE, INBATCH, RUNS, pair_batches  # noqa: E402
-from harness.steps import OurStep, PeerTrainer  # noqa: E402
+from benchmarks.harness.training import Bench, compose_cfg
+from benchmarks.harness.report import environment, log
+from benchmarks.harness import cli, step_memory
+from benchmarks.harness.runs import md_table, write_results
+from benchmarks.finetune import BASE, HEADLINE, INBATCH, RUNS, pair_batches
+from benchmarks.harness.steps import OurStep, PeerTrainer
 
-import torch  # noqa: E402
+import torch
 
 NAME = "finetune_cost"
 MEAN_FILL = 9120  # half of the 18,240 keys a B6 run has queued by its end

@@ -6,7 +6,7 @@ filters, for the frozen-head model (bag-of-wordpieces MiniLM features + a traine
 
 The apt lists and the cache come from ``--debian-dir`` / ``--cache``, else ``$MOCO_RETRIEVAL_DEBIAN_DIR``
 / ``$MOCO_RETRIEVAL_CACHE``, else ``../shared/data/debian-bookworm`` next to the repository and the
-package's cache (see benchmarks/_common.py).
+package's cache (``benchmarks.harness.cli``).
 
 Steps (all through the Python API, one process):
 
@@ -40,31 +40,18 @@ import time
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import cli  # noqa: E402
-from moco_retrieval.training.checkpoints import last_checkpoint  # noqa: E402
+from benchmarks.harness import cli
+from benchmarks.harness.cli import RESULTS
+from benchmarks.harness.training import compose_cfg
+from moco_retrieval.training.checkpoints import last_checkpoint
 
-RESULTS = Path(__file__).resolve().parent / "results"
 METRICS = ["recall@1", "recall@10", "mrr@10", "ndcg@10"]
-
-
-def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
-    from omegaconf import OmegaConf
-
-    from moco_retrieval.command import register_configs
-
-    register_configs()
-    with initialize_config_module(config_module="moco_retrieval.conf", version_base="1.3"):
-        cfg = hydra_compose("train", overrides=overrides)
-    return OmegaConf.to_object(cfg)
 
 
 def train_run(overrides: list[str], run_dir: Path) -> dict:
     from moco_retrieval.train import train
 
-    cfg = compose(overrides)
+    cfg = compose_cfg(overrides)
     t0 = time.perf_counter()
     metrics = train(cfg, run_dir)
     return {"metrics": {m: metrics.get(f"val/{m}") for m in METRICS}, "seconds": time.perf_counter() - t0}

@@ -25,10 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, ROOT, environment, log  # noqa: E402
-from harness import cli  # noqa: E402
-from harness.runs import append_jsonl, md_table, read_jsonl, write_results  # noqa: E402
+from benchmarks.harness.cli import RESULTS, ROOT
+from benchmarks.harness.report import environment, log
+from benchmarks.harness import cli
+from benchmarks.harness.runs import append_jsonl, md_table, read_jsonl, write_results
 
 NAME = "main_job"
 JOBS = {"queue65k": [], "queue65k_inbatch": ["objective=inbatch"]}

@@ -28,18 +28,17 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import finetune as b6  # noqa: E402
-import finetune_cost  # noqa: E402
-from _common import Bench, environment, log  # noqa: E402
-from harness import cli  # noqa: E402
-from harness.runs import md_table, run_selected, write_results  # noqa: E402
-from harness.runs import records as cached_records  # noqa: E402
+from benchmarks import finetune as b6
+from benchmarks import finetune_cost
+from benchmarks.harness.training import Bench
+from benchmarks.harness.report import environment, log
+from benchmarks.harness import cli
+from benchmarks.harness.runs import md_table, run_selected, write_results
+from benchmarks.harness.runs import records as cached_records
 
-import torch  # noqa: E402
+import torch
 
 NAME = "matryoshka"
 DIMS = (384, 256, 128, 64)

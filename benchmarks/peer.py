@@ -25,17 +25,17 @@ Pool: 1,000 held-out queries against 2,400 documents (every relevant one kept) b
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import TRAINER, Bench, bench_cache, compose_cfg, environment, f3, figure, log, peak_rss_mb  # noqa: E402
-from harness import cli  # noqa: E402
-from harness.runs import md_table, read_jsonl, run_missing, write_results  # noqa: E402
-from harness.steps import PeerTrainer, step_clock  # noqa: E402
+from benchmarks.harness.training import TRAINER, Bench, compose_cfg
+from benchmarks.harness.cli import bench_cache
+from benchmarks.harness.report import environment, f3, figure, log, peak_rss_mb
+from benchmarks.harness import cli
+from benchmarks.harness.runs import md_table, read_jsonl, run_missing, write_results
+from benchmarks.harness.steps import PeerTrainer, step_clock
 
-import torch  # noqa: E402
+import torch
 
 NAME = "peer"
 

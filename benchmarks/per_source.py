@@ -30,15 +30,16 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import finetune as b6  # noqa: E402
-from _common import Bench, bench_cache, compose_cfg, environment, log, quiet_trainer  # noqa: E402
-from harness import cli  # noqa: E402
-from harness.runs import md_table, run_selected, write_results  # noqa: E402
-from harness.steps import step_clock  # noqa: E402
-from harness.runs import records as cached_records  # noqa: E402
+from benchmarks import finetune as b6
+from benchmarks.harness.training import Bench, compose_cfg, quiet_trainer
+from benchmarks.harness.cli import bench_cache
+from benchmarks.harness.report import environment, log
+from benchmarks.harness import cli
+from benchmarks.harness.runs import md_table, run_selected, write_results
+from benchmarks.harness.steps import step_clock
+from benchmarks.harness.runs import records as cached_records
 
-import torch  # noqa: E402
+import torch
 
 NAME = "per_source"
 SOURCES = ("debian", "pydoc")

@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import collections
 import random
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import FROZEN_BASE, Bench, compose_cfg, environment, f3, figure, log, median, std  # noqa: E402
-from harness import cli  # noqa: E402
-from harness.runs import md_table, read_jsonl, run_missing, write_results  # noqa: E402
+from benchmarks.harness.training import FROZEN_BASE, Bench, compose_cfg
+from benchmarks.harness.report import environment, f3, figure, log, median, std
+from benchmarks.harness import cli
+from benchmarks.harness.runs import md_table, read_jsonl, run_missing, write_results
 
 
 NAME = "popularity"

@@ -14,12 +14,10 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import cli  # noqa: E402
+from benchmarks.harness import cli
 
 KS = [65_536, 131_072, 262_144, 1_048_576]
 DIMS = [384, 768]

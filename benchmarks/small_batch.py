@@ -43,20 +43,20 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import finetune as b6  # noqa: E402
-import finetune_cost  # noqa: E402
-from _common import RESULTS, Bench, environment, figure, log, peak_rss_mb  # noqa: E402
-from harness import cli  # noqa: E402
-from harness.runs import md_table, read_jsonl, run_selected, write_results  # noqa: E402
-from harness.runs import records as cached_records  # noqa: E402
+from benchmarks import finetune as b6
+from benchmarks import finetune_cost
+from benchmarks.harness.cli import RESULTS
+from benchmarks.harness.training import Bench
+from benchmarks.harness.report import environment, figure, log, peak_rss_mb
+from benchmarks.harness import cli
+from benchmarks.harness.runs import md_table, read_jsonl, run_selected, write_results
+from benchmarks.harness.runs import records as cached_records
 
-import torch  # noqa: E402
+import torch
 
 NAME = "small_batch"
 LORA = ["model.lora.r=16", "model.lora.alpha=32", "optim.lr=2e-4"]

@@ -18,14 +18,14 @@ Writes benchmarks/results/temperature.{md,json} and temperature.png.
 """
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Bench, Runner, bench_cache, environment, f3, figure, log, median, peak_rss_mb  # noqa: E402
-from harness import cli  # noqa: E402
-from harness.runs import md_table, write_results  # noqa: E402
+from benchmarks.harness.training import Bench, Runner
+from benchmarks.harness.cli import bench_cache
+from benchmarks.harness.report import environment, f3, figure, log, median, peak_rss_mb
+from benchmarks.harness import cli
+from benchmarks.harness.runs import md_table, write_results
 
 
 NAME = "temperature"

@@ -3,17 +3,13 @@ trainer whose weights score through our encoder, the run cache, and the shared o
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-from harness import cli, runs, step_memory  # noqa: E402
-from harness.steps import OurStep, PeerTrainer  # noqa: E402
+from benchmarks.harness import cli, runs, step_memory
+from benchmarks.harness.steps import OurStep, PeerTrainer
 
 from moco_retrieval.config import ModelConfig, OptimConfig  # noqa: E402
 from moco_retrieval.objectives.moco import MoCoConfig
@@ -177,7 +173,7 @@ def test_shared_options_parse_the_same_everywhere_and_unknown_runs_exit(tmp_path
 def test_step_clock_times_every_lightning_step_between_its_hooks(tiny_dir, tmp_path, one_thread):
     import lightning as L
 
-    from harness.steps import step_clock
+    from benchmarks.harness.steps import step_clock
 
     m = moco_module(tiny_dir)
     events: list[str] = []

@@ -1,26 +1,14 @@
 """B6's report helpers (benchmarks/finetune.py): the in-group miss share and the time-to-reach reading."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+import importlib
 from types import SimpleNamespace
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
 def load_bench(name: str, file: str):
-    """A benchmark script as a module (benchmarks/ is not a package; its scripts import _common)."""
-    spec = importlib.util.spec_from_file_location(name, BENCH / file)
-    mod = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(BENCH))
-    return mod
+    """A benchmark script as a module of the package ``benchmarks``."""
+    return importlib.import_module(f"benchmarks.{file.removesuffix('.py')}")
 
 
 @pytest.fixture(scope="module")
