@@ -45,7 +45,8 @@ from pathlib import Path
 
 from benchmarks.harness.training import FROZEN_BASE, Bench, Runner, compose_cfg
 from benchmarks.harness.report import environment, f3, figure, log, median, std
-from benchmarks.harness import cli
+from benchmarks.harness import cli, equal_data
+from benchmarks.harness.equal_data import INBATCH, TWO_QUEUE, Evaluator, pair_batches, run_ours
 from benchmarks.harness.runs import cached_keys, md_table, read_jsonl, run_missing, write_results
 
 import torch
@@ -129,8 +130,6 @@ def false_mask_rate(bench: Bench, enc, margin: float, batches: int = 100, window
 
 def finetune(args, out_dir: Path) -> list[dict]:
     """B4-setup fine-tunes with the groups withheld (see the module docstring); cached records."""
-    from benchmarks import finetune as ft
-
     from moco_retrieval.data.sources import cap_eval_set
 
     cache = out_dir / "false_negatives_finetune_runs.jsonl"
@@ -139,12 +138,12 @@ def finetune(args, out_dir: Path) -> list[dict]:
         bench = Bench()
         hidden = withheld(bench)
         pool = cap_eval_set(bench.eval_set, *FT_POOL, seed=0)
-        batches = ft.pair_batches(bench, 0, FT_PAIRS, 32)  # the groups-known run's batches
+        batches = pair_batches(bench, 0, FT_PAIRS, 32)  # the groups-known run's batches
 
         def run(name: str, seed: int) -> dict:
-            ev = ft.Evaluator(pool, compose_cfg(ft.BASE + ft.INBATCH).eval, 1600, 32, len(batches))
+            ev = Evaluator(pool, compose_cfg(equal_data.BASE + INBATCH).eval, 1600, 32, len(batches))
             log(f"B7 fine-tune {name}: {len(batches)} steps of 32, groups withheld")
-            info = ft.run_ours(hidden, ft.TWO_QUEUE + FT_RUNS[name], batches, 0, ev)
+            info = run_ours(hidden, TWO_QUEUE + FT_RUNS[name], batches, 0, ev)
             return {"key": f"{name}|seed=0", "name": name, "seed": 0, "final": ev.curve[-1], "curve": ev.curve,
                     "train_s": ev.train_s, "last_step": info.get("last_step", {})}
 

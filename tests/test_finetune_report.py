@@ -6,6 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from benchmarks.harness import equal_data, side_by_side
+from benchmarks.harness.equal_data import MAIN_RUN
+from benchmarks.harness.report import paired
+
 def load_bench(name: str, file: str):
     """A benchmark script as a module of the package ``benchmarks``."""
     return importlib.import_module(f"benchmarks.{file.removesuffix('.py')}")
@@ -16,7 +20,7 @@ def finetune():
     return load_bench("b6_finetune", "finetune.py")
 
 
-def test_miss_in_group_counts_wrong_top_documents_of_the_positive_group(finetune):
+def test_miss_in_group_counts_wrong_top_documents_of_the_positive_group():
     pool = SimpleNamespace(
         queries={"a": "", "b": "", "c": "", "d": ""},
         qrels={"a": {"d1": 1}, "b": {"d2": 1}, "c": {"d4": 1}, "d": {"d5": 1}},
@@ -28,8 +32,8 @@ def test_miss_in_group_counts_wrong_top_documents_of_the_positive_group(finetune
         "c": {"d5": 0.9, "d4": 0.1},  # wrong, another group: not counted
         "d": {},  # nothing retrieved
     }
-    assert finetune.miss_in_group(run, pool) == pytest.approx(1 / 4)
-    assert finetune.miss_in_group(run, SimpleNamespace(**{**vars(pool), "doc_groups": None})) == 0.0
+    assert equal_data.miss_in_group(run, pool) == pytest.approx(1 / 4)
+    assert equal_data.miss_in_group(run, SimpleNamespace(**{**vars(pool), "doc_groups": None})) == 0.0
 
 
 def test_time_to_reach_takes_the_first_evaluation_at_the_target(finetune):
@@ -38,11 +42,11 @@ def test_time_to_reach_takes_the_first_evaluation_at_the_target(finetune):
                 "curve": [{"recall@1": r, "train_s": t} for r, t in curve]}
 
     by = {"inbatch-256": [rec(0.80, [(0.80, 1000.0)], 1000.0)],
-          finetune.MAIN_RUN: [rec(0.85, [(0.79, 100.0), (0.81, 200.0), (0.85, 300.0)], 300.0),
+          MAIN_RUN: [rec(0.85, [(0.79, 100.0), (0.81, 200.0), (0.85, 300.0)], 300.0),
                               rec(0.85, [(0.80, 400.0)], 400.0)],
           "inbatch-32": [rec(0.70, [(0.70, 300.0)], 300.0)]}
     (line,) = finetune.time_to_reach(by)
-    assert f"{finetune.MAIN_RUN} 2/2 seed(s), median 300 s (ratio 0.30)" in line
+    assert f"{MAIN_RUN} 2/2 seed(s), median 300 s (ratio 0.30)" in line
     assert "inbatch-32 1/1 seed(s)" not in line and "inbatch-32 0/1 seed(s)" in line
     assert "mnrl-32" not in line  # not run: not listed
 
@@ -53,24 +57,23 @@ def test_cost_lines_scale_pairs_by_the_side_by_side_cost(finetune):
         return {"seed": seed, "pairs": pairs, "final": final, "curve": [{"pairs": p, "recall@1": r} for p, r in curve]}
 
     by = {"inbatch-256": [rec(1000, [(1000, 0.80)])],
-          finetune.MAIN_RUN: [rec(1000, [(250, 0.79), (500, 0.81), (1000, 0.85)]), rec(1000, [(250, 0.80), (1000, 0.82)], 1)],
+          MAIN_RUN: [rec(1000, [(250, 0.79), (500, 0.81), (1000, 0.85)]), rec(1000, [(250, 0.80), (1000, 0.82)], 1)],
           "inbatch-32": [rec(1000, [(500, 0.70), (1000, 0.75)])]}
     cost = {"threads": 1, "rows": [{"name": "inbatch-256", "s_per_1k_pairs": 100.0},
-                                   {"name": finetune.MAIN_RUN, "s_per_1k_pairs": 120.0},
+                                   {"name": MAIN_RUN, "s_per_1k_pairs": 120.0},
                                    {"name": "inbatch-32", "s_per_1k_pairs": 50.0}]}
     (line,) = finetune.cost_lines(by, cost)
     # equal data: 1,000 pairs x 0.12 s against 1,000 x 0.1 s; reach: median of 500 and 250 pairs
-    assert f"{finetune.MAIN_RUN} 1.20x at equal data, reaches 0.800 after 375 pairs: 0.45x" in line
+    assert f"{MAIN_RUN} 1.20x at equal data, reaches 0.800 after 375 pairs: 0.45x" in line
     assert "inbatch-32 0.50x at equal data, reaches it in 0/1 seeds" in line
     verdict = finetune.verdict(by, cost)  # the side-by-side cost replaces the own clocks' seconds
     assert not any("own-clock" in v or "on the curve" in v for v in verdict) and line in verdict
 
 
 def test_cost_summary_takes_per_pair_ratios_round_by_round():
-    cost = load_bench("b6_cost", "finetune_cost.py")
     # a noisy round (the third) slows both alike: its per-pair ratio stays 1.0
     times = {"inbatch-32": [1.0, 1.0, 9.0], "inbatch-256": [8.0, 16.0, 72.0]}
-    rows = {r["name"]: r for r in cost.summarise(times, "inbatch-32")}
+    rows = {r["name"]: r for r in side_by_side.summarise(times, "inbatch-32")}
     assert rows["inbatch-256"]["s_per_1k_pairs"] == pytest.approx(1000 * 16.0 / 256)
     assert rows["inbatch-256"]["per_pair_vs_inbatch-32"] == pytest.approx(1.0)  # ratios 1, 2, 1
 
@@ -83,8 +86,8 @@ def test_equal_steps_pairs_the_seeds_and_uses_the_larger_std(finetune):
     by = {subject: [rec(2, 0.850), rec(0, 0.846), rec(1, 0.848)],
           "inbatch-32": [rec(0, 0.840), rec(1, 0.841), rec(2, 0.839)],
           "mnrl-32": [rec(0, 0.830), rec(1, 0.846)]}  # seed 2 not run
-    assert finetune.paired(by[subject], by["inbatch-32"], "recall@1") == pytest.approx([0.006, 0.007, 0.011])
-    assert finetune.paired(by[subject], by["mnrl-32"], "recall@1") == pytest.approx([0.016, 0.002])
+    assert paired(by[subject], by["inbatch-32"], "recall@1") == pytest.approx([0.006, 0.007, 0.011])
+    assert paired(by[subject], by["mnrl-32"], "recall@1") == pytest.approx([0.016, 0.002])
     r1_inbatch, ndcg_inbatch, r1_mnrl, _ = finetune.equal_steps(by, subject)
     # +.008 against 2 x the larger std (the subject's .002 -> .004): beaten
     assert "0.848 vs 0.840 (+0.008, 2 std 0.0040); beats by more than 2 std: yes" in r1_inbatch

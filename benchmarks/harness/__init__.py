@@ -12,14 +12,14 @@ Scripts import from here and never from each other.
   (the Debian set read once, frozen features cached once).
 * ``equal_data``: B6's protocol, which B7, B11, B12 and B13 reuse: every run the same pairs in the
   same order, scored along the way; B6's run table.
-* ``cost``: one step of each run of a table in turn, side by side (seconds per pair), and each
+* ``side_by_side``: one step of each run of a table in turn, side by side (seconds per pair), and each
   run's training memory on a CPU.
 * ``steps``: one training step of our module outside Lightning, in the module's order, and one
   sentence-transformers peer trainer; ``step_memory``: a step's memory on a CPU.
 
 Importing the harness sets the offline defaults every benchmark runs with (no W&B, no model hub)
 and the data locations' defaults (``cli.set_locations``); it loads no torch (``index_scale``'s
-measuring children rely on that; ``training``, ``equal_data``, ``cost`` and ``steps`` do).
+measuring children rely on that; ``training``, ``equal_data``, ``side_by_side`` and ``steps`` do).
 """
 import os
 

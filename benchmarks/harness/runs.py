@@ -171,8 +171,8 @@ def refuse_retired(names: Iterable[str], retired: Mapping[str, str], kept: str =
     (name -> why); ``kept``: what is left of it to say."""
     gone = list(dict.fromkeys(n for n in names if n in retired))
     if gone:
-        raise SystemExit("; ".join(f"{n} is retired: {retired[n]}" for n in gone)
-                         + f". It cannot be run again; its {kept} results stay in the report.")
+        raise SystemExit("; ".join(f"{n}: {retired[n]}" for n in gone)
+                         + f". A retired run cannot be run again; its {kept} results stay in the report.")
 
 
 def records(cache: Path, suffix: str) -> list[dict]:

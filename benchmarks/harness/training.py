@@ -60,7 +60,7 @@ def retired_reason(overrides: Iterable[Any]) -> Optional[str]:
         key = o.lstrip("+~").split("=", 1)[0]
         for option, why in RETIRED.items():
             if o == option or key == option:
-                return f"{o}: retired in issue 43 ({why})"
+                return f"{o} is retired (issue 43): {why}"
     return None
 
 
@@ -68,7 +68,7 @@ def compose_cfg(overrides: Sequence[str] = ()):
     """A ``TrainConfig`` from conf/ through Hydra's compose API, e.g. ``["model=frozen_head"]``."""
     why = retired_reason(list(overrides))
     if why:
-        raise Retired(f"cannot compose {why}; its cached results stay in the reports")
+        raise Retired(f"cannot compose the config: {why}; runs made with it stay in the run caches and reports")
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
