@@ -6,15 +6,14 @@ import json
 
 import pytest
 
+from benchmarks import small_batch
 from benchmarks.harness import equal_data, side_by_side
 from benchmarks.harness.training import compose_cfg
-
-from test_finetune_report import load_bench
 
 
 @pytest.fixture(scope="module")
 def b11():
-    return load_bench("b11_small_batch", "small_batch.py")
+    return small_batch
 
 
 def test_the_main_objective_at_batch_8_keeps_the_keys_and_the_ema_span_of_batch_32(b11):

@@ -1,23 +1,20 @@
-"""B6's report helpers (benchmarks/finetune.py): the in-group miss share and the time-to-reach reading."""
+"""B6's report helpers (benchmarks/finetune.py, harness/equal_data.py): the in-group miss share, the
+time-to-reach reading, the side-by-side cost, and the runs of retired options: kept, marked, refused."""
 from __future__ import annotations
 
-import importlib
+import re
+import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
+import hydra
 import pytest
 
+from benchmarks import finetune, finetune_cost
 from benchmarks.harness import equal_data, side_by_side
 from benchmarks.harness.equal_data import MAIN_RUN
 from benchmarks.harness.report import paired
-
-def load_bench(name: str, file: str):
-    """A benchmark script as a module of the package ``benchmarks``."""
-    return importlib.import_module(f"benchmarks.{file.removesuffix('.py')}")
-
-
-@pytest.fixture(scope="module")
-def finetune():
-    return load_bench("b6_finetune", "finetune.py")
+from benchmarks.harness.training import FROZEN_BASE, Retired, compose_cfg, retired_reason
 
 
 def test_miss_in_group_counts_wrong_top_documents_of_the_positive_group():
@@ -36,7 +33,7 @@ def test_miss_in_group_counts_wrong_top_documents_of_the_positive_group():
     assert equal_data.miss_in_group(run, SimpleNamespace(**{**vars(pool), "doc_groups": None})) == 0.0
 
 
-def test_time_to_reach_takes_the_first_evaluation_at_the_target(finetune):
+def test_time_to_reach_takes_the_first_evaluation_at_the_target():
     def rec(final, curve, train_s):
         return {"final": {"recall@1": final}, "train_s": train_s,
                 "curve": [{"recall@1": r, "train_s": t} for r, t in curve]}
@@ -51,7 +48,7 @@ def test_time_to_reach_takes_the_first_evaluation_at_the_target(finetune):
     assert "mnrl-32" not in line  # not run: not listed
 
 
-def test_cost_lines_scale_pairs_by_the_side_by_side_cost(finetune):
+def test_cost_lines_scale_pairs_by_the_side_by_side_cost():
     def rec(pairs, curve, seed=0):
         final = {"recall@1": curve[-1][1], "ndcg@10": 0.9, "unrelated_cos_mean": 0.02}
         return {"seed": seed, "pairs": pairs, "final": final, "curve": [{"pairs": p, "recall@1": r} for p, r in curve]}
@@ -78,7 +75,7 @@ def test_cost_summary_takes_per_pair_ratios_round_by_round():
     assert rows["inbatch-256"]["per_pair_vs_inbatch-32"] == pytest.approx(1.0)  # ratios 1, 2, 1
 
 
-def test_equal_steps_pairs_the_seeds_and_uses_the_larger_std(finetune):
+def test_equal_steps_pairs_the_seeds_and_uses_the_larger_std():
     def rec(seed, r1, ndcg=0.9):
         return {"seed": seed, "final": {"recall@1": r1, "ndcg@10": ndcg}}
 
@@ -94,3 +91,72 @@ def test_equal_steps_pairs_the_seeds_and_uses_the_larger_std(finetune):
     assert "seed by seed +0.006 / +0.007 / +0.011" in r1_inbatch
     assert "beats by more than 2 std: no" in ndcg_inbatch  # equal nDCG
     assert "2 seed(s): no claim yet" in r1_mnrl and "seed by seed +0.016 / +0.002" in r1_mnrl
+
+
+# ----------------------------------------------------------------------------------- retired runs
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+RETIRED = ("two_queue_cosine-32", "two_queue_m0.995_ib_k4k_dq0.5-32", "icol-32")
+
+
+@pytest.fixture
+def committed_b6(tmp_path, monkeypatch):
+    """A copy of B6's committed caches, in a folder where nothing may compose a config or load data."""
+    for name in ("finetune_runs.jsonl", "finetune_4800pairs_runs.jsonl", "finetune_cost.json"):
+        shutil.copy(RESULTS / name, tmp_path / name)
+
+    def refuse(*a, **k):
+        raise AssertionError("composed a config or loaded data")
+
+    monkeypatch.setattr(hydra, "compose", refuse)
+    monkeypatch.setattr(equal_data, "Bench", refuse)
+    monkeypatch.setattr(finetune, "plots", lambda *a: None)  # seconds of Matplotlib, not what is tested
+    return tmp_path
+
+
+def test_the_report_of_the_committed_cache_composes_nothing_and_marks_only_the_retired_runs(committed_b6):
+    assert set(equal_data.RETIRED_RUNS) == set(RETIRED)
+    assert finetune.main(["--report", "--out", str(committed_b6)]) == 0
+    new = (committed_b6 / "finetune.md").read_text().splitlines()
+    old = (RESULTS / "finetune.md").read_text().splitlines()
+    assert len(new) == len(old)
+    changed = [(a, b) for a, b in zip(old, new) if a != b]
+    assert sorted(b.split(" | ")[0] for _, b in changed) == sorted(f"| {n}" for n in RETIRED)  # every number the same
+    for before, after in changed:
+        what = before.split(" | ")[1]
+        assert after == before.replace(f" | {what} | ", f" | {what}; {after.split('; ', 1)[1].split(' | ')[0]} | ")
+        assert "is retired (issue 43): B6 measured it below its simpler twin" in after
+
+
+def test_a_retired_run_is_read_from_the_cache_and_refused_when_not_there(committed_b6):
+    assert finetune.main(["--only", "icol-32,inbatch-32", "--seeds", "0", "--out", str(committed_b6)]) == 0  # cached
+    with pytest.raises(SystemExit, match=r"icol-32: objective=icol is retired .*cannot be run again"):
+        finetune.main(["--only", "icol-32", "--seeds", "1", "--out", str(committed_b6)])
+    with pytest.raises(SystemExit, match="two_queue_cosine-32: objective.momentum_schedule=cosine is retired"):
+        finetune_cost.main(["--runs", "inbatch-32,two_queue_cosine-32", "--out", str(committed_b6)])
+
+
+def test_composing_a_retired_option_exits_with_one_message():
+    for option in ("objective=icol", "objective.momentum_schedule=cosine", "+objective.doc_to_query_weight=0.5"):
+        with pytest.raises(Retired, match=f"{re.escape(option)} is retired") as e:
+            compose_cfg(["+experiment=queue65k", option])
+        assert isinstance(e.value, SystemExit) and "twin" in str(e.value)
+    assert retired_reason(["objective.momentum=0.99", "objective=inbatch", "objective.inbatch_weight=1"]) is None
+    assert retired_reason({"directions": ("query_to_doc",)}) is None  # a peer's loss options
+
+
+@pytest.mark.slow
+def test_every_run_of_the_b6_style_tables_composes_but_the_retired_ones():
+    """A cached run keeps its meaning only while its overrides still compose (B6, B11, B12, B13, B7)."""
+    from benchmarks import false_negatives, matryoshka, per_source, small_batch
+
+    tables = [equal_data.RUNS, small_batch.RUNS, matryoshka.RUNS]
+    overrides = [list(spec) + [f"data.batch_size={batch}"] for t in tables for kind, batch, spec, _ in t.values()
+                 if kind == "ours" and not retired_reason(spec)]
+    overrides += [ov for ov, _ in per_source.RUNS.values()]
+    overrides += [equal_data.TWO_QUEUE + ov for ov in false_negatives.FT_RUNS.values()]
+    for ov in overrides:
+        compose_cfg(equal_data.BASE + ov)
+    for _, ov in false_negatives.RUNS.values():
+        compose_cfg(FROZEN_BASE + false_negatives.BASE + ov)
+    assert len(overrides) >= 30
