@@ -19,7 +19,7 @@ documents and queries), every run the same number of epochs, lr and temperature:
 Writes benchmarks/results/batch_size.{md,json} and batch_size_vs_batch.png,
 batch_size_vs_negatives.png. ``--quick``: a 6,000-pair slice, 1 epoch, fewer points (minutes).
 
-    python benchmarks/batch_size.py [--quick] [--seeds 3] [--epochs 3]
+    python -m benchmarks.batch_size [--quick] [--seeds 3] [--epochs 3]
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ One step (``harness.steps.OurStep``, the module's order) = query forward + EMA k
 loss + backward + enqueue + AdamW step + EMA update, on random token batches (the text does not matter for timing). The two settings are
 interleaved repeat by repeat so machine noise hits both alike; medians are reported.
 
-    python benchmarks/core_step_time.py [--quick] [--models tiny minilm] [--batch 32] [--out DIR]
+    python -m benchmarks.core_step_time [--quick] [--models tiny minilm] [--batch 32] [--out DIR]
 Writes core_step_time.{md,json} to --out (default benchmarks/results).
 """
 from __future__ import annotations

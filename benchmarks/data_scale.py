@@ -15,7 +15,7 @@ negatives are other rows' documents, as mined negatives are), written as JSONL. 
   waits) and warm, next to the same run on a 1k-pair file. ``before``: today's loader at the same
   size (the data module's load patched back to ``sources.load``, i.e. every pair a Python object).
 
-    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/data_scale.py --sizes 1000000 [--before 1000000]
+    OMP_NUM_THREADS=1 nice -n 10 python -m benchmarks.data_scale --sizes 1000000 [--before 1000000]
         [--negatives 30 --neg-rows 100000] [--work /tmp/data_scale]
 """
 from __future__ import annotations

@@ -11,8 +11,8 @@ written and re-read files' pages that the process maps (page cache the kernel ca
 anonymous memory (RssAnon, sampled every 2 ms by a thread), the part that can run a machine out
 of memory.
 
-    python benchmarks/export_memory.py            # all cases, about a minute
-    python benchmarks/export_memory.py --report   # rewrite the report from results/export_memory.json
+    python -m benchmarks.export_memory            # all cases, about a minute
+    python -m benchmarks.export_memory --report   # rewrite the report from results/export_memory.json
 """
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ or later invocation skips them, and independent runs can go in parallel processe
 each (``--only NAME --seeds 0``). ``--report`` writes finetune.md / finetune.json / finetune_*.png
 from the cache alone. ``--quick``: 40 pairs x few steps on a 200 / 400 pool (results to --out).
 
-    python benchmarks/finetune.py --only two_queue_ib-32,inbatch-32 --seeds 0 --threads 1
-    python benchmarks/finetune.py --report
+    python -m benchmarks.finetune --only two_queue_ib-32,inbatch-32 --seeds 0 --threads 1
+    python -m benchmarks.finetune --report
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ a queue with ``queue_refresh`` also holds real training texts for them, so its r
 what they cost in training. The measuring lives in the harness (``benchmarks.harness.cost``),
 which small_batch.py and matryoshka.py use too.
 
-    python benchmarks/finetune_cost.py [--rounds 5] [--threads 1]
+    python -m benchmarks.finetune_cost [--rounds 5] [--threads 1]
 Writes benchmarks/results/finetune_cost.{md,json}; ``finetune.py --report`` reads the JSON.
 """
 from __future__ import annotations

@@ -19,7 +19,7 @@ and 2,400 documents (every relevant one kept) by default, to bound the CPU time 
 encodings (``--max-queries 0 --max-docs 0``: all). ``--quick``: 300 queries / 600 documents and a
 1-epoch head.
 
-    python benchmarks/geometry.py [--quick] [--checkpoint PATH]
+    python -m benchmarks.geometry [--quick] [--checkpoint PATH]
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Index scale: FAISS flat vs IVF vs IVF-PQ on synthetic corpora of 1M and 10M x 384 vectors.
 
-    python benchmarks/index_scale.py                      # 1M and 10M (about 1 h on one busy core)
-    python benchmarks/index_scale.py --sizes 1000000      # 1M only
-    python benchmarks/index_scale.py --quick              # 50k, a smoke check (results *_quick.*)
-    python benchmarks/index_scale.py --report             # only the report, from the run cache
+    python -m benchmarks.index_scale                      # 1M and 10M (about 1 h on one busy core)
+    python -m benchmarks.index_scale --sizes 1000000      # 1M only
+    python -m benchmarks.index_scale --quick              # 50k, a smoke check (results *_quick.*)
+    python -m benchmarks.index_scale --report             # only the report, from the run cache
 
 Per corpus size and index: build time (train + add), search time per query (all queries in one
 call), index bytes (FAISS's serialized size), peak RSS of the process that built and searched it,
@@ -292,7 +292,7 @@ def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str]
     md = [
         "# Index scale: flat, IVF and IVF-PQ at 1M and 10M x 384",
         "",
-        f"`python benchmarks/index_scale.py` ({time.strftime('%Y-%m-%d', time.gmtime())}). One FAISS thread on a "
+        f"`python -m benchmarks.index_scale` ({time.strftime('%Y-%m-%d', time.gmtime())}). One FAISS thread on a "
         "shared 2-core CPU; synthetic normalized Gaussian-mixture vectors "
         f"({args.clusters} clusters, {SUBSPACE}-d within-cluster subspace + noise; generator `{GENERATOR}`, seed {args.seed}); "
         f"{args.queries} queries from the same mixture; recall@10 = overlap of the top-10 with the exact top-10. "

@@ -20,9 +20,9 @@ Finished runs go to ``benchmarks/results/matryoshka_runs.jsonl`` (committed), so
 resume; one thread per run, runs in parallel processes. ``--cost`` times one step of each run in
 turn on real batches (``harness.side_by_side.measure``) and writes the side-by-side seconds the report reads.
 
-    python benchmarks/matryoshka.py --only inbatch_mrl-32 --seeds 0 --threads 1
-    python benchmarks/matryoshka.py --cost --rounds 10
-    python benchmarks/matryoshka.py --report
+    python -m benchmarks.matryoshka --only inbatch_mrl-32 --seeds 0 --threads 1
+    python -m benchmarks.matryoshka --cost --rounds 10
+    python -m benchmarks.matryoshka --report
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from convergence; the 65,536-key queue holds at most steps x batch keys (4,800 a
 Pool: 1,000 held-out queries against 2,400 documents (every relevant one kept) by default
 (``--max-queries 0 --max-docs 0``: all 3,283 / 3,283). ``--quick``: 12 steps, 200 / 400.
 
-    python benchmarks/peer.py [--quick] [--steps 150] [--batch-size 32]
+    python -m benchmarks.peer [--quick] [--steps 150] [--batch-size 32]
 """
 from __future__ import annotations
 

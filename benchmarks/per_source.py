@@ -18,8 +18,8 @@ the docstrings on their build's whole evaluation split. Finished runs go to
 ``benchmarks/results/per_source_runs.jsonl`` (committed); one thread per run, runs in parallel
 processes (``--only NAME --seeds S``) resume from it.
 
-    python benchmarks/per_source.py --only shared-32,per_source-32 --seeds 0 --threads 1
-    python benchmarks/per_source.py --report
+    python -m benchmarks.per_source --only shared-32,per_source-32 --seeds 0 --threads 1
+    python -m benchmarks.per_source --report
 """
 from __future__ import annotations
 

@@ -33,11 +33,11 @@ alone (``harness.side_by_side.memory``): the MiB resident between steps (weights
 queues, optimizer state) and the most MiB a step adds at its peak over the steps that train the
 first 256 pairs (32 steps at batch 8, one GradCache step), into ``small_batch_memory.json``.
 
-    python benchmarks/small_batch.py --only inbatch-8,main-8 --seeds 0 --threads 1
-    python benchmarks/small_batch.py --cost --rounds 5 --threads 1
-    python benchmarks/small_batch.py --memory --threads 1
-    python benchmarks/small_batch.py --report
-    python benchmarks/small_batch.py --dry-run            # the tiny random model, seconds, to a temporary folder
+    python -m benchmarks.small_batch --only inbatch-8,main-8 --seeds 0 --threads 1
+    python -m benchmarks.small_batch --cost --rounds 5 --threads 1
+    python -m benchmarks.small_batch --memory --threads 1
+    python -m benchmarks.small_batch --report
+    python -m benchmarks.small_batch --dry-run            # the tiny random model, seconds, to a temporary folder
 """
 from __future__ import annotations
 

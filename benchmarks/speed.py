@@ -20,7 +20,7 @@ Sections (each runs in its own child process, so its peak RSS is its own):
 Writes benchmarks/results/speed.{md,json} and speed_step.png, speed_queue.png.
 ``--quick``: fewer K, rounds and steps, 20,000 documents.
 
-    python benchmarks/speed.py [--quick] [--device auto|cpu|cuda] [--sections step,queue,faiss]
+    python -m benchmarks.speed [--quick] [--device auto|cpu|cuda] [--sections step,queue,faiss]
 """
 from __future__ import annotations
 

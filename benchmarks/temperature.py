@@ -14,7 +14,7 @@ while recall falls.
 Writes benchmarks/results/temperature.{md,json} and temperature.png.
 ``--quick``: a 6,000-pair slice, 1 epoch, tau in {0.01, 0.05, 1.0}.
 
-    python benchmarks/temperature.py [--quick] [--epochs 3] [--seeds 1]
+    python -m benchmarks.temperature [--quick] [--epochs 3] [--seeds 1]
 """
 from __future__ import annotations
 
