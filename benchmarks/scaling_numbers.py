@@ -5,7 +5,7 @@ logits memory, and the measured step-time share of the queue logits on this mach
     python -m benchmarks.scaling_numbers --no-timing  # the arithmetic only (instant)
 
 Writes scaling_numbers.md and scaling_numbers.json to --out (default benchmarks/results).
-The arithmetic follows the queue layout of moco_retrieval.objectives.queue.py: per slot one key
+The arithmetic follows the queue layout of moco_retrieval/objectives/memory.py (NegativeQueue): per slot one key
 (d values in the queue dtype) plus three int64 values (document id, group id, enqueue step).
 """
 from __future__ import annotations
