@@ -30,8 +30,8 @@ from typing import NamedTuple
 from benchmarks.harness import cli
 from benchmarks.harness.cli import bench_cache
 from benchmarks.harness.report import environment, f3, figure, log, mean, median, peak_rss_mb, std
-from benchmarks.harness.training import FROZEN_BASE, Bench, Runner, compose_cfg
 from benchmarks.harness.runs import md_table, write_results
+from benchmarks.harness.training import FROZEN_BASE, Bench, Runner, compose_cfg
 
 
 NAME = "batch_size"

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.harness import cli
 from benchmarks.harness.cli import ROOT
 from benchmarks.harness.report import environment
-from benchmarks.harness import cli
 from benchmarks.harness.runs import md_table, write_results
 
 WORDS, QUERY_WORDS, DOC_WORDS = 20_000, 8, 90

@@ -23,8 +23,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-from benchmarks.harness.report import environment
 from benchmarks.harness import cli
+from benchmarks.harness.report import environment
 from benchmarks.harness.runs import md_table, write_results
 
 NAME = "export_memory"

@@ -43,11 +43,11 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.harness.training import FROZEN_BASE, Bench, Runner, compose_cfg
-from benchmarks.harness.report import environment, f3, figure, log, median, std
 from benchmarks.harness import cli, equal_data
 from benchmarks.harness.equal_data import INBATCH, TWO_QUEUE, Evaluator, pair_batches, run_ours
+from benchmarks.harness.report import environment, f3, figure, log, median, std
 from benchmarks.harness.runs import cached_keys, md_table, read_jsonl, run_missing, write_results
+from benchmarks.harness.training import FROZEN_BASE, Bench, Runner, compose_cfg
 
 import torch
 

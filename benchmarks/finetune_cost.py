@@ -20,10 +20,10 @@ Writes benchmarks/results/finetune_cost.{md,json}; ``finetune.py --report`` read
 from __future__ import annotations
 
 from benchmarks.harness import cli
-from benchmarks.harness.side_by_side import measure, summarise, table_lines
 from benchmarks.harness.equal_data import HEADLINE, RETIRED_RUNS, RUNS
 from benchmarks.harness.report import environment, log
 from benchmarks.harness.runs import refuse_retired, write_results
+from benchmarks.harness.side_by_side import measure, summarise, table_lines
 from benchmarks.harness.training import Bench
 
 NAME = "finetune_cost"

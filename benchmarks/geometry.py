@@ -26,11 +26,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from benchmarks.harness.training import FROZEN_BASE, Bench, compose_cfg
+from benchmarks.harness import cli
 from benchmarks.harness.cli import ROOT
 from benchmarks.harness.report import environment, f3, log, peak_rss_mb
-from benchmarks.harness import cli
 from benchmarks.harness.runs import md_table, write_results
+from benchmarks.harness.training import FROZEN_BASE, Bench, compose_cfg
 
 import torch
 from moco_retrieval.training.checkpoints import last_checkpoint

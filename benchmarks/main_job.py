@@ -25,9 +25,9 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.harness import cli
 from benchmarks.harness.cli import RESULTS, ROOT
 from benchmarks.harness.report import environment, log
-from benchmarks.harness import cli
 from benchmarks.harness.runs import append_jsonl, md_table, read_jsonl, write_results
 
 NAME = "main_job"

@@ -31,11 +31,11 @@ import statistics
 from pathlib import Path
 
 from benchmarks.harness import cli, equal_data, side_by_side
-from benchmarks.harness.side_by_side import table_lines as cost_table_lines
 from benchmarks.harness.equal_data import INBATCH, Evaluator, add_run_args, pair_batches, runner, trained
 from benchmarks.harness.report import environment, log, med_std
 from benchmarks.harness.runs import md_table, run_selected, write_results
 from benchmarks.harness.runs import records as cached_records
+from benchmarks.harness.side_by_side import table_lines as cost_table_lines
 from benchmarks.harness.training import Bench, compose_cfg
 
 import torch

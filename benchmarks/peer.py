@@ -28,12 +28,12 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.harness.training import TRAINER, Bench, compose_cfg
+from benchmarks.harness import cli
 from benchmarks.harness.cli import bench_cache
 from benchmarks.harness.report import environment, f3, figure, log, peak_rss_mb
-from benchmarks.harness import cli
 from benchmarks.harness.runs import md_table, read_jsonl, run_missing, write_results
 from benchmarks.harness.steps import PeerTrainer, step_clock
+from benchmarks.harness.training import TRAINER, Bench, compose_cfg
 
 import torch
 

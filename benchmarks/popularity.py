@@ -30,10 +30,10 @@ import random
 import time
 from pathlib import Path
 
-from benchmarks.harness.training import FROZEN_BASE, Bench, compose_cfg
-from benchmarks.harness.report import environment, f3, figure, log, median, std
 from benchmarks.harness import cli
+from benchmarks.harness.report import environment, f3, figure, log, median, std
 from benchmarks.harness.runs import md_table, read_jsonl, run_missing, write_results
+from benchmarks.harness.training import FROZEN_BASE, Bench, compose_cfg
 
 
 NAME = "popularity"

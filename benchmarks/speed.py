@@ -36,12 +36,12 @@ import time
 import types
 from pathlib import Path
 
-from benchmarks.harness.training import Bench, compose_cfg
-from benchmarks.harness.report import environment, figure, log, peak_rss_mb
 from benchmarks.harness import cli
 from benchmarks.harness.cli import RESULTS
+from benchmarks.harness.report import environment, figure, log, peak_rss_mb
 from benchmarks.harness.runs import md_table, write_results
 from benchmarks.harness.steps import OurStep
+from benchmarks.harness.training import Bench, compose_cfg
 
 import torch
 

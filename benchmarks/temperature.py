@@ -21,11 +21,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from benchmarks.harness.training import Bench, Runner
+from benchmarks.harness import cli
 from benchmarks.harness.cli import bench_cache
 from benchmarks.harness.report import environment, f3, figure, log, median, peak_rss_mb
-from benchmarks.harness import cli
 from benchmarks.harness.runs import md_table, write_results
+from benchmarks.harness.training import Bench, Runner
 
 
 NAME = "temperature"
