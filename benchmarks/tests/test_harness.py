@@ -231,3 +231,24 @@ def test_a_steps_peak_is_its_own_and_resident_memory_counts_shared_storage_once(
     base(torch.randn(2, 512)).sum().backward()
     opt.step()
     assert step_memory.resident_mib([base], [opt]) == pytest.approx(4 * (512 * 512 + 512) * 4 / 2**20, rel=1e-3)
+
+
+def test_run_selected_reads_a_retired_run_from_the_cache_and_refuses_to_run_it_before_anything_loads(tmp_path):
+    from types import SimpleNamespace
+
+    cache = tmp_path / "x_runs.jsonl"
+    runs.append_jsonl(cache, {"key": "old|seed=0"})
+    args = SimpleNamespace(report=False, only="old,new", seeds="0", deadline=None)
+    loads = []
+
+    def make_run():
+        loads.append(True)
+        return lambda name, seed: {"key": f"{name}|seed={seed}"}
+
+    retired = {"old": "objective=x is retired (issue 43): below its twin"}
+    assert runs.run_selected(cache, args, ["old", "new"], lambda n, s: f"{n}|seed={s}", make_run, retired) == []
+    assert loads == [True] and [r["key"] for r in runs.read_jsonl(cache)] == ["old|seed=0", "new|seed=0"]  # old: read
+    args.seeds = "1"
+    with pytest.raises(SystemExit, match=r"^old: objective=x is retired .* cannot be run again"):
+        runs.run_selected(cache, args, ["old", "new"], lambda n, s: f"{n}|seed={s}", make_run, retired)
+    assert loads == [True]  # refused before make_run loaded anything
