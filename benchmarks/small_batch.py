@@ -51,7 +51,8 @@ import torch
 
 from benchmarks.harness import cli, equal_data, side_by_side
 from benchmarks.harness.cli import RESULTS
-from benchmarks.harness.equal_data import INBATCH, MAIN_RUN, MOCO, add_run_args, runner, trained, two_queue
+from benchmarks.harness.equal_data import (INBATCH, MAIN_AT_32, MAIN_RUN, MOCO, add_run_args, batches_of,
+                                          main_objective_at, runner, trained)
 from benchmarks.harness.report import environment, figure, fmt, log, med_std, paired, peak_rss_mb
 from benchmarks.harness.runs import md_table, read_jsonl, run_selected, write_results
 from benchmarks.harness.runs import records as cached_records
@@ -59,18 +60,6 @@ from benchmarks.harness.training import TRAINER, Bench
 
 NAME = "small_batch"
 LORA = ["model.lora.r=16", "model.lora.alpha=32", "optim.lr=2e-4"]
-MAIN_AT_32 = {"momentum": 0.995, "queue_max_age": 128, "keys": 4096}  # B6's MAIN_RUN: queue65k's objective at 32
-
-
-def main_objective_at(batch: int, *extra: str) -> list[str]:
-    """The main job's objective at ``batch``: the same keys (queue_max_age x batch = 4,096) and the
-    same EMA span in pairs (time constant 1 / (1 - m) steps scaled by 32 / batch)."""
-    scale = 32 // batch
-    m = 1 - (1 - MAIN_AT_32["momentum"]) / scale
-    return two_queue(f"objective.momentum={m:g}", f"objective.queue_size={MAIN_AT_32['keys']}",
-                        f"objective.queue_max_age={MAIN_AT_32['queue_max_age'] * scale}", *extra, inbatch=1.0)
-
-
 def _main_what(batch: int) -> str:
     scale = 32 // batch
     return (f"the main job's two-queue objective, m {1 - 0.005 / scale:g} (EMA time constant {200 * scale} steps), "
@@ -97,15 +86,6 @@ COST_REF = "inbatch-8"  # the side-by-side cost is per pair relative to it
 
 
 # ----------------------------------------------------------------------------------- runs
-
-
-def batches_of(bench, seed: int, pairs: int, batch: int) -> list[list[int]]:
-    """B6's pairs in B6's order: its batch-32 batches, each split into 32 / ``batch`` steps below 32."""
-    if batch >= 32:
-        return equal_data.pair_batches(bench, seed, pairs, batch)
-    if 32 % batch:
-        raise SystemExit(f"batch {batch}: must divide 32 (or be a multiple of it)")
-    return [b[i : i + batch] for b in equal_data.pair_batches(bench, seed, pairs, 32) for i in range(0, 32, batch)]
 
 
 class Memory:

@@ -594,7 +594,8 @@ def unknown_key(full_key: str, schema: type, added: bool = True) -> ConfigError:
     close = difflib.get_close_matches(key, field_names(schema), n=1)
     hint = f"; did you mean {'.'.join([*parents, close[0]])}?" if close else ""
     plus = "; a + before a key does not add one" if added else ""
-    return ConfigError(f"{full_key}: unknown key ({schema.__name__} in moco_retrieval/config.py has no {key!r}{plus}){hint}")
+    where = schema.__module__.replace(".", "/") + ".py"
+    return ConfigError(f"{full_key}: unknown key ({schema.__name__} in {where} has no {key!r}{plus}){hint}")
 
 
 def cache_root() -> Path:

@@ -112,6 +112,21 @@ CANDIDATES = [MAIN_RUN, "two_queue_m0.995_ib_k4k_refresh32-32", "two_queue_m0.99
 HEADLINE = [MAIN_RUN, "two_queue_ib-32", "inbatch-32", "mnrl-32", "inbatch-256", "cmnrl-256"]
 
 
+# ---- smaller per-step batches (B11, B14): B6's pairs and order, its batch-32 batches split
+
+MAIN_AT_32 = {"momentum": 0.995, "queue_max_age": 128, "keys": 4096}  # MAIN_RUN: queue65k's objective at 32
+
+
+def main_objective_at(batch: int, *extra: str) -> list[str]:
+    """The main job's objective at ``batch``: the same keys (queue_max_age x batch = 4,096) and the
+    same EMA span in pairs (time constant 1 / (1 - m) steps scaled by 32 / batch)."""
+    scale = 32 // batch
+    m = 1 - (1 - MAIN_AT_32["momentum"]) / scale
+    return two_queue(f"objective.momentum={m:g}", f"objective.queue_size={MAIN_AT_32['keys']}",
+                        f"objective.queue_max_age={MAIN_AT_32['queue_max_age'] * scale}", *extra, inbatch=1.0)
+
+
+
 def use_model(preset: str | None) -> None:
     """Every config composed from ``BASE`` on the model preset ``preset`` (e.g. "tiny", the random
     test model of small_batch.py's dry run); None: the default, all-MiniLM-L6-v2."""
@@ -142,6 +157,16 @@ def pair_batches(bench: Bench, seed: int, pairs: int, batch: int) -> list[list[i
         raise SystemExit(f"--pairs {pairs}: one epoch holds only {len(b32) * 32:,} pairs at batch 32")
     m = batch // 32
     return [sum(b32[i : i + m], []) for i in range(0, len(b32) - m + 1, m)]
+
+
+def batches_of(bench, seed: int, pairs: int, batch: int) -> list[list[int]]:
+    """B6's pairs in B6's order: its batch-32 batches, each split into 32 / ``batch`` steps below 32."""
+    if batch >= 32:
+        return pair_batches(bench, seed, pairs, batch)
+    if 32 % batch:
+        raise SystemExit(f"batch {batch}: must divide 32 (or be a multiple of it)")
+    return [b[i : i + batch] for b in pair_batches(bench, seed, pairs, 32) for i in range(0, 32, batch)]
+
 
 
 class Evaluator:

@@ -245,7 +245,7 @@ INPUT_CASES = [
     Case("devices", "trainer.devices=abc", train("trainer.devices=abc")),
     Case("queue_dtype", "objective.queue_dtype=int8", train("objective.queue_dtype=int8")),
     Case("schedule", "optim.schedule=bogus", train("optim.schedule=bogus")),
-    Case("momentum_schedule", "objective.momentum_schedule=bogus", train("objective.momentum_schedule=bogus")),
+    Case("pooling", "model.pooling=max", train("model.pooling=max")),
     Case("queue_size", "objective.queue_size=1000000000000 (estimated before it is allocated)",
          train("objective.queue_size=1000000000000")),
     Case("plus_typo", "a typo added with a + (Hydra's hint): +trainer.max_step=10", train("+trainer.max_step=10")),
