@@ -15,18 +15,23 @@ caches, not rerun. Runs (``RUNS``):
 
 Each reports recall@1, MRR@10, nDCG@10 and the mean unrelated cosine; ``--cost`` times one step of
 each run and of the references in turn on real batches (one process, medians over rounds) and gives
-each one's seconds per pair against in-batch at the same batch. Finished runs are appended to
+each one's seconds per pair against in-batch at the same batch. ``--ema`` takes the main job's step
+apart where EMA keys stay (issue 44, part 2): per round, a whole step, the key encoder's two passes
+under ``no_grad`` (as the module runs them) and under ``inference_mode``, and the EMA update (fused
+``torch._foreach`` ops already), side by side at batch 32 and 8. Finished runs are appended to
 ``benchmarks/results/queue_cost_runs.jsonl`` (committed), so later invocations resume; one thread
 per run, runs in parallel processes (``--only NAME --seeds S``).
 
     python -m benchmarks.queue_cost --only online-32 --seeds 0 --threads 1
     python -m benchmarks.queue_cost --cost --rounds 5 --threads 1
+    python -m benchmarks.queue_cost --ema --rounds 5 --threads 1
     python -m benchmarks.queue_cost --report
     python -m benchmarks.queue_cost --dry-run            # the tiny random model, seconds, to a temporary folder
 """
 from __future__ import annotations
 
 import json
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -127,7 +132,59 @@ def measure_cost(names: list[str], rounds: int, path: Path) -> dict:
     return cost
 
 
-def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str], cost: Optional[dict]) -> None:
+def measure_ema(rounds: int, path: Path) -> dict:
+    """The main job's step at 32 and 8 taken apart (see the module docstring): medians over
+    ``rounds`` after one warm-up, each part timed on the same batch in the same round."""
+    import time
+
+    bench = Bench()
+    out = {"rounds": rounds, "threads": torch.get_num_threads(), "rows": [], "environment": environment()}
+    for name in ("main-32", "main-8"):
+        step, order = side_by_side.make_step(bench, name, COSTED), batches_of(bench, 0, 18240, COSTED[name][1])
+        m = step.m
+        parts: dict[str, list[float]] = {"step": [], "keys_no_grad": [], "keys_inference_mode": [], "ema_update": []}
+
+        def keys(batch, mode):
+            with mode():
+                k = m.key_encoder(batch["doc"], "doc")
+                q = m.key_encoder(batch["query"], "query")
+            return k.clone(), q.clone()  # inference tensors cannot be saved for backward: the module would copy them
+
+        for r in range(rounds + 1):
+            batch = step.prepare(order[r % len(order)])
+            timed = {"step": lambda: step(batch), "keys_no_grad": lambda: keys(batch, torch.no_grad),
+                     "keys_inference_mode": lambda: keys(batch, torch.inference_mode),
+                     "ema_update": lambda: m.key_encoder.update(m.encoder, m.momentum())}
+            for part, fn in timed.items():
+                t0 = time.perf_counter()
+                fn()
+                if r:
+                    parts[part].append(time.perf_counter() - t0)
+            log(f"  {name} round {r + 1}/{rounds + 1}")
+        med = {p: statistics.median(v) for p, v in parts.items()}
+        out["rows"].append({"name": name, "batch": COSTED[name][1], "median_s": med, "times": parts})
+    path.write_text(json.dumps(out, indent=1))
+    log(f"wrote {path}")
+    return out
+
+
+def ema_lines(ema: Optional[dict]) -> list[str]:
+    if not ema:
+        return ["Not measured yet (`--ema`)."]
+    rows = []
+    for r in ema["rows"]:
+        m = r["median_s"]
+        rows.append([r["name"], f"{m['step']:.3f}", f"{m['keys_no_grad']:.3f} ({m['keys_no_grad'] / m['step']:.0%})",
+                     f"{m['keys_inference_mode']:.3f} ({m['keys_inference_mode'] / m['keys_no_grad']:.2f}x)",
+                     f"{m['ema_update'] * 1000:.1f} ms ({m['ema_update'] / m['step']:.1%})"])
+    return [md_table(["run", "step s", "key passes, no_grad s (share of the step)",
+                      "key passes, inference_mode s (x no_grad)", "EMA update (share of the step)"], rows), "",
+            f"Medians of {ema['rounds']} rounds after one warm-up, {ema['threads']} thread(s), every part on the same "
+            "batch in the same round."]
+
+
+def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str], cost: Optional[dict],
+           ema: Optional[dict] = None) -> None:
     by: dict[str, list[dict]] = {}
     for r in records:
         by.setdefault(r["name"], []).append(r)
@@ -146,7 +203,8 @@ def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str]
           "the cost section is side by side.", "",
           md_table(["run", "what", "batch", "seeds", "recall@1", "MRR@10", "nDCG@10", "unrelated cos", "train s"], rows),
           "", "## The goal (issue 44)", "", *goal(by, cost), "", "## Cost, side by side", "",
-          *(side_by_side.table_lines(cost) if cost else ["Not measured yet (`--cost`)."]), ""]
+          *(side_by_side.table_lines(cost) if cost else ["Not measured yet (`--cost`)."]), "",
+          "## The EMA pass, taken apart (issue 44, part 2)", "", *ema_lines(ema), ""]
     missing = [f"{n} (seed {s})" for n in RUNS for s in SEEDS.get(n, (0,)) if not any(r["seed"] == s for r in by.get(n, []))]
     if missing:
         md += ["## Not run yet", "", "Planned and not in the cache (the cache resumes them): " + ", ".join(missing) + ".", ""]
@@ -154,7 +212,8 @@ def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str]
         md += ["Cut in this invocation: " + ", ".join(cut) + ".", ""]
     write_results(prefix, "\n".join(md), {"benchmark": "B14 the queue at in-batch's price", "pairs": args.pairs,
                                           "model": args.model, "pool": {"queries": args.max_queries, "docs": args.max_docs},
-                                          "runs": records, "cost": cost, "environment": environment()}, out_dir)
+                                          "runs": records, "cost": cost, "ema": ema, "environment": environment()},
+                  out_dir)
     log(f"wrote {out_dir / (prefix + '.md')}")
 
 
@@ -166,7 +225,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true",
                     help="the tiny random model, 512 pairs, a 50 / 100 pool: checks the harness (results to --out or a temp folder)")
     ap.add_argument("--cost", action="store_true", help="time one step of each run and reference side by side, then report")
-    ap.add_argument("--rounds", type=int, default=5, help="--cost: timed rounds")
+    ap.add_argument("--ema", action="store_true", help="take the main job's step apart at 32 and 8 (no training), then report")
+    ap.add_argument("--rounds", type=int, default=5, help="--cost, --ema: timed rounds")
     add_run_args(ap, default=",".join(RUNS), runs=list(RUNS), small="dry-run")
     args = ap.parse_args(argv)
     cli.apply(args)
@@ -181,17 +241,19 @@ def main(argv=None) -> int:
     prefix = f"{NAME}_dry_run" if d else (NAME if args.pairs == 18240 else f"{NAME}_{args.pairs}pairs")
     cache = out_dir / f"{prefix}_runs.jsonl"
     names = cli.names(args.only, list(RUNS))  # before anything loads: a typo exits at once
-    cost_path = out_dir / f"{prefix}_cost.json"
+    cost_path, ema_path = out_dir / f"{prefix}_cost.json", out_dir / f"{prefix}_ema.json"
+    if (args.cost or args.ema) and d:
+        raise SystemExit("--cost and --ema measure MiniLM's real steps; they have no --dry-run")
     if args.cost:
-        if d:
-            raise SystemExit("--cost measures MiniLM's real steps; it has no --dry-run")
         measure_cost(names, args.rounds, cost_path)
-    cut = [] if args.cost else run_selected(cache, args, list(RUNS), lambda name, seed: run_key(name, seed, args),
+    if args.ema:
+        measure_ema(args.rounds, ema_path)
+    cut = [] if args.cost or args.ema else run_selected(cache, args, list(RUNS), lambda name, seed: run_key(name, seed, args),
                                             lambda: runner(args, do_run))
     suffix = f"|model={args.model}|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}"
     records = cached_records(cache, suffix) + references(args)
-    cost = json.loads(cost_path.read_text()) if cost_path.exists() else None
-    report(records, args, out_dir, prefix, cut, cost)
+    cost, ema = (json.loads(p.read_text()) if p.exists() else None for p in (cost_path, ema_path))
+    report(records, args, out_dir, prefix, cut, cost, ema)
     return 0
 
 
