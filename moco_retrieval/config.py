@@ -11,6 +11,7 @@ import functools
 import math
 import os
 import re
+import sys
 import typing
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -80,8 +81,9 @@ def setting(default: Any = MISSING, valid: Optional[Range] = None, *, factory: A
 
 
 def choices(name: str, values: str) -> type[StrEnum]:
-    """A text option's choices as an Enum whose members are their own values."""
-    return StrEnum(name, values.split(), module=__name__)
+    """A text option's choices as an Enum whose members are their own values, importable from the
+    caller's module by ``name`` (so spawned processes unpickle it)."""
+    return StrEnum(name, values.split(), module=sys._getframe(1).f_globals["__name__"])
 
 
 Dtype = choices("Dtype", "float32 bfloat16 float16")  # tensor storage: backbone_dtype, queue_dtype
