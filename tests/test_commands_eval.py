@@ -32,7 +32,7 @@ from moco_retrieval.model.tiny import build_tiny_bert
 from moco_retrieval.search import run_search
 
 sys.path.insert(0, str(Path(__file__).parent))
-from synthetic import SyntheticData  # noqa: E402
+from helpers import SyntheticData  # noqa: E402
 
 WORDS = ("file system network server image audio video text editor library python tool command line "
          "package manager compress archive backup font color terminal shell mail web browser").split()

@@ -11,7 +11,7 @@ from moco_retrieval.config import ModelConfig, OptimConfig
 from moco_retrieval.objectives.feature_memory import FeatureMemoryConfig
 from moco_retrieval.training.module import RetrievalModule
 from moco_retrieval.model.tiny import build_tiny_bert
-from synthetic import SyntheticData
+from helpers import SyntheticData
 
 TAU = 0.1
 

@@ -16,7 +16,7 @@ from moco_retrieval.objectives.moco import MoCoConfig
 from moco_retrieval.model.gradcache import GradCache, split_side
 from moco_retrieval.training.module import RetrievalModule
 from moco_retrieval.model.tiny import build_tiny_bert
-from synthetic import WORDS, SyntheticData
+from helpers import WORDS, SyntheticData
 
 B, N_NEG, CHUNK = 8, 2, 3  # 3 does not divide 8 or 16: a short last chunk
 

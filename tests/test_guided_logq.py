@@ -295,7 +295,7 @@ def run(steps, rank, world):
 
 
 def test_two_gloo_ranks_equal_one_process_with_guide_and_logq(tmp_path):
-    from gloo import on_ranks
+    from helpers import on_ranks
 
     steps = make_steps()
     ranks = on_ranks(run, (steps,), W, tmp_path)
@@ -317,7 +317,7 @@ def test_module_builds_a_frozen_guide_outside_the_checkpoint(tmp_path_factory):
     from moco_retrieval.config import ModelConfig, OptimConfig
     from moco_retrieval.training.module import RetrievalModule
     from moco_retrieval.model.tiny import build_tiny_bert
-    from synthetic import SyntheticData
+    from helpers import SyntheticData
 
     tiny = str(build_tiny_bert(tmp_path_factory.mktemp("tiny") / "bert"))
     m = RetrievalModule(ModelConfig(backbone="tiny", path=tiny),

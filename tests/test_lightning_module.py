@@ -12,7 +12,7 @@ from moco_retrieval.objectives.inbatch import InBatchConfig
 from moco_retrieval.objectives.moco import MoCoConfig
 from moco_retrieval.training.module import RetrievalModule
 from moco_retrieval.model.tiny import build_tiny_bert
-from synthetic import SyntheticData
+from helpers import SyntheticData
 
 
 @pytest.fixture(scope="module")

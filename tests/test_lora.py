@@ -30,7 +30,7 @@ from moco_retrieval.model.tiny import build_tiny_bert
 from moco_retrieval.training.preemption import PreemptionCheckpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from synthetic import SyntheticData  # noqa: E402
+from helpers import SyntheticData  # noqa: E402
 
 TEXTS = ["a python library for parsing json files", "graphical text editor", "the linux kernel firmware"]
 

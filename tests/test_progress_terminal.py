@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from moco_retrieval.training.preemption import Preempted, PreemptionCheckpoint
 from moco_retrieval.progress import log_line
 from moco_retrieval.training.report import ResumableBar
-from synthetic import SyntheticData
+from helpers import SyntheticData
 from test_resume import SignalAt, make_module, tiny_dir  # noqa: F401 (tiny_dir: a fixture)
 
 

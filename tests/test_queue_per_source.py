@@ -243,7 +243,7 @@ def run_disagreeing(rank, world):
 
 
 def test_two_gloo_ranks_hold_identical_per_source_queues_equal_to_one_process(tmp_path):
-    from gloo import on_ranks
+    from helpers import on_ranks
 
     steps = make_steps()
     ranks = on_ranks(run, (steps,), W, tmp_path)

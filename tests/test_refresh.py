@@ -95,7 +95,7 @@ def test_module_refreshes_with_the_key_encoder_before_the_logits(tmp_path_factor
     from moco_retrieval.config import ModelConfig, OptimConfig
     from moco_retrieval.training.module import RetrievalModule
     from moco_retrieval.model.tiny import build_tiny_bert
-    from synthetic import SyntheticData
+    from helpers import SyntheticData
 
     tiny = str(build_tiny_bert(tmp_path_factory.mktemp("tiny") / "bert"))
     m = RetrievalModule(ModelConfig(backbone="tiny", path=tiny),
@@ -179,7 +179,7 @@ def run(steps, rank, world):
 
 
 def test_two_gloo_ranks_refresh_identically_to_one_process(tmp_path):
-    from gloo import on_ranks
+    from helpers import on_ranks
 
     steps = make_steps()
     ranks = on_ranks(run, (steps,), W, tmp_path)

@@ -29,7 +29,7 @@ from moco_retrieval.training import cluster as launcher
 from moco_retrieval.training import preemption as requeue
 from moco_retrieval.training import preemption as stop_signals
 from moco_retrieval.training.preemption import Preempted, PreemptionCheckpoint
-from synthetic import SyntheticData
+from helpers import SyntheticData
 
 # 8 steps of 16 pairs, a validation every 3 steps on a small pool: a run takes ~20 s here
 SMALL = [

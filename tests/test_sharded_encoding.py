@@ -82,7 +82,7 @@ def _rank(tiny_dir, folder, rank, world):
 
 
 def test_two_gloo_ranks_encode_half_each_and_gather_what_one_process_encodes(tmp_path, one_thread):
-    from gloo import on_ranks
+    from helpers import on_ranks
 
     from moco_retrieval.model.tiny import build_tiny_bert
 

@@ -186,7 +186,7 @@ def _convert_on_rank(cfg, rank, world):
 
 
 def test_one_process_converts_the_others_open_it(tmp_path):
-    from gloo import on_ranks
+    from helpers import on_ranks
 
     cfg = cfg_for(tmp_path, rich_rows(3000))
     out = on_ranks(_convert_on_rank, (cfg,), 2, tmp_path)

@@ -201,7 +201,7 @@ def test_module_serves_both_sides_from_both_encoders(tmp_path_factory):
     from moco_retrieval.config import ModelConfig, OptimConfig
     from moco_retrieval.training.module import RetrievalModule
     from moco_retrieval.model.tiny import build_tiny_bert
-    from synthetic import SyntheticData
+    from helpers import SyntheticData
 
     tiny = str(build_tiny_bert(tmp_path_factory.mktemp("tiny") / "bert"))
     m = RetrievalModule(ModelConfig(backbone="tiny", path=tiny), TwoQueueConfig(queue_size=16, temperature=0.1, momentum=0.9),
@@ -242,7 +242,7 @@ def run(steps, inbatch, rank, world):
 @pytest.mark.parametrize("inbatch", [0.0, 1.0])
 def test_two_gloo_ranks_hold_identical_queues_equal_to_one_process(tmp_path, inbatch):
     """With the in-batch term too: its documents are gathered with gradient, as in-batch negatives' are."""
-    from gloo import on_ranks
+    from helpers import on_ranks
 
     steps = make_steps()
     ranks = on_ranks(run, (steps, inbatch), W, tmp_path)
