@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from lightning.pytorch.callbacks import Callback
 
 from moco_retrieval.errors import reports_user_errors
 from moco_retrieval.training.preemption import Preempted, PreemptionCheckpoint
-from test_resume import SMALL, SignalAt, cli, cli_env, fit, make_module, tiny_dir  # noqa: F401 (fixtures)
+from helpers import SMALL_RUN, SignalAt, fit, make_module, train_command
 
 PROGRESS = re.compile(r"\bstep (\d+)/(\d+)\b")
 
@@ -28,7 +27,7 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_status_130(tiny_dir, 
     sig = SignalAt(signal.SIGINT, batch_idx=2)
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(Preempted) as stop:
-        fit(tmp_path, make_module(tiny_dir), [PreemptionCheckpoint(path), sig])
+        fit(make_module(tiny_dir), tmp_path, callbacks=[PreemptionCheckpoint(path), sig])
     assert stop.value.code == 130 and stop.value.step == 3
     assert sig.ends == [0, 1, 2]  # the step Ctrl-C came in was finished, no further one began
     assert torch.load(path, weights_only=False)["global_step"] == 3
@@ -53,7 +52,7 @@ class TwiceAt(Callback):
 def test_a_second_ctrl_c_aborts_at_once_without_a_checkpoint(tiny_dir, tmp_path, capfd):
     path = tmp_path / "checkpoints" / "last.ckpt"
     with pytest.raises(SystemExit) as stop:  # Lightning ends a KeyboardInterrupt with status 1
-        fit(tmp_path, make_module(tiny_dir), [PreemptionCheckpoint(path), TwiceAt(2)])
+        fit(make_module(tiny_dir), tmp_path, callbacks=[PreemptionCheckpoint(path), TwiceAt(2)])
     assert stop.value.code not in (0, None)
     assert not path.exists()
     err = capfd.readouterr().err
@@ -84,7 +83,7 @@ def _interrupt_when(proc: subprocess.Popen, seen: list, ready) -> None:
 @pytest.mark.slow  # two short trainings from the command line (~40 s on a busy machine)
 def test_ctrl_c_on_the_command_line_prints_the_command_that_resumes(tmp_path, cli_env):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(cli(run_dir), cwd=tmp_path, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(train_command(run_dir), cwd=tmp_path, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     seen: list[str] = []
     watcher = threading.Thread(target=_interrupt_when, args=(
@@ -103,7 +102,7 @@ def test_ctrl_c_on_the_command_line_prints_the_command_that_resumes(tmp_path, cl
     args = shlex.split(resume.group(1))
     assert args[-1] == "ckpt_path=last" and f"run_dir={run_dir}" in args
     assert args[:3] == ["python", "-m", "moco_retrieval.train"]
-    assert sorted(args[3:-1]) == sorted([*SMALL, f"run_dir={run_dir}", f"hydra.run.dir={tmp_path / 'run-hydra'}"])
+    assert sorted(args[3:-1]) == sorted([*SMALL_RUN, f"run_dir={run_dir}", f"hydra.run.dir={tmp_path / 'run-hydra'}"])
     done = subprocess.run([sys.executable, *args[1:]], cwd=tmp_path, env=cli_env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -18,8 +18,7 @@ from moco_retrieval.training import checkpoints as checkpoint_file
 from moco_retrieval.training.checkpoints import atomic_torch_save, previous_of, read_checkpoint
 from moco_retrieval.training.checkpoints import resolve_ckpt_path
 from moco_retrieval.errors import USER_ERROR_STATUS, CheckpointError
-from test_resume import fit, make_module, tiny_dir  # noqa: F401 (fixture)
-from test_resume_refusals import SHARED_DEBIAN, config
+from helpers import SHARED_DEBIAN, SMALL_RESUMABLE, compose_cfg, fit, last_and_previous, make_module
 
 
 # ---- flipped bytes -----------------------------------------------------------------------------
@@ -32,16 +31,8 @@ def _flip(path: Path, n: int = 64) -> None:
     path.write_bytes(bytes(data))
 
 
-def _last_and_previous(run_dir: Path) -> Path:
-    last = run_dir / "checkpoints" / "last.ckpt"
-    for step in (2, 4):
-        atomic_torch_save({"global_step": step, "state_dict": {"w": torch.full((250_000,), float(step))}}, last,
-                          keep_previous=True)
-    return last
-
-
 def test_a_checkpoint_with_flipped_bytes_falls_back_to_the_previous_one(tmp_path, capsys):
-    last = _last_and_previous(tmp_path)
+    last = last_and_previous(tmp_path)
     _flip(last)
     assert resolve_ckpt_path("last", tmp_path) == str(previous_of(last))
     err = " ".join(capsys.readouterr().err.split())
@@ -50,7 +41,7 @@ def test_a_checkpoint_with_flipped_bytes_falls_back_to_the_previous_one(tmp_path
 
 
 def test_a_checkpoint_with_flipped_bytes_is_refused_by_every_command(tmp_path):
-    last = _last_and_previous(tmp_path)
+    last = last_and_previous(tmp_path)
     _flip(last)
     with pytest.raises(CheckpointError, match="checkpoint=.*last.ckpt: damaged"):
         read_checkpoint(last)  # what evaluate, export, search and mine load through
@@ -84,7 +75,7 @@ def test_a_loss_gone_nan_stops_the_run_naming_the_step_and_keeps_the_last_good_c
     folder = tmp_path / "checkpoints"
     poison = Poison(step=2, path=folder / "last.ckpt", save_at=1)
     with pytest.raises(NonFiniteError) as err:
-        fit(tmp_path, make_module(tiny_dir), [FiniteGuard(every=2, checkpoints=folder), poison], batches=8,
+        fit(make_module(tiny_dir), tmp_path, callbacks=[FiniteGuard(every=2, checkpoints=folder), poison], batches=8,
             plugins=[AtomicCheckpointIO()])
     msg = str(err.value)
     assert "the training loss was not finite (inf or NaN) at step 3" in msg
@@ -100,7 +91,7 @@ def test_non_finite_weights_are_never_written_into_a_checkpoint(tiny_dir, tmp_pa
     folder = tmp_path / "checkpoints"
     poison = Poison(step=2, path=folder / "last.ckpt", save_at=2)  # saves right after poisoning
     with pytest.raises(NonFiniteError, match="the weights were not finite .inf or NaN. after step 2"):
-        fit(tmp_path, make_module(tiny_dir), [FiniteGuard(every=100, checkpoints=folder), poison], batches=8)
+        fit(make_module(tiny_dir), tmp_path, callbacks=[FiniteGuard(every=100, checkpoints=folder), poison], batches=8)
     assert not (folder / "last.ckpt").exists()
 
 
@@ -137,8 +128,9 @@ def test_a_learning_rate_that_blows_up_ends_the_run_with_one_message_and_status_
     from moco_retrieval.train import main
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    cfg = OmegaConf.structured(config("optim.lr=1e30", "optim.warmup_steps=0", "trainer.log_every_n_steps=2",
-                                      f"run_dir={tmp_path / 'run'}"))
+    cfg = OmegaConf.structured(compose_cfg("train", [*SMALL_RESUMABLE, "optim.lr=1e30", "optim.warmup_steps=0",
+                                                     "trainer.log_every_n_steps=2", f"run_dir={tmp_path / 'run'}"],
+                                           to_object=True))
     with pytest.raises(SystemExit) as stop:
         main.__wrapped__(cfg)
     assert stop.value.code == USER_ERROR_STATUS
@@ -152,7 +144,7 @@ def test_a_learning_rate_that_blows_up_ends_the_run_with_one_message_and_status_
 # ---- a full disk ---------------------------------------------------------------------------------
 
 def test_disk_full_message_names_the_checkpoints_that_are_kept(tmp_path, monkeypatch):
-    last = _last_and_previous(tmp_path)
+    last = last_and_previous(tmp_path)
     real_open = os.open
     monkeypatch.setattr(checkpoint_file.os, "open", lambda path, flags, mode=0o777: real_open("/dev/full", os.O_WRONLY))
     with pytest.raises(CheckpointError) as err:
@@ -209,12 +201,13 @@ def test_a_read_only_run_dir_is_one_message_and_status_2(tmp_path, read_only, ca
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     run_dir = tmp_path / "run"
     if resume:
-        _last_and_previous(run_dir)
+        last_and_previous(run_dir)
     run_dir.mkdir(exist_ok=True)
     read_only(run_dir)
     target = run_dir if resume else run_dir / "new"
     with pytest.raises(SystemExit) as stop:
-        main.__wrapped__(OmegaConf.structured(config(f"run_dir={target}")))
+        main.__wrapped__(OmegaConf.structured(compose_cfg("train", [*SMALL_RESUMABLE, f"run_dir={target}"],
+                                                          to_object=True)))
     assert stop.value.code == USER_ERROR_STATUS
     err = " ".join(capsys.readouterr().err.split())
     assert err.startswith(f"train: error: run_dir={target}: cannot write there (") and "Traceback" not in err

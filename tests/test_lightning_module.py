@@ -7,23 +7,10 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from moco_retrieval.config import ModelConfig, OptimConfig
 from moco_retrieval.objectives.inbatch import InBatchConfig
 from moco_retrieval.objectives.moco import MoCoConfig
 from moco_retrieval.training.module import RetrievalModule
-from moco_retrieval.model.tiny import build_tiny_bert
-from helpers import SyntheticData
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return str(build_tiny_bert(tmp_path_factory.mktemp("tiny") / "bert"))
-
-
-def make_module(tiny_dir, queue_size=32, objective="moco", **model_kw):
-    model = ModelConfig(backbone="tiny", path=tiny_dir, **model_kw)
-    obj = MoCoConfig(queue_size=queue_size, temperature=0.1, momentum=0.9) if objective == "moco" else InBatchConfig(temperature=0.1)
-    return RetrievalModule(model, obj, OptimConfig(lr=1e-3, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
+from helpers import SyntheticData, fit, make_module, quiet_trainer
 
 
 class RecordLosses(Callback):
@@ -32,14 +19,6 @@ class RecordLosses(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
-
-
-def trainer(tmp_path, max_steps, callbacks=(), **kw):
-    return L.Trainer(
-        accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=list(callbacks),
-        num_sanity_val_steps=0, limit_val_batches=0, **{"enable_checkpointing": False, **kw},
-    )
 
 
 def test_training_step_grads_query_side_only(tiny_dir):
@@ -65,8 +44,7 @@ def test_ema_once_per_optimizer_step_with_accumulation(tiny_dir, tmp_path, monke
     calls = []
     orig = m.key_encoder.update
     monkeypatch.setattr(m.key_encoder, "update", lambda enc, mom: (calls.append(mom), orig(enc, mom)))
-    t = trainer(tmp_path, max_steps=3, accumulate_grad_batches=2)
-    t.fit(m, SyntheticData(m.encoder.tokenize, batch_size=4, batches=6))
+    t = fit(m, tmp_path, batches=6, max_steps=3, accumulate_grad_batches=2)
     assert len(calls) == 3 and t.global_step == 3
     # every micro-batch's keys were enqueued: 6 batches of 4
     assert m.objective.docs.queue.fill == 24
@@ -76,8 +54,7 @@ def test_key_encoder_follows_ema_of_query_encoder(tiny_dir, tmp_path):
     torch.manual_seed(0)
     m = make_module(tiny_dir)
     k0 = {n: p.clone() for n, p in m.key_encoder.key_encoder.named_parameters()}
-    t = trainer(tmp_path, max_steps=1)
-    t.fit(m, SyntheticData(m.encoder.tokenize, batch_size=4, batches=1))
+    fit(m, tmp_path, batches=1, max_steps=1)
     for (n, k), q in zip(m.key_encoder.key_encoder.named_parameters(), m.encoder.parameters()):
         assert torch.allclose(k, 0.9 * k0[n] + 0.1 * q, atol=1e-6), n
 
@@ -90,11 +67,10 @@ def test_checkpoint_round_trip_and_resume(tiny_dir, tmp_path):
 
     def run(epochs, ckpt=None, save_dir=None):
         L.seed_everything(7)
-        m = make_module(tiny_dir, queue_size=12)  # 5 batches of 4 wrap a 12-slot queue
+        m = make_module(tiny_dir, MoCoConfig(queue_size=12, temperature=0.1, momentum=0.9))  # 5 batches of 4 wrap it
         rec = RecordLosses()
         cbs = [rec] + ([ModelCheckpoint(dirpath=save_dir, save_last=True)] if save_dir else [])
-        t = trainer(tmp_path, -1, cbs, max_epochs=epochs, enable_checkpointing=bool(save_dir))
-        t.fit(m, SyntheticData(m.encoder.tokenize, batch_size=4, batches=5), ckpt_path=ckpt)
+        fit(m, tmp_path, epochs=epochs, batches=5, callbacks=cbs, enable_checkpointing=bool(save_dir), ckpt_path=ckpt)
         return m, rec.losses
 
     full, full_losses = run(2)
@@ -126,14 +102,10 @@ class DumpQueue(Callback):
 
 
 def test_two_gloo_ranks_share_one_queue(tiny_dir, tmp_path):
-    m = make_module(tiny_dir, queue_size=64)
+    m = make_module(tiny_dir, MoCoConfig(queue_size=64, temperature=0.1, momentum=0.9))
     dm = SyntheticData(m.encoder.tokenize, batch_size=4, batches=3)
-    t = L.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=3, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=str(tmp_path),
-        callbacks=[DumpQueue(tmp_path)], use_distributed_sampler=False,
-    )
+    t = quiet_trainer(tmp_path, devices=2, strategy="ddp_spawn", max_steps=3, callbacks=[DumpQueue(tmp_path)],
+                      use_distributed_sampler=False)
     t.fit(m, dm)
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert r0["fill"] == r1["fill"] == 24
@@ -160,8 +132,7 @@ def test_bf16_mixed_precision_trains_with_fp32_logits(tiny_dir, tmp_path):
 
     m.objective.forward, m.encoder.forward = spy, encoder_spy
     rec = RecordLosses()
-    t = trainer(tmp_path, max_steps=3, callbacks=[rec], precision="bf16-mixed")
-    t.fit(m, SyntheticData(m.encoder.tokenize, batch_size=4, batches=3))
+    fit(m, tmp_path, batches=3, max_steps=3, callbacks=[rec], precision="bf16-mixed")
     assert seen == [(False, torch.float32)] * 3
     assert encoding and all(encoding)  # the trained encoder ran under the step's autocast
     assert all(torch.isfinite(torch.tensor(rec.losses)))
@@ -172,7 +143,7 @@ def test_the_module_serves_what_the_objective_asks(tiny_dir, monkeypatch):
     """In-batch asks for the documents by the trained encoder with gradient, and gets no EMA copy;
     MoCo asks for constant keys from the EMA copy. A side asked twice is embedded once, and served
     detached when asked without gradient after it was embedded with gradient (online keys)."""
-    inbatch, moco = make_module(tiny_dir, objective="inbatch"), make_module(tiny_dir)
+    inbatch, moco = make_module(tiny_dir, InBatchConfig(temperature=0.1)), make_module(tiny_dir)
     assert inbatch.key_encoder is None and moco.key_encoder is not None
     batch = next(iter(SyntheticData(inbatch.encoder.tokenize, batch_size=4).train_dataloader()))
     seen, calls = {}, []
@@ -213,7 +184,7 @@ def test_query_encoder_trains_with_dropout_key_encoder_without(tiny_dir, tmp_pat
             modes["query"] = [mod.training for mod in pl_module.encoder.modules() if isinstance(mod, torch.nn.Dropout)]
             modes["key"] = [mod.training for mod in pl_module.key_encoder.modules() if isinstance(mod, torch.nn.Dropout)]
 
-    trainer(tmp_path, max_steps=1, callbacks=[Spy()]).fit(m, SyntheticData(m.encoder.tokenize, batch_size=4, batches=1))
+    fit(m, tmp_path, batches=1, max_steps=1, callbacks=[Spy()])
     assert modes["query"] and all(modes["query"])
     assert modes["key"] and not any(modes["key"])
 

@@ -5,15 +5,13 @@ import io
 import re
 import signal
 
-import lightning as L
 import pytest
 from lightning.pytorch.callbacks import Callback
 
 from moco_retrieval.training.preemption import Preempted, PreemptionCheckpoint
 from moco_retrieval.progress import log_line
 from moco_retrieval.training.report import ResumableBar
-from helpers import SyntheticData
-from test_resume import SignalAt, make_module, tiny_dir  # noqa: F401 (tiny_dir: a fixture)
+from helpers import SignalAt, fit, make_module
 
 
 class BarProbe(Callback):
@@ -35,22 +33,13 @@ class BarProbe(Callback):
             self.postfix = self.bar.train_progress_bar.postfix
 
 
-def trainer(tmp_path, callbacks, bar=False):
-    return L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=bar,
-                     enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
-                     limit_val_batches=0, default_root_dir=str(tmp_path), callbacks=callbacks)
-
-
 def test_the_bar_after_a_resume_mid_epoch_has_its_total_and_counts_only_new_batches(tiny_dir, tmp_path):
-    module = make_module(tiny_dir)
-    data = SyntheticData(module.encoder.tokenize, batch_size=4, batches=6)
     with pytest.raises(Preempted):
-        trainer(tmp_path, [PreemptionCheckpoint(tmp_path / "last.ckpt"), SignalAt(signal.SIGTERM, 2)]).fit(module, data)
+        fit(make_module(tiny_dir), tmp_path, callbacks=[PreemptionCheckpoint(tmp_path / "last.ckpt"), SignalAt(signal.SIGTERM, 2)])
     bar = ResumableBar()
     probe = BarProbe(bar)
-    module = make_module(tiny_dir)
-    trainer(tmp_path, [bar, probe], bar=True).fit(module, SyntheticData(module.encoder.tokenize, batch_size=4, batches=6),
-                                                  ckpt_path=str(tmp_path / "last.ckpt"))
+    fit(make_module(tiny_dir), tmp_path, callbacks=[bar, probe], enable_progress_bar=True,
+        ckpt_path=str(tmp_path / "last.ckpt"))
     (n0, total0, initial0), (n1, total1, _) = probe.seen
     assert total0 == total1 == 6  # not "3/?"
     assert n0 == initial0 == 3 and n1 == 4  # the rate counts from the resumed batch: (n - initial) / elapsed

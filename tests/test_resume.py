@@ -9,78 +9,38 @@
 """
 from __future__ import annotations
 
-import csv
 import json
 import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
 
 from moco_retrieval.training import checkpoints as fingerprints
 from moco_retrieval.training import cluster as launcher
 from moco_retrieval.training import preemption as requeue
 from moco_retrieval.training import preemption as stop_signals
 from moco_retrieval.training.preemption import Preempted, PreemptionCheckpoint
-from helpers import SyntheticData
+from helpers import SMALL_RUN, SignalAt, compose_cfg, fit, make_module, train_command, train_losses
 
-# 8 steps of 16 pairs, a validation every 3 steps on a small pool: a run takes ~20 s here
-SMALL = [
-    "+experiment=smoke",
-    "data.max_train_examples=128",
-    "data.max_eval_queries=32",
-    "data.max_eval_docs=64",
-    "trainer.log_every_n_steps=1",
-    "trainer.val_check_interval=3",
-]
-STEPS = 8
+STEPS = 8  # SMALL_RUN's
 PROGRESS = re.compile(r"\bstep (\d+)/(\d+)\b")  # moco_retrieval/progress.py's log lines
-
-
-@pytest.fixture(scope="module")
-def cli_env(tmp_path_factory):
-    debian = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "debian-bookworm"
-    if not debian.exists():
-        pytest.skip(f"the shared Debian snapshot is not at {debian} (needed by the smoke experiment)")
-    cache = os.environ.get("MOCO_RETRIEVAL_CACHE") or str(tmp_path_factory.mktemp("moco_cache"))
-    return dict(os.environ, MOCO_RETRIEVAL_DEBIAN_DIR=str(debian), MOCO_RETRIEVAL_CACHE=cache,
-                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
-def cli(run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "moco_retrieval.train", *SMALL, f"run_dir={run_dir}",
-            f"hydra.run.dir={run_dir.parent / (run_dir.name + '-hydra')}", *extra]
-
-
-def losses(metrics_csv: Path) -> dict[int, float]:
-    with open(metrics_csv, newline="") as f:
-        return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
 
 
 def reference_run(run_dir: Path, env: dict, extra: tuple = ()) -> None:
     """The uninterrupted run, in this process (no second interpreter start-up on a busy machine)."""
-    from hydra import compose, initialize_config_module
-    from omegaconf import OmegaConf
-
-    from moco_retrieval.command import register_configs
     from moco_retrieval.train import train
 
-    register_configs()
     saved = {k: os.environ.get(k) for k in ("MOCO_RETRIEVAL_DEBIAN_DIR", "MOCO_RETRIEVAL_CACHE")}
     threads = torch.get_num_threads()
     try:
         os.environ.update({k: env[k] for k in saved})
         torch.set_num_threads(1)  # as in the subprocesses (OMP_NUM_THREADS=1): the same float sums
-        with initialize_config_module("moco_retrieval.conf", version_base="1.3"):
-            cfg = OmegaConf.to_object(compose("train", overrides=SMALL + [*extra, f"run_dir={run_dir}"]))
-        train(cfg, run_dir)
+        train(compose_cfg("train", SMALL_RUN + [*extra, f"run_dir={run_dir}"], to_object=True), run_dir)
     finally:
         torch.set_num_threads(threads)
         for k, v in saved.items():
@@ -98,7 +58,7 @@ def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_e
         extra += ("objective.queue_max_age=2",)
     if refresh:  # queued texts re-encoded each step: the stored tokens and the draws resume too
         extra += (f"objective.queue_refresh={refresh}",)
-    run = subprocess.Popen(cli(run_dir, *extra), cwd=tmp_path, env=cli_env, stdout=subprocess.PIPE,
+    run = subprocess.Popen(train_command(run_dir, *extra), cwd=tmp_path, env=cli_env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     seen: list[str] = []
 
@@ -127,18 +87,18 @@ def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_e
     assert 2 <= stop < STEPS, f"SIGTERM came too late to test a resume mid-epoch (stopped at {stop})"
     # the position in the epoch: the data module's sampler state, through the resumable loader
     assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 0, "batches_done": stop}]
-    part1 = losses(run_dir / "csv" / "metrics.csv")
+    part1 = train_losses(run_dir / "csv" / "metrics.csv")
     assert sorted(part1) == list(range(1, stop + 1)), part1  # logged at the step each batch completes
 
-    resumed = subprocess.run(cli(run_dir, *extra, "ckpt_path=last"), cwd=tmp_path, env=cli_env,
+    resumed = subprocess.run(train_command(run_dir, *extra, "ckpt_path=last"), cwd=tmp_path, env=cli_env,
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "Restoring states from the checkpoint path at" in resumed.stdout + resumed.stderr
     assert (run_dir / "metrics.json").exists()
 
     # the resumed attempt logs to csv/resume-1/ and leaves the first attempt's history as it was
-    ref_losses, part2 = losses(ref_dir / "csv" / "metrics.csv"), losses(run_dir / "csv" / "resume-1" / "metrics.csv")
-    assert losses(run_dir / "csv" / "metrics.csv") == part1
+    ref_losses, part2 = train_losses(ref_dir / "csv" / "metrics.csv"), train_losses(run_dir / "csv" / "resume-1" / "metrics.csv")
+    assert train_losses(run_dir / "csv" / "metrics.csv") == part1
     assert sorted(ref_losses) == list(range(1, STEPS + 1))
     assert sorted(part2) == list(range(stop + 1, STEPS + 1))  # no batch trained twice, none skipped
     for step in range(1, STEPS + 1):
@@ -178,47 +138,6 @@ def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_e
 # ------------------------------------------------------------------------------ in process
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from moco_retrieval.model.tiny import build_tiny_bert
-
-    return str(build_tiny_bert(tmp_path_factory.mktemp("tiny") / "bert"))
-
-
-def make_module(tiny_dir):
-    from moco_retrieval.config import ModelConfig, OptimConfig
-    from moco_retrieval.objectives.moco import MoCoConfig
-    from moco_retrieval.training.module import RetrievalModule
-
-    return RetrievalModule(ModelConfig(backbone="tiny", path=tiny_dir),
-                           MoCoConfig(queue_size=32, temperature=0.1, momentum=0.9),
-                           OptimConfig(lr=1e-3, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
-
-
-class SignalAt(Callback):
-    """Sends ``signum`` to this process when batch ``batch_idx`` starts."""
-
-    def __init__(self, signum, batch_idx):
-        self.signum, self.batch_idx, self.ends = signum, batch_idx, []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx == self.batch_idx:
-            os.kill(os.getpid(), self.signum)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.ends.append(batch_idx)
-
-
-def fit(tmp_path, module, callbacks, batches=6, **kw):
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
-        default_root_dir=str(tmp_path), callbacks=callbacks, **kw,
-    )
-    trainer.fit(module, SyntheticData(module.encoder.tokenize, batch_size=4, batches=batches))
-    return trainer
-
-
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
 def test_signal_stops_after_the_step_with_a_checkpoint(tiny_dir, tmp_path, signum):
     before = {s: signal.getsignal(s) for s in stop_signals.STOP_SIGNALS}
@@ -226,7 +145,7 @@ def test_signal_stops_after_the_step_with_a_checkpoint(tiny_dir, tmp_path, signu
     sig = SignalAt(signum, batch_idx=2)
     module = make_module(tiny_dir)
     with pytest.raises(Preempted) as stop:
-        fit(tmp_path, module, [PreemptionCheckpoint(path), sig])
+        fit(module, tmp_path, callbacks=[PreemptionCheckpoint(path), sig])
     assert stop.value.code == 128 + signum and stop.value.signum == signum and stop.value.step == 3
     assert sig.ends == [0, 1, 2]  # the step the signal arrived in was finished, no further one began
     ckpt = torch.load(path, weights_only=False)
@@ -240,7 +159,7 @@ def test_signal_stops_after_the_step_with_a_checkpoint(tiny_dir, tmp_path, signu
 
 def test_no_signal_runs_to_the_end_and_saves_the_final_state(tiny_dir, tmp_path):
     before = signal.getsignal(signal.SIGTERM)
-    trainer = fit(tmp_path, make_module(tiny_dir), [PreemptionCheckpoint(tmp_path / "last.ckpt")], batches=3)
+    trainer = fit(make_module(tiny_dir), tmp_path, callbacks=[PreemptionCheckpoint(tmp_path / "last.ckpt")], batches=3)
     assert trainer.global_step == 3
     assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 3
     assert signal.getsignal(signal.SIGTERM) == before
@@ -249,7 +168,7 @@ def test_no_signal_runs_to_the_end_and_saves_the_final_state(tiny_dir, tmp_path)
 def test_stops_at_an_optimizer_step_under_accumulation(tiny_dir, tmp_path):
     sig = SignalAt(signal.SIGTERM, batch_idx=2)  # the first micro-batch of optimizer step 2
     with pytest.raises(Preempted) as stop:
-        fit(tmp_path, make_module(tiny_dir), [PreemptionCheckpoint(tmp_path / "last.ckpt"), sig],
+        fit(make_module(tiny_dir), tmp_path, callbacks=[PreemptionCheckpoint(tmp_path / "last.ckpt"), sig],
             batches=8, accumulate_grad_batches=2)
     assert sig.ends == [0, 1, 2, 3] and stop.value.step == 2
 
@@ -261,8 +180,8 @@ def test_requeue_on_the_requeue_signal_only(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         with pytest.raises(Preempted):
-            fit(tmp_path, make_module(tiny_dir),
-                [PreemptionCheckpoint(tmp_path / "last.ckpt", requeue_signal=signal.SIGUSR1), SignalAt(signum, 1)])
+            fit(make_module(tiny_dir), tmp_path,
+                callbacks=[PreemptionCheckpoint(tmp_path / "last.ckpt", requeue_signal=signal.SIGUSR1), SignalAt(signum, 1)])
     assert calls == [["scontrol", "requeue", "4242"]]
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "77")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
@@ -293,17 +212,12 @@ def test_requeue_without_scontrol_is_reported_not_fatal(monkeypatch, caplog):
 
 
 def test_build_wires_preemption_and_slurm_requeue(tmp_path, monkeypatch):
-    from hydra import compose, initialize_config_module
     from lightning.pytorch.plugins.environments import SLURMEnvironment
-    from omegaconf import OmegaConf
 
-    from moco_retrieval.command import register_configs
     from moco_retrieval.train import build
 
-    register_configs()
     monkeypatch.setenv("MOCO_RETRIEVAL_CACHE", os.environ.get("MOCO_RETRIEVAL_CACHE") or str(tmp_path / "cache"))
-    with initialize_config_module("moco_retrieval.conf", version_base="1.3"):
-        cfg = OmegaConf.to_object(compose("train", overrides=["model=tiny", "trainer=cpu", "logger=none"]))
+    cfg = compose_cfg("train", ["model=tiny", "trainer=cpu", "logger=none"], to_object=True)
     for var in [v for v in os.environ if v.startswith("SLURM_")]:
         monkeypatch.delenv(var)
     _, _, trainer = build(cfg, tmp_path)

@@ -12,24 +12,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from moco_retrieval.training.checkpoints import atomic_torch_save, read_checkpoint
-from moco_retrieval.command import register_configs
 from moco_retrieval.errors import CheckpointError
-
-SHARED_DEBIAN = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "debian-bookworm"
-
-# 8 steps of 16 pairs, validations at steps 3 and 6 (each writes last.ckpt) and at the end
-SMALL = ["+experiment=smoke", "data.max_train_examples=128", "data.max_eval_queries=16", "data.max_eval_docs=32",
-         "trainer.val_check_interval=3", "logger=none", "ckpt_path=last"]
+from helpers import SHARED_DEBIAN, SMALL_RESUMABLE, compose_cfg
 
 
 def config(*overrides: str):
-    register_configs()
-    with initialize_config_module("moco_retrieval.conf", version_base="1.3"):
-        return OmegaConf.to_object(compose("train", overrides=[*SMALL, *overrides]))
+    """The small run's train config (8 steps, validations at steps 3 and 6), resuming from last.ckpt."""
+    return compose_cfg("train", [*SMALL_RESUMABLE, *overrides], to_object=True)
 
 
 def _train(run_dir: Path, *overrides: str) -> str:

@@ -32,7 +32,6 @@ import torch
 
 from moco_retrieval.training.checkpoints import tensors_sha256
 
-REPO = Path(__file__).resolve().parents[1]
 # torchrun as this interpreter's module: its workers then run this interpreter, and so this checkout's
 # code (a `torchrun` script elsewhere on PATH starts another Python, with whatever install it has)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -91,16 +90,6 @@ def worker_pid(torchrun_pid: int, local_rank: int) -> int:
     raise AssertionError(f"no worker with LOCAL_RANK={local_rank} under torchrun (pid {torchrun_pid})")
 
 
-def _setup(tmp_path_factory) -> tuple[dict, Path]:
-    debian = REPO.parent / "shared" / "data" / "debian-bookworm"
-    if not debian.exists():
-        pytest.skip(f"the shared Debian snapshot is not at {debian} (needed by the smoke experiment)")
-    cache = os.environ.get("MOCO_RETRIEVAL_CACHE") or str(tmp_path_factory.mktemp("moco_cache"))
-    env = dict(os.environ, MOCO_RETRIEVAL_DEBIAN_DIR=str(debian), MOCO_RETRIEVAL_CACHE=cache,
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return env, tmp_path_factory.mktemp("torchrun")
-
-
 def command(tmp: Path) -> list[str]:
     return [
         *TORCHRUN, "--standalone", f"--nproc_per_node={RANKS}", "-m", "moco_retrieval.train",
@@ -114,15 +103,15 @@ def command(tmp: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def completed(tmp_path_factory):
-    env, tmp = _setup(tmp_path_factory)
-    rc, out = launch(command(tmp), env, tmp)
+def completed(cli_env, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("torchrun")
+    rc, out = launch(command(tmp), cli_env, tmp)
     return dict(base=tmp / "run", rc=rc, out=out)
 
 
 @pytest.fixture(scope="module")
-def interrupted(tmp_path_factory):
-    env, tmp = _setup(tmp_path_factory)
+def interrupted(cli_env, tmp_path_factory):
+    env, tmp = cli_env, tmp_path_factory.mktemp("torchrun")
     signalled_at = []
 
     def sigterm_to_rank_1(proc, line):  # once step 2 is done
@@ -235,11 +224,11 @@ def test_preempted_ddp_job_resumes_and_completes(interrupted):
 
 
 @pytest.mark.slow  # ~55 s on a busy 2-core machine (two interpreters starting, 5 s of waiting)
-def test_stalled_rank_ends_the_others_after_the_process_group_timeout(tmp_path_factory):
+def test_stalled_rank_ends_the_others_after_the_process_group_timeout(cli_env, tmp_path_factory):
     """SIGSTOP rank 1 after step 2: rank 0 waits `trainer.process_group_timeout` (5 s here, not
     Lightning's 30 min) at its next collective and exits with a message naming what it waited for.
     `trainer=ddp` without trainer.devices: under torchrun the launcher's 2 processes are the devices."""
-    env, tmp = _setup(tmp_path_factory)
+    env, tmp = cli_env, tmp_path_factory.mktemp("torchrun")
     cmd = [a for a in command(tmp) if not a.startswith("trainer.devices=")] + ["trainer.process_group_timeout=5"]
     stopped: list[int] = []
 
@@ -263,11 +252,11 @@ def test_stalled_rank_ends_the_others_after_the_process_group_timeout(tmp_path_f
 
 
 @pytest.mark.slow  # ~30 s on a busy 2-core machine (two interpreters starting)
-def test_a_rank_killed_by_sigkill_leaves_the_other_with_the_projects_message(tmp_path_factory):
+def test_a_rank_killed_by_sigkill_leaves_the_other_with_the_projects_message(cli_env, tmp_path_factory):
     """SIGKILL rank 1 after step 2 (the out-of-memory killer, a node lost): rank 0's next
     collective finds the connection closed; it says so in one line (not gloo's "Connection reset
     by peer" traceback) and exits non-zero."""
-    env, tmp = _setup(tmp_path_factory)
+    env, tmp = cli_env, tmp_path_factory.mktemp("torchrun")
     killed: list[int] = []
 
     def kill_rank_1(proc, line):
