@@ -6,28 +6,22 @@ from __future__ import annotations
 
 import io
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from moco_retrieval.errors import ConfigError
-from moco_retrieval.config import ExportConfig, LoraConfig, ModelConfig, OptimConfig, PromptsConfig
+from moco_retrieval.config import ExportConfig, LoraConfig, ModelConfig, PromptsConfig
 from moco_retrieval.objectives.two_queue import TwoQueueConfig
 from moco_retrieval.data.formats import EvalSet, write_beir
 from moco_retrieval.data.prompts import Prompts
 from moco_retrieval.evaluation.encode import encode_texts
-from moco_retrieval.training.module import RetrievalModule
 from moco_retrieval.model.decoder import last_token
 from moco_retrieval.model.encoder import build_encoder
 from moco_retrieval.model.lora import ADAPTER_MARK
 from moco_retrieval.model.tiny import EOS, build_tiny_decoder
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_commands_eval import _compose  # noqa: E402
-from test_lora import fit  # noqa: E402
+from helpers import compose_cfg, fit_to_last_ckpt, make_module
 
 TEXTS = ["resize images from the command line", "a shell", "backup archive tool for the terminal " * 6]
 PROMPTS = PromptsConfig(query="Instruct: find the package\nQuery: ", doc="")
@@ -67,11 +61,9 @@ def test_the_tokenizer_ends_every_text_with_eos_even_truncated(decoder_dir):
         torch.testing.assert_close(enc(enc.tokenize([text], "doc"), "doc")[0], batch[i], atol=1e-5, rtol=1e-5)
 
 
-def make_module(path):
-    torch.manual_seed(0)
-    return RetrievalModule(decoder_cfg(path), TwoQueueConfig(queue_size=16, temperature=0.1, momentum=0.9),
-                           OptimConfig(lr=1e-2, warmup_steps=0, warmup_ratio=0.0, schedule="constant"),
-                           prompts=PROMPTS)
+def decoder_module(path):
+    return make_module(decoder_cfg(path), TwoQueueConfig(queue_size=16, temperature=0.1, momentum=0.9), lr=1e-2,
+                       seed=0, prompts=PROMPTS)
 
 
 def test_decoder_trains_with_the_queue_resumes_exports_and_searches(decoder_dir, tmp_path, one_thread):
@@ -81,10 +73,11 @@ def test_decoder_trains_with_the_queue_resumes_exports_and_searches(decoder_dir,
     from moco_retrieval.model.loading import load_model_dir
     from moco_retrieval.search import run_search
 
-    ref_module = make_module(decoder_dir)
-    ref = fit(ref_module, tmp_path / "ref", 2)
-    fit(make_module(decoder_dir), tmp_path / "run", 1)
-    resumed = fit(make_module(decoder_dir), tmp_path / "run", 2, ckpt_path=str(tmp_path / "run" / "last.ckpt"))
+    ref_module = decoder_module(decoder_dir)
+    ref = fit_to_last_ckpt(ref_module, tmp_path / "ref", 2)
+    fit_to_last_ckpt(decoder_module(decoder_dir), tmp_path / "run", 1)
+    resumed = fit_to_last_ckpt(decoder_module(decoder_dir), tmp_path / "run", 2,
+                               ckpt_path=str(tmp_path / "run" / "last.ckpt"))
     assert ref["global_step"] == resumed["global_step"] == 6
     assert all(ADAPTER_MARK in k for k in ref["state_dict"] if ".backbone." in k)  # no base weights
     assert "objective.queries.queue.queue_keys" in ref["state_dict"]  # the query queue
@@ -110,7 +103,7 @@ def test_decoder_trains_with_the_queue_resumes_exports_and_searches(decoder_dir,
     write_beir(folder, EvalSet(corpus={f"d{i}": t for i, t in enumerate(TEXTS)}, queries={"q": "x"},
                                qrels={"q": {"d0": 1}}), "test")
     query = "convert pictures in a shell"
-    answers = run_search(_compose("search", [
+    answers = run_search(compose_cfg("search", [
         "model=tiny", f"model.path={decoder_dir}", f"model_dir={out}", f"corpus={folder}",
         f"index_dir={tmp_path / 'index'}", f"query={query}", "k=3", "format=json", "progress=false", "device=cpu",
     ]), out=io.StringIO())
@@ -121,7 +114,7 @@ def test_decoder_trains_with_the_queue_resumes_exports_and_searches(decoder_dir,
 
     from moco_retrieval.evaluate import run_evaluate
 
-    run_evaluate(_compose("evaluate", [
+    run_evaluate(compose_cfg("evaluate", [
         "model=tiny", f"model.path={decoder_dir}", "data=beir", f"data.dir={folder}", f"model_dir={out}",
         "progress=false", "device=cpu", "eval.top_k=3"]), tmp_path / "eval")
     entry = json.loads((tmp_path / "eval" / "eval.json").read_text())  # one model: its entry at the top

@@ -35,12 +35,13 @@ def _small_and_isolated():
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
+def zyzzyva_dir(tmp_path_factory) -> Path:
+    """The tiny model with one more whole word in its vocabulary, "zyzzyva"."""
     return build_tiny_bert(tmp_path_factory.mktemp("tiny") / "bert", vocab_words=["zyzzyva"])
 
 
-def make(tiny_dir, **kw):
-    enc = build_encoder(ModelConfig(backbone="tiny", path=str(tiny_dir), **kw))
+def make(zyzzyva_dir, **kw):
+    enc = build_encoder(ModelConfig(backbone="tiny", path=str(zyzzyva_dir), **kw))
     return enc.eval()
 
 
@@ -65,10 +66,10 @@ def count_backbone(tower):
 # --------------------------------------------------------------------------- tiny backbone
 
 
-def test_tiny_tokenizer_uses_its_vocab(tiny_dir):
+def test_tiny_tokenizer_uses_its_vocab(zyzzyva_dir):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(tiny_dir), local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(str(zyzzyva_dir), local_files_only=True)
     vocab = tiny_vocab(["zyzzyva"])
     assert len(tok) == len(vocab)
     for word in ["package", "python", "zyzzyva"]:
@@ -95,8 +96,8 @@ def test_tiny_build_is_deterministic(tmp_path):
 
 
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
-def test_pooling_matches_hand_computation(tiny_dir, pooling):
-    enc = make(tiny_dir, pooling=pooling, normalize=False)
+def test_pooling_matches_hand_computation(zyzzyva_dir, pooling):
+    enc = make(zyzzyva_dir, pooling=pooling, normalize=False)
     tok = enc.tokenize(TEXTS, "doc")
     lengths = tok["attention_mask"].sum(1)
     assert len(set(lengths.tolist())) > 1  # padding is exercised
@@ -110,8 +111,8 @@ def test_pooling_matches_hand_computation(tiny_dir, pooling):
     torch.testing.assert_close(out_from_texts, out)
 
 
-def test_normalize_on_and_off(tiny_dir):
-    on, off = make(tiny_dir), make(tiny_dir, normalize=False)
+def test_normalize_on_and_off(zyzzyva_dir):
+    on, off = make(zyzzyva_dir), make(zyzzyva_dir, normalize=False)
     assert on.normalize and not off.normalize
     with torch.no_grad():
         a, b = on({"texts": TEXTS}, "query"), off({"texts": TEXTS}, "query")
@@ -120,31 +121,31 @@ def test_normalize_on_and_off(tiny_dir):
     torch.testing.assert_close(a, F.normalize(b, dim=-1))
 
 
-def test_heads(tiny_dir):
-    lin = make(tiny_dir, head="linear", head_dim=16)
-    mlp = make(tiny_dir, head="mlp", head_dim=8)
-    none = make(tiny_dir)
+def test_heads(zyzzyva_dir):
+    lin = make(zyzzyva_dir, head="linear", head_dim=16)
+    mlp = make(zyzzyva_dir, head="mlp", head_dim=8)
+    none = make(zyzzyva_dir)
     assert (lin.dim, mlp.dim, none.dim) == (16, 8, 32)
     assert lin({"texts": TEXTS}, "doc").shape == (len(TEXTS), 16)
     assert mlp({"texts": TEXTS}, "doc").shape == (len(TEXTS), 8)
     kinds = [type(m).__name__ for m in mlp.tower.head]
     assert kinds == ["Linear", "GELU", "Linear"]
     # identity init: the head changes nothing at the start
-    ident = make(tiny_dir, head="linear", head_init="identity", normalize=False)
-    plain = make(tiny_dir, normalize=False)
+    ident = make(zyzzyva_dir, head="linear", head_init="identity", normalize=False)
+    plain = make(zyzzyva_dir, normalize=False)
     with torch.no_grad():
         torch.testing.assert_close(ident({"texts": TEXTS}, "doc"), plain({"texts": TEXTS}, "doc"))
     with pytest.raises(ValueError, match="head_dim"):
-        make(tiny_dir, head="linear", head_init="identity", head_dim=16)
+        make(zyzzyva_dir, head="linear", head_init="identity", head_dim=16)
     with pytest.raises(ConfigError, match="model.pooling='max': expected one of mean, cls, last"):
-        make(tiny_dir, pooling="max")
+        make(zyzzyva_dir, pooling="max")
 
 
 # --------------------------------------------------------------------------- towers
 
 
-def test_shared_tower(tiny_dir):
-    enc = make(tiny_dir, query_max_len=64, doc_max_len=64)
+def test_shared_tower(zyzzyva_dir):
+    enc = make(zyzzyva_dir, query_max_len=64, doc_max_len=64)
     names = [n for n, _ in enc.named_parameters()]
     assert names and all(n.startswith("tower.") for n in names)
     assert enc.tower_for("query") is enc.tower_for("doc")
@@ -152,8 +153,8 @@ def test_shared_tower(tiny_dir):
         torch.testing.assert_close(enc({"texts": TEXTS}, "query"), enc({"texts": TEXTS}, "doc"))
 
 
-def test_separate_towers(tiny_dir):
-    enc = make(tiny_dir, shared_tower=False, head="linear", query_max_len=64, doc_max_len=64)
+def test_separate_towers(zyzzyva_dir):
+    enc = make(zyzzyva_dir, shared_tower=False, head="linear", query_max_len=64, doc_max_len=64)
     q, d = enc.tower_for("query"), enc.tower_for("doc")
     assert q is not d
     qp, dp = dict(q.named_parameters()), dict(d.named_parameters())
@@ -173,9 +174,9 @@ def test_separate_towers(tiny_dir):
 # --------------------------------------------------------------------------- frozen backbone + cache
 
 
-def test_frozen_backbone_trains_head_only(tiny_dir):
-    enc = make(tiny_dir, frozen_backbone=True, head="mlp")
-    assert not enc.needs_tokens and make(tiny_dir).needs_tokens
+def test_frozen_backbone_trains_head_only(zyzzyva_dir):
+    enc = make(zyzzyva_dir, frozen_backbone=True, head="mlp")
+    assert not enc.needs_tokens and make(zyzzyva_dir).needs_tokens
     enc.train()
     assert enc.tower.head.training and not enc.tower.backbone.training
     out = enc({"texts": TEXTS}, "query")
@@ -187,8 +188,8 @@ def test_frozen_backbone_trains_head_only(tiny_dir):
     assert all(n.startswith("tower.head.") for n, p in enc.named_parameters() if p.requires_grad)
 
 
-def test_cache_computes_each_text_once_and_is_shared(tiny_dir):
-    enc = make(tiny_dir, frozen_backbone=True, normalize=False, query_max_len=4, doc_max_len=64)
+def test_cache_computes_each_text_once_and_is_shared(zyzzyva_dir):
+    enc = make(zyzzyva_dir, frozen_backbone=True, normalize=False, query_max_len=4, doc_max_len=64)
     counter = count_backbone(enc.tower)
     a, b, c = TEXTS[0], TEXTS[1], TEXTS[2]
     with torch.no_grad():
@@ -205,7 +206,7 @@ def test_cache_computes_each_text_once_and_is_shared(tiny_dir):
     assert (qa[0] - first[0]).abs().max() > 1e-4
     torch.testing.assert_close(again, first[[1, 0]])
     # cached features equal the uncached computation with the same weights
-    live = make(tiny_dir, normalize=False, doc_max_len=64)
+    live = make(zyzzyva_dir, normalize=False, doc_max_len=64)
     with torch.no_grad():
         torch.testing.assert_close(live({"texts": [a, b]}, "doc"), first[:2], atol=1e-5, rtol=1e-5)
     # the momentum key encoder is a deep copy: it shares the cache, computing nothing
@@ -219,8 +220,8 @@ def test_cache_computes_each_text_once_and_is_shared(tiny_dir):
     assert enc.feature_cache.computed == 4
 
 
-def test_warm_features_and_new_weights_get_another_cache(tiny_dir):
-    enc = make(tiny_dir, frozen_backbone=True, head="linear", query_max_len=4)
+def test_warm_features_and_new_weights_get_another_cache(zyzzyva_dir):
+    enc = make(zyzzyva_dir, frozen_backbone=True, head="linear", query_max_len=4)
     counter = count_backbone(enc.tower)
     assert enc.warm_features(docs=TEXTS + TEXTS[:2], batch_size=2, progress=False) == len(TEXTS)
     assert enc.warm_features(docs=TEXTS, progress=False) == 0
@@ -239,12 +240,12 @@ def test_warm_features_and_new_weights_get_another_cache(tiny_dir):
     state["tower.backbone.embeddings.word_embeddings.weight"].add_(1.0)
     enc.load_state_dict(state)
     assert enc.feature_cache is not old and len(enc.feature_cache) == 0
-    assert make(tiny_dir).warm_features(TEXTS, TEXTS) == 0  # not frozen: nothing to do
+    assert make(zyzzyva_dir).warm_features(TEXTS, TEXTS) == 0  # not frozen: nothing to do
 
 
-def test_disk_cache_round_trip(tiny_dir, tmp_path):
+def test_disk_cache_round_trip(zyzzyva_dir, tmp_path):
     cache_dir = tmp_path / "features"
-    enc = make(tiny_dir, frozen_backbone=True, feature_cache_dir=str(cache_dir))
+    enc = make(zyzzyva_dir, frozen_backbone=True, feature_cache_dir=str(cache_dir))
     assert enc.warm_features(docs=TEXTS, progress=False) == len(TEXTS)
     files = list(cache_dir.iterdir())
     assert [f.name for f in files] == [f"{enc.feature_cache.fingerprint}.pt"]
@@ -252,7 +253,7 @@ def test_disk_cache_round_trip(tiny_dir, tmp_path):
         before = enc({"texts": TEXTS}, "doc")
     del enc
     FeatureCache.clear_shared()
-    again = make(tiny_dir, frozen_backbone=True, feature_cache_dir=str(cache_dir))
+    again = make(zyzzyva_dir, frozen_backbone=True, feature_cache_dir=str(cache_dir))
     assert len(again.feature_cache) == len(TEXTS) and again.feature_cache.computed == 0
     counter = count_backbone(again.tower)
     with torch.no_grad():
@@ -264,11 +265,11 @@ def test_disk_cache_round_trip(tiny_dir, tmp_path):
 # --------------------------------------------------------------------------- bag of wordpieces
 
 
-def test_bag_of_wordpieces_is_mean_of_input_embeddings(tiny_dir):
+def test_bag_of_wordpieces_is_mean_of_input_embeddings(zyzzyva_dir):
     from transformers import AutoModel
 
-    enc = make(tiny_dir, backbone_kind="bag_of_wordpieces", normalize=False)
-    table = AutoModel.from_pretrained(str(tiny_dir), local_files_only=True).get_input_embeddings().weight
+    enc = make(zyzzyva_dir, backbone_kind="bag_of_wordpieces", normalize=False)
+    table = AutoModel.from_pretrained(str(zyzzyva_dir), local_files_only=True).get_input_embeddings().weight
     special = set(enc.tokenizer.all_special_ids)
     with torch.no_grad():
         out = enc({"texts": TEXTS}, "doc")
@@ -276,7 +277,7 @@ def test_bag_of_wordpieces_is_mean_of_input_embeddings(tiny_dir):
             ids = [t for t in enc.tokenizer(text)["input_ids"] if t not in special]
             torch.testing.assert_close(out[i], table[ids].mean(0))
         # frozen bag uses the cache and gives the same features
-        frozen = make(tiny_dir, backbone_kind="bag_of_wordpieces", normalize=False, frozen_backbone=True)
+        frozen = make(zyzzyva_dir, backbone_kind="bag_of_wordpieces", normalize=False, frozen_backbone=True)
         counter = count_backbone(frozen.tower)
         torch.testing.assert_close(frozen({"texts": TEXTS}, "doc"), out)
         frozen({"texts": TEXTS}, "doc")
@@ -287,9 +288,9 @@ def test_bag_of_wordpieces_is_mean_of_input_embeddings(tiny_dir):
 # --------------------------------------------------------------------------- mixed precision
 
 
-def test_bf16_autocast(tiny_dir):
+def test_bf16_autocast(zyzzyva_dir):
     for kw in [{}, {"frozen_backbone": True, "head": "linear"}]:
-        enc = make(tiny_dir, **kw)
+        enc = make(zyzzyva_dir, **kw)
         with torch.no_grad():
             ref = enc({"texts": TEXTS}, "doc")
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -316,7 +317,7 @@ def test_missing_package_says_how_to_fix(monkeypatch):
         resolve_backbone_path(ModelConfig(backbone="minilm"))
 
 
-def test_missing_or_bad_backbone_folder_names_the_key(tmp_path, tiny_dir):
+def test_missing_or_bad_backbone_folder_names_the_key(tmp_path, zyzzyva_dir):
     missing = tmp_path / "nowhere"
     with pytest.raises(FileNotFoundError, match=r"nowhere.*model\.path"):
         build_encoder(ModelConfig(path=str(missing)))
@@ -336,7 +337,7 @@ def test_missing_or_bad_backbone_folder_names_the_key(tmp_path, tiny_dir):
     empty.mkdir()
     assert resolve_backbone_path(ModelConfig(backbone="tiny", path=str(empty), tiny_hidden=16)) == empty
     assert build_encoder(ModelConfig(backbone="tiny", path=str(empty))).dim == 16
-    assert resolve_backbone_path(ModelConfig(backbone="minilm", path=str(tiny_dir))) == tiny_dir
+    assert resolve_backbone_path(ModelConfig(backbone="minilm", path=str(zyzzyva_dir))) == zyzzyva_dir
 
 
 def test_real_minilm_matches_sentence_transformers():

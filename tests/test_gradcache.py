@@ -6,17 +6,14 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
-import lightning as L
 import pytest
 import torch
 
-from moco_retrieval.config import ModelConfig, OptimConfig
+from moco_retrieval.config import ModelConfig
 from moco_retrieval.objectives.inbatch import InBatchConfig
 from moco_retrieval.objectives.moco import MoCoConfig
 from moco_retrieval.model.gradcache import GradCache, split_side
-from moco_retrieval.training.module import RetrievalModule
-from moco_retrieval.model.tiny import build_tiny_bert
-from helpers import WORDS, SyntheticData
+from helpers import WORDS, fit, make_module
 
 B, N_NEG, CHUNK = 8, 2, 3  # 3 does not divide 8 or 16: a short last chunk
 
@@ -24,17 +21,11 @@ B, N_NEG, CHUNK = 8, 2, 3  # 3 does not divide 8 or 16: a short last chunk
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return str(build_tiny_bert(tmp_path_factory.mktemp("tiny") / "bert"))
-
-
-def make_module(tiny_dir, objective="inbatch", chunk=CHUNK, symmetric=False):
-    torch.manual_seed(0)
-    model = ModelConfig(backbone="tiny", path=tiny_dir, grad_cache_chunk=chunk)
+def chunked_module(tiny_dir, objective="inbatch", chunk=CHUNK, symmetric=False):
+    """In-batch (or MoCo) on the tiny model with grad cache in chunks of ``chunk`` (None: off), seeded 0."""
     obj = (InBatchConfig(temperature=0.1, symmetric=symmetric) if objective == "inbatch"
            else MoCoConfig(temperature=0.1, queue_size=16, momentum=0.9))
-    return RetrievalModule(model, obj, OptimConfig(lr=1e-3, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
+    return make_module(ModelConfig(backbone="tiny", path=tiny_dir, grad_cache_chunk=chunk), obj, seed=0)
 
 
 def make_batch(tokenize, seed=0):
@@ -87,7 +78,7 @@ def fill_queue(module):
 
 @pytest.mark.parametrize("objective,symmetric", [("inbatch", False), ("inbatch", True), ("moco", False)])
 def test_grad_cache_equals_one_graph_with_dropout(tiny_dir, objective, symmetric):
-    m = make_module(tiny_dir, objective, symmetric=symmetric)
+    m = chunked_module(tiny_dir, objective, symmetric=symmetric)
     m.train()  # dropout on
     if objective == "moco":
         fill_queue(m)
@@ -105,7 +96,7 @@ def test_grad_cache_equals_one_graph_with_dropout(tiny_dir, objective, symmetric
 
 
 def test_without_replay_the_gradients_are_wrong(tiny_dir):
-    m = make_module(tiny_dir)
+    m = chunked_module(tiny_dir)
     m.train()
     batch = make_batch(m.encoder.tokenize)
     m.grad_cache = OneGraph(CHUNK)
@@ -117,7 +108,7 @@ def test_without_replay_the_gradients_are_wrong(tiny_dir):
 
 def test_grad_cache_equals_full_batch_without_dropout(tiny_dir):
     """No dropout: the cached gradients are those of one plain forward of the whole batch."""
-    m = make_module(tiny_dir)
+    m = chunked_module(tiny_dir)
     m.eval()
     batch = make_batch(m.encoder.tokenize)
     loss_gc, g_gc = grads_of(m, batch)
@@ -139,18 +130,15 @@ def test_fit_with_grad_cache_clipping_and_accumulation(tiny_dir, tmp_path, objec
     """Two optimizer steps of two micro-batches each, clipped hard: the same weights (and, for moco,
     the same EMA key encoder and queue) with and without grad cache."""
 
-    def fit(chunk):
-        m = no_dropout(make_module(tiny_dir, objective, chunk=chunk))
-        t = L.Trainer(accelerator="cpu", devices=1, max_steps=2, accumulate_grad_batches=2, gradient_clip_val=0.05,
-                      logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                      num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=str(tmp_path))
-        t.fit(m, SyntheticData(m.encoder.tokenize, batch_size=6, batches=4))
+    def trained(chunk):
+        m = no_dropout(chunked_module(tiny_dir, objective, chunk=chunk))
+        fit(m, tmp_path, batches=4, batch_size=6, max_steps=2, accumulate_grad_batches=2, gradient_clip_val=0.05)
         return m
 
-    a, b = fit(4), fit(None)
+    a, b = trained(4), trained(None)
     assert a.grad_cache is not None and b.grad_cache is None
     moved = 0.0
-    for (name, pa), pb, p0 in zip(a.state_dict().items(), b.state_dict().values(), make_module(tiny_dir, objective).state_dict().values()):
+    for (name, pa), pb, p0 in zip(a.state_dict().items(), b.state_dict().values(), chunked_module(tiny_dir, objective).state_dict().values()):
         torch.testing.assert_close(pa.float(), pb.float(), atol=2e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
         moved = max(moved, float((pa.float() - p0.float()).abs().max()))
     assert moved > 1e-4  # training did something
@@ -164,7 +152,7 @@ def test_chunking_and_arguments(tiny_dir):
     assert parts[0]["input_ids"].shape == (3, 2) and parts[2]["input_ids"].shape == (1, 3)  # padding trimmed
     with pytest.raises(ValueError, match="grad_cache_chunk"):
         GradCache(0)
-    m = make_module(tiny_dir)
+    m = chunked_module(tiny_dir)
     m._trainer = SimpleNamespace(world_size=2, strategy=SimpleNamespace(model=m))
     with pytest.raises(ValueError, match="needs trainer.strategy=ddp"):
         m.on_fit_start()

@@ -11,10 +11,7 @@
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
-import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -27,17 +24,9 @@ from moco_retrieval.model.encoder import build_encoder
 from moco_retrieval.model.lora import ADAPTER_MARK, adapter_bytes, base_weight_keys
 from moco_retrieval.model.momentum import MomentumEncoder
 from moco_retrieval.model.tiny import build_tiny_bert
-from moco_retrieval.training.preemption import PreemptionCheckpoint
-
-sys.path.insert(0, str(Path(__file__).parent))
-from helpers import SyntheticData  # noqa: E402
+from helpers import compose_cfg, fit_to_last_ckpt, make_module
 
 TEXTS = ["a python library for parsing json files", "graphical text editor", "the linux kernel firmware"]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return str(build_tiny_bert(tmp_path_factory.mktemp("tiny") / "bert"))
 
 
 def lora_cfg(tiny_dir, **kw):
@@ -98,19 +87,9 @@ def test_lora_refuses_a_frozen_backbone_and_unknown_targets(tiny_dir):
 # --------------------------------------------------------------------------- checkpoints and resume
 
 
-def make_module(tiny_dir):
-    torch.manual_seed(0)  # the adapters' initialisation (train.py seeds before it builds the module)
-    return RetrievalModule(lora_cfg(tiny_dir), MoCoConfig(queue_size=16, temperature=0.1, momentum=0.9),
-                           OptimConfig(lr=1e-2, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
-
-
-def fit(module, folder, epochs, ckpt_path=None):
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, default_root_dir=str(folder),
-                        callbacks=[PreemptionCheckpoint(Path(folder) / "last.ckpt")])
-    trainer.fit(module, SyntheticData(module.encoder.tokenize, batch_size=4, batches=3), ckpt_path=ckpt_path)
-    return torch.load(Path(folder) / "last.ckpt", map_location="cpu", weights_only=False)
+def lora_module(tiny_dir):
+    """MoCo on the tiny model with LoRA adapters, seeded 0 (the adapters' initialisation, as train.py seeds)."""
+    return make_module(lora_cfg(tiny_dir), MoCoConfig(queue_size=16, temperature=0.1, momentum=0.9), lr=1e-2, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -118,11 +97,11 @@ def lora_runs(tiny_dir, tmp_path_factory):
     """An uninterrupted 2-epoch LoRA MoCo run, and one stopped after epoch 1 and resumed."""
     torch.set_num_threads(1)
     ref_dir, run_dir = tmp_path_factory.mktemp("ref"), tmp_path_factory.mktemp("run")
-    ref_module = make_module(tiny_dir)
-    ref = fit(ref_module, ref_dir, 2)
-    first = fit(make_module(tiny_dir), run_dir, 1)
-    resumed_module = make_module(tiny_dir)
-    resumed = fit(resumed_module, run_dir, 2, ckpt_path=str(run_dir / "last.ckpt"))
+    ref_module = lora_module(tiny_dir)
+    ref = fit_to_last_ckpt(ref_module, ref_dir, 2)
+    first = fit_to_last_ckpt(lora_module(tiny_dir), run_dir, 1)
+    resumed_module = lora_module(tiny_dir)
+    resumed = fit_to_last_ckpt(resumed_module, run_dir, 2, ckpt_path=str(run_dir / "last.ckpt"))
     return dict(ref=ref, ref_module=ref_module, first=first, resumed=resumed, resumed_module=resumed_module,
                 ref_path=ref_dir / "last.ckpt")
 
@@ -243,11 +222,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_dir, lora, one_thr
 
 
 def test_lora_checkpoint_refuses_another_base_and_hydra_takes_the_keys(lora_runs, tmp_path, one_thread):
-    from hydra import compose, initialize_config_module
-    from omegaconf import OmegaConf
-
     from moco_retrieval.config import TrainConfig
-    from moco_retrieval.command import register_configs
     from moco_retrieval.errors import CheckpointError
     from moco_retrieval.model.loading import load_checkpoint_encoder
 
@@ -260,13 +235,11 @@ def test_lora_checkpoint_refuses_another_base_and_hydra_takes_the_keys(lora_runs
     with pytest.raises(CheckpointError, match="other base weights"):
         load_checkpoint_encoder(tmp_path / "moved.ckpt")
 
-    register_configs()
-    with initialize_config_module("moco_retrieval.conf", version_base="1.3"):
-        cfg = OmegaConf.to_object(compose("train", overrides=[
-            "model=tiny", "model.lora.r=8", "model.lora.target_modules=[query,value]", "model.gradient_checkpointing=true"]))
-        assert isinstance(cfg, TrainConfig) and cfg.model.lora.r == 8 and cfg.model.lora.target_modules == ["query", "value"]
-        with pytest.raises(Exception, match="rank"):
-            compose("train", overrides=["model=tiny", "model.lora.rank=8"])
+    cfg = compose_cfg("train", ["model=tiny", "model.lora.r=8", "model.lora.target_modules=[query,value]",
+                                "model.gradient_checkpointing=true"], to_object=True)
+    assert isinstance(cfg, TrainConfig) and cfg.model.lora.r == 8 and cfg.model.lora.target_modules == ["query", "value"]
+    with pytest.raises(Exception, match="rank"):
+        compose_cfg("train", ["model=tiny", "model.lora.rank=8"])
 
 
 def test_a_lora_runs_base_guide_is_its_own_base_with_the_adapters_off(tiny_dir, one_thread):
@@ -311,11 +284,10 @@ def test_a_lora_runs_base_guide_is_its_own_base_with_the_adapters_off(tiny_dir, 
 def test_resuming_with_other_lora_settings_is_refused(lora_runs, tiny_dir, tmp_path):
     from moco_retrieval.errors import CheckpointError
 
-    module = RetrievalModule(ModelConfig(backbone="tiny", path=tiny_dir, lora=LoraConfig(r=8, alpha=8, dropout=0.1)),
-                             MoCoConfig(queue_size=16, temperature=0.1, momentum=0.9),
-                             OptimConfig(lr=1e-2, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
+    module = make_module(ModelConfig(backbone="tiny", path=tiny_dir, lora=LoraConfig(r=8, alpha=8, dropout=0.1)),
+                         MoCoConfig(queue_size=16, temperature=0.1, momentum=0.9), lr=1e-2)
     with pytest.raises(CheckpointError, match=r"trained with model.lora.r=4, but this run's config has model.lora.r=8"):
-        fit(module, tmp_path, 2, ckpt_path=str(lora_runs["ref_path"]))
+        fit_to_last_ckpt(module, tmp_path, 2, ckpt_path=str(lora_runs["ref_path"]))
 
 
 def test_key_encoder_fingerprint_hashes_the_ema_adapters_not_the_shared_base(tiny_dir, monkeypatch):
@@ -324,7 +296,7 @@ def test_key_encoder_fingerprint_hashes_the_ema_adapters_not_the_shared_base(tin
     of hashing at every checkpoint)."""
     from moco_retrieval.training import checkpoints as fingerprints
 
-    module = make_module(tiny_dir)
+    module = lora_module(tiny_dir)
     base = [p for p in module.encoder.parameters() if not p.requires_grad]
     base_storages = {p.untyped_storage().data_ptr() for p in base}
     hashed: list[torch.Tensor] = []
