@@ -1,8 +1,14 @@
+"""The EMA key encoder (model/momentum.py): its update, and the state-dict prefixes under which the
+training module holds the query and key encoders (what the commands load from a checkpoint)."""
 import pytest
 import torch
 from torch import nn
 
-from moco_retrieval.model.momentum import MomentumEncoder
+from moco_retrieval.config import ModelConfig, OptimConfig
+from moco_retrieval.model.encoder import build_encoder
+from moco_retrieval.model.momentum import MomentumEncoder, state_dict_prefix
+from moco_retrieval.objectives.registry import objective_config
+from moco_retrieval.training.module import RetrievalModule
 
 
 class Net(nn.Module):
@@ -67,3 +73,39 @@ def test_frozen_parameters_stay_bit_identical():
     for _ in range(3):
         m.update(q, 0.999)
     assert torch.equal(m.key_encoder.lin.bias, q.lin.bias)  # 0.999*x + 0.001*x would round
+
+
+# --------------------------------------------------------------------------- state_dict_prefix
+
+
+def module(tiny_dir, objective="moco", **model_kw):
+    model = ModelConfig(backbone="tiny", path=tiny_dir, **model_kw)
+    obj = {"name": objective, **({"queue_size": 8} if objective != "inbatch" else {})}
+    return RetrievalModule(model, objective_config(obj), OptimConfig())
+
+
+@pytest.mark.parametrize("shared_tower", [True, False])
+def test_state_dict_prefix_matches_the_training_module(tiny_dir, shared_tower):
+    m = module(tiny_dir, shared_tower=shared_tower, head="linear")
+    state = m.state_dict()
+    expected = set(build_encoder(m.model_cfg).state_dict())
+    for which in ("query", "key"):
+        prefix = state_dict_prefix(which)
+        inner = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        assert set(inner) == expected, which  # exactly one whole TextEncoder under the prefix
+        enc = build_encoder(m.model_cfg)
+        enc.load_state_dict(inner, strict=True)
+    with torch.no_grad():  # the key prefix is the momentum copy, not a second view of the query encoder
+        m.key_encoder.key_encoder.tower_for("query").head.weight.add_(1.0)
+    head = "tower.head.weight" if shared_tower else "query_tower.head.weight"
+    key, query = state_dict_prefix("key") + head, state_dict_prefix("query") + head
+    assert not torch.equal(m.state_dict()[key], m.state_dict()[query])
+    assert state_dict_prefix("query") == "encoder." and state_dict_prefix("key") == "key_encoder.key_encoder."
+    with pytest.raises(ValueError, match="encoder='doc'"):
+        state_dict_prefix("doc")
+
+
+def test_no_key_prefix_without_a_momentum_encoder(tiny_dir):
+    state = module(tiny_dir, objective="inbatch").state_dict()
+    assert any(k.startswith(state_dict_prefix("query")) for k in state)
+    assert not any(k.startswith(state_dict_prefix("key")) for k in state)
