@@ -199,13 +199,10 @@ def _gc_rank(tiny_dir, rank, world):
     return out
 
 
-def test_grad_cache_under_ddp_equals_one_process_on_the_concatenated_batch(tmp_path):
+def test_grad_cache_under_ddp_equals_one_process_on_the_concatenated_batch(tiny_dir, tmp_path):
     """Two gloo ranks, in-batch objective gathered across ranks, grad cache in chunks of 3: the
     DDP-averaged parameter gradients equal those of one process, without grad cache, on the
     concatenated batch of 8 (no dropout: one plain forward is the reference)."""
-    from moco_retrieval.model.tiny import build_tiny_bert
-
-    tiny_dir = str(build_tiny_bert(tmp_path / "tiny"))
     ranks = on_ranks(_gc_rank, (tiny_dir,), W, tmp_path)
     torch.set_num_threads(1)
     m = _gc_module(tiny_dir, None)

@@ -2,40 +2,23 @@
 by the trained head every step with gradient, so no queued key is stale and both sides train."""
 from __future__ import annotations
 
-import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
 
-from moco_retrieval.config import ModelConfig, OptimConfig
+from moco_retrieval.config import ModelConfig
 from moco_retrieval.objectives.feature_memory import FeatureMemoryConfig
 from moco_retrieval.training.module import RetrievalModule
-from moco_retrieval.model.tiny import build_tiny_bert
-from helpers import SyntheticData
+from helpers import SyntheticData, fit, make_module
 
 TAU = 0.1
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return str(build_tiny_bert(tmp_path_factory.mktemp("tiny") / "bert"))
-
-
-def make_module(tiny_dir, *, frozen=True, queue_size=64, head_dim=16):
+def memory_module(tiny_dir, *, frozen=True, queue_size=64, head_dim=16):
+    """The feature memory on bag-of-wordpieces features with a linear head (lr 5e-2)."""
     model = ModelConfig(backbone="tiny", path=tiny_dir, backbone_kind="bag_of_wordpieces", frozen_backbone=frozen,
                         head="linear", head_dim=head_dim)
-    obj = FeatureMemoryConfig(queue_size=queue_size, temperature=TAU)
-    return RetrievalModule(model, obj, OptimConfig(lr=5e-2, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
-
-
-def fit(module, tmp_path, steps, batch_size=4):
-    t = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
-        default_root_dir=str(tmp_path),
-    )
-    t.fit(module, SyntheticData(lambda texts, kind: {}, batch_size=batch_size, batches=steps))
-    return t
+    return make_module(model, FeatureMemoryConfig(queue_size=queue_size, temperature=TAU), lr=5e-2)
 
 
 def batch_of(seed=123, n=4):
@@ -67,8 +50,8 @@ def reference_loss(m: RetrievalModule, batch: dict) -> torch.Tensor:
 
 def test_queue_holds_features_and_loss_and_gradient_equal_reference(tiny_dir, tmp_path):
     torch.manual_seed(0)
-    m = make_module(tiny_dir)
-    fit(m, tmp_path, steps=6)
+    m = memory_module(tiny_dir)
+    fit(m, tmp_path, batches=6, max_steps=6, tokenize=lambda texts, kind: {})  # frozen features: texts only
     queue = m.objective.memory.queue
     assert queue.fill == 24 and m.key_encoder is None
     assert queue.queue_keys.shape == (64, m.encoder.hidden_size) != (64, m.encoder.dim)  # features, not keys
@@ -95,7 +78,7 @@ def test_queue_holds_features_and_loss_and_gradient_equal_reference(tiny_dir, tm
 
 def test_enqueues_the_batch_features_after_backward(tiny_dir):
     torch.manual_seed(0)
-    m = make_module(tiny_dir)
+    m = memory_module(tiny_dir)
     m.train()
     batch = batch_of(seed=5)
     loss, _ = m.shared_step(batch)
@@ -109,9 +92,9 @@ def test_enqueues_the_batch_features_after_backward(tiny_dir):
 
 def test_state_dict_round_trip(tiny_dir, tmp_path):
     torch.manual_seed(0)
-    m = make_module(tiny_dir)
-    fit(m, tmp_path, steps=3)
-    fresh = make_module(tiny_dir)
+    m = memory_module(tiny_dir)
+    fit(m, tmp_path, batches=3, max_steps=3, tokenize=lambda texts, kind: {})
+    fresh = memory_module(tiny_dir)
     fresh.load_state_dict(m.state_dict())
     assert fresh.objective.memory.queue.fill == 12 and fresh.objective.stats(3)["queue_fill"] == 12
     assert torch.equal(fresh.objective.memory.queue.queue_keys, m.objective.memory.queue.queue_keys)
@@ -119,4 +102,4 @@ def test_state_dict_round_trip(tiny_dir, tmp_path):
 
 def test_needs_a_frozen_backbone(tiny_dir):
     with pytest.raises(ValueError, match="frozen_backbone"):
-        make_module(tiny_dir, frozen=False)
+        memory_module(tiny_dir, frozen=False)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import Given, labels, momentum_step, unit
+from helpers import Given, excluded, labels, momentum_step, unit
 
 from moco_retrieval.config import ConfigError
 from moco_retrieval.objectives.guided import GuidedMask
@@ -54,10 +54,6 @@ Q_IDS = torch.tensor([10, 99, 12, 98, 97, 96, 13, 95, 14, 93])
 Q_GROUPS = torch.tensor([-1, 2, -1, -1, 1, -1, -1, 5, -1, -1])
 
 
-def excluded(i, j_id, j_group):
-    return bool(j_id == IDS[i] or (GROUPS[i] >= 0 and j_group == GROUPS[i]))
-
-
 def moco(mask=True, guide="none", margin=0.0, threshold=None, logq=False, cls=MoCoObjective, cfg_cls=MoCoConfig):
     cfg = cfg_cls(queue_size=20, temperature=TAU, mask_false_negatives=mask, guide=guide, guide_margin=margin,
                   guide_threshold=threshold, logq_correction=logq, logq_alpha=0.5, logq_buckets=64)
@@ -81,7 +77,7 @@ def ref_moco(obj, q, k, gq, gk, g_queue, mask, margin, threshold, logq):
     def rule(i, j_id, j_group, g_j):
         if mask and j_id == IDS[i]:
             return "id"
-        if mask and excluded(i, j_id, j_group):
+        if mask and excluded(i, IDS, GROUPS, j_id, j_group):
             return "group"
         if gq is not None:
             p, s = float(gq[i] @ gk[i]), float(gq[i] @ g_j)
@@ -313,17 +309,11 @@ def test_two_gloo_ranks_equal_one_process_with_guide_and_logq(tmp_path):
 # ------------------------------------------------------------------ the module's guide encoder
 
 
-def test_module_builds_a_frozen_guide_outside_the_checkpoint(tmp_path_factory):
-    from moco_retrieval.config import ModelConfig, OptimConfig
-    from moco_retrieval.training.module import RetrievalModule
-    from moco_retrieval.model.tiny import build_tiny_bert
-    from helpers import SyntheticData
+def test_module_builds_a_frozen_guide_outside_the_checkpoint(tiny_dir):
+    from helpers import SyntheticData, make_module
 
-    tiny = str(build_tiny_bert(tmp_path_factory.mktemp("tiny") / "bert"))
-    m = RetrievalModule(ModelConfig(backbone="tiny", path=tiny),
-                        MoCoConfig(queue_size=16, temperature=0.1, momentum=0.9, guide="base", guide_threshold=0.99,
-                                   logq_correction=True),
-                        OptimConfig(lr=1e-3, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
+    m = make_module(tiny_dir, MoCoConfig(queue_size=16, temperature=0.1, momentum=0.9, guide="base",
+                                         guide_threshold=0.99, logq_correction=True))
     m.train()
     guide = m._guide[0]
     before = {k: v.clone() for k, v in guide.state_dict().items()}

@@ -2,12 +2,10 @@
 prefixes of every embedding, queued keys included, against loop references."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import momentum_step
+from helpers import compose_cfg, encoder_stub, momentum_step, ref_direction, unit
 
 from moco_retrieval.config import ConfigError
 from moco_retrieval.objectives.inbatch import InBatchConfig
@@ -22,42 +20,20 @@ Q_IDS = torch.tensor([10, 99, 12, 98, 97, 96, 13, 95, 94, 93])  # the queue hold
 Q_GROUPS = torch.tensor([-1, 2, -1, -1, 1, -1, -1, 5, -1, -1])
 
 
-def unit(*shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    return F.normalize(torch.randn(*shape, generator=g), dim=-1)
-
-
-def excluded(i, j_id, j_group):
-    return bool(j_id == IDS[i] or (GROUPS[i] >= 0 and j_group == GROUPS[i]))
-
-
-def ref_loss(q, k, batch_keys, extra, dim, normalize=True):
-    """MoCo's loss on the first ``dim`` coordinates (re-normalised): loops over candidates."""
+def ref_prefix_loss(q, k, batch_keys, extra, dim, normalize=True):
+    """MoCo's loss on the first ``dim`` coordinates (re-normalised): the loop reference on the cut vectors."""
     def cut(x):
         x = x[..., :dim]
         return F.normalize(x, dim=-1) if normalize else x
-    q, k, batch_keys = cut(q), cut(k), cut(batch_keys)
-    out = []
-    for i in range(len(q)):
-        logits = [q[i] @ k[i] / TAU]
-        logits += [q[i] @ batch_keys[j] / TAU for j in range(len(batch_keys)) if j != i and not excluded(i, IDS[j], GROUPS[j])]
-        for vecs, ids, groups in extra:
-            vecs = cut(vecs)
-            logits += [q[i] @ vecs[j] / TAU for j in range(len(vecs)) if not excluded(i, ids[j], groups[j])]
-        out.append(torch.logsumexp(torch.stack(logits), 0) - logits[0])
-    return torch.stack(out).mean()
-
-
-def encoder(normalize=True):
-    return SimpleNamespace(dim=D, hidden_size=D, frozen=False, shared_tower=True, normalize=normalize,
-                           max_len=lambda kind: 6)
+    return ref_direction(cut(q), cut(k), cut(batch_keys), IDS, GROUPS,
+                         [(cut(vecs), ids, groups) for vecs, ids, groups in extra], TAU)
 
 
 @pytest.mark.parametrize("normalize", [True, False])
 def test_moco_loss_and_gradient_are_the_weighted_sum_over_prefixes(normalize):
     """Every block is truncated, queued keys included (they stay full-size in the queue)."""
     cfg = MoCoConfig(queue_size=20, temperature=TAU, matryoshka_dims=[8, 4, 2], matryoshka_weights=[1.0, 0.5, 0.25])
-    obj = build_objective(cfg, encoder(normalize)).train()
+    obj = build_objective(cfg, encoder_stub(D, normalize=normalize)).train()
     docs = obj.objective.docs  # (Matryoshka wraps the objective)
     docs.queue.enqueue(unit(10, D, seed=5), Q_IDS, Q_GROUPS, step=0)
     queue = docs.queue.keys().clone()
@@ -67,7 +43,7 @@ def test_moco_loss_and_gradient_are_the_weighted_sum_over_prefixes(normalize):
     (got,) = torch.autograd.grad(loss, [q])
     q2 = q.detach().clone().requires_grad_()
     extra = [(hard, hard_ids, hard_groups), (queue, Q_IDS, Q_GROUPS)]
-    parts = {dim: ref_loss(q2, k, k, extra, dim, normalize) for dim in (8, 4, 2)}
+    parts = {dim: ref_prefix_loss(q2, k, k, extra, dim, normalize) for dim in (8, 4, 2)}
     ref = parts[8] + 0.5 * parts[4] + 0.25 * parts[2]
     (want,) = torch.autograd.grad(ref, [q2])
     assert loss.item() == pytest.approx(ref.item(), abs=1e-5)
@@ -82,7 +58,7 @@ def test_two_queue_prefixes_cover_both_queues_and_the_in_batch_term():
     """With the one full dimension it is the objective without Matryoshka; with a smaller prefix
     alone, the objective on truncated, re-normalised embeddings and queues."""
     def make(**kw):
-        obj = build_objective(TwoQueueConfig(queue_size=20, temperature=TAU, **kw), encoder()).train()
+        obj = build_objective(TwoQueueConfig(queue_size=20, temperature=TAU, **kw), encoder_stub(D)).train()
         core = getattr(obj, "objective", obj)  # (Matryoshka wraps the objective)
         core.docs.queue.enqueue(unit(10, D, seed=5), Q_IDS, Q_GROUPS, step=0)
         core.queries.queue.enqueue(unit(10, D, seed=6), Q_IDS.flip(0), Q_GROUPS.flip(0), step=0)
@@ -109,7 +85,7 @@ def test_two_queue_prefixes_cover_both_queues_and_the_in_batch_term():
 
 def test_bad_prefixes_are_refused():
     with pytest.raises(ConfigError, match="the embeddings have 8 dimensions"):  # (the encoder's: known once built)
-        build_objective(InBatchConfig(matryoshka_dims=[16, 8]), encoder())
+        build_objective(InBatchConfig(matryoshka_dims=[16, 8]), encoder_stub(D))
     with pytest.raises(ConfigError, match="one weight >= 0 per dimension"):  # the rest with the config
         InBatchConfig(matryoshka_dims=[8, 4], matryoshka_weights=[1.0])
     with pytest.raises(ConfigError, match="distinct dimensions >= 1"):
@@ -151,7 +127,7 @@ def test_metrics_by_dim_score_the_truncated_renormalised_embeddings():
     assert got["4"] != got["2"]
 
 
-def test_validation_evaluate_and_export_report_each_prefix(tmp_path_factory, tmp_path):
+def test_validation_evaluate_and_export_report_each_prefix(tiny_dir, tmp_path):
     """A Matryoshka model: validation logs val/dim<d>/*, evaluate writes metrics_by_dim, export
     records the dimensions (card included) and sentence-transformers' truncate_dim serves them."""
     import json
@@ -166,12 +142,10 @@ def test_validation_evaluate_and_export_report_each_prefix(tmp_path_factory, tmp
     from moco_retrieval.export.writer import export_encoder
     from moco_retrieval.training.module import RetrievalModule
     from moco_retrieval.model.loading import load_model_dir
-    from moco_retrieval.model.tiny import build_tiny_bert
 
     st_mod = pytest.importorskip("sentence_transformers")
-    tiny = str(build_tiny_bert(tmp_path_factory.mktemp("tiny") / "bert"))
     torch.manual_seed(0)
-    m = RetrievalModule(ModelConfig(backbone="tiny", path=tiny, head="linear", head_dim=8),
+    m = RetrievalModule(ModelConfig(backbone="tiny", path=tiny_dir, head="linear", head_dim=8),
                         InBatchConfig(matryoshka_dims=[8, 4]), OptimConfig(), EvalConfig(top_k=10))
     es = evalset()
     dm = RetrievalDataModule.from_loaded(DataConfig(kind="jsonl", eval_batch_size=8), [], es, tokenize=m.encoder.tokenize)
@@ -212,14 +186,11 @@ def test_resuming_a_run_from_before_matryoshka_with_it_on_is_refused(tmp_path):
     mid-run would train another loss, so the resume names the override that keeps it as trained."""
     from moco_retrieval.errors import CheckpointError
     from moco_retrieval.training.resume_check import check_resumable
-    from omegaconf import OmegaConf
-    from test_faults import compose_cfg
 
     old = {"hyper_parameters": {"objective": {"name": "inbatch", "temperature": 0.05}}}
 
     def resume(*overrides):
-        cfg = OmegaConf.to_object(compose_cfg("train", ["objective=inbatch",
-                                                        "objective.temperature=0.05", *overrides]))
+        cfg = compose_cfg("train", ["objective=inbatch", "objective.temperature=0.05", *overrides], to_object=True)
         check_resumable(old, "old.ckpt", cfg)
 
     resume()

@@ -4,12 +4,11 @@ schemas composed, not inherited; evaluation writes nothing."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import momentum_step, unit
+from helpers import REPO, encoder_stub, momentum_step, unit
 
 from moco_retrieval.config import ConfigError
 from moco_retrieval.objectives.base import Objective, ObjectiveConfig
@@ -19,23 +18,18 @@ from moco_retrieval.objectives.moco import MoCoConfig
 from moco_retrieval.objectives.registry import OBJECTIVES, build_objective, objective_config, objectives_table
 from moco_retrieval.objectives.two_queue import TwoQueueConfig, TwoQueueObjective
 
-ROOT = Path(__file__).resolve().parents[1]
 D = 8
-
-
-def encoder(frozen=False, shared_tower=True):
-    return SimpleNamespace(dim=D, hidden_size=2 * D, frozen=frozen, shared_tower=shared_tower,
-                           max_len=lambda kind: 6)
 
 
 # every objective with as much state as it can have: guide queues, refresh buffers, logQ
 FULL = {
-    "moco": (MoCoConfig(queue_size=8, guide="base", queue_refresh=2, logq_correction=True, logq_buckets=16), encoder()),
+    "moco": (MoCoConfig(queue_size=8, guide="base", queue_refresh=2, logq_correction=True, logq_buckets=16),
+             encoder_stub(D, 2 * D)),
     "two_queue": (TwoQueueConfig(queue_size=8, guide="base", queue_refresh=2, logq_correction=True, logq_buckets=16),
-                  encoder()),
-    "inbatch": (InBatchConfig(logq_correction=True, logq_buckets=16), encoder()),
+                  encoder_stub(D, 2 * D)),
+    "inbatch": (InBatchConfig(logq_correction=True, logq_buckets=16), encoder_stub(D, 2 * D)),
     "feature_memory": (FeatureMemoryConfig(queue_size=8, guide="base", logq_correction=True, logq_buckets=16),
-                       encoder(frozen=True)),
+                       encoder_stub(D, 2 * D, frozen=True)),
 }
 
 
@@ -54,7 +48,7 @@ def test_registry_is_the_one_list_of_objectives():
     register_configs()
     stored = ConfigStore.instance().repo["objective"]
     assert set(OBJECTIVES) == set(FULL) == {name.removesuffix(".yaml") for name in stored}
-    assert not (ROOT / "conf" / "objective").exists()  # objective=NAME is the schema itself: no yaml restates it
+    assert not (REPO / "conf" / "objective").exists()  # objective=NAME is the schema itself: no yaml restates it
     for name, entry in OBJECTIVES.items():
         assert entry.config().name == name
         assert type(full(name)) is entry.objective
@@ -77,7 +71,7 @@ def test_option_groups_check_their_own_ranges_and_stay_strict():
 
 
 def test_guide_table_and_model_card_read_the_registry():
-    guide = (ROOT / "docs" / "guide" / "objectives.md").read_text(encoding="utf-8")
+    guide = (REPO / "docs" / "guide" / "objectives.md").read_text(encoding="utf-8")
     table = re.search(r"<!-- objectives table: begin -->\n(.*?)\n<!-- objectives table: end -->", guide, re.S)
     assert table and table.group(1) == objectives_table(), (
         "docs/guide/objectives.md's table of objectives is stale: regenerate it with "

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import Given, labels, unit
+from helpers import Given, excluded, labels, unit
 
 from moco_retrieval.config import ConfigError
 from moco_retrieval.objectives.inbatch import InBatchConfig, InBatchObjective
@@ -26,10 +26,6 @@ def ref_loss(q, pos_vecs, cand_lists, tau=TAU, smoothing=0.0):
             nll = (1 - smoothing) * nll + smoothing * sum(lse - l for l in logits) / len(logits)
         total += nll
     return total / q.shape[0]
-
-
-def excluded(i, ids, groups, j_id, j_group):
-    return j_id == ids[i] or (groups[i] >= 0 and j_group == groups[i])
 
 
 @pytest.fixture

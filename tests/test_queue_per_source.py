@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from moco_retrieval.objectives.moco import MoCoConfig
 from moco_retrieval.objectives.two_queue import TwoQueueConfig
@@ -21,7 +18,7 @@ from moco_retrieval.errors import ConfigError
 from moco_retrieval.objectives.memory import KeyMemory, PerSourceMemory
 from moco_retrieval.objectives.moco import MoCoObjective
 from moco_retrieval.objectives.two_queue import TwoQueueObjective
-from helpers import momentum_step, ref_direction, train_steps, unit
+from helpers import compose_cfg, momentum_step, momentum_steps, ref_direction, train_losses, train_steps, unit
 
 TAU, D, B, SIZE = 0.07, 8, 4, 12
 
@@ -173,11 +170,9 @@ def test_options_it_does_not_combine_with_are_refused():
     with pytest.raises(ValueError, match="queue_refresh"):
         MoCoObjective(MoCoConfig(queue_size=SIZE, queue_per_source=True, queue_refresh=2), D, {"doc": 8, "query": 8},
                       sources=2)
-    from test_train_cli import compose_train
-
     with pytest.raises(ConfigError, match="objective.queue_per_source=true with objective.queue_refresh=2"):
-        OmegaConf.to_object(compose_train(["objective=two_queue", "objective.queue_per_source=true",
-                                           "objective.queue_refresh=2"]))
+        compose_cfg("train", ["objective=two_queue", "objective.queue_per_source=true", "objective.queue_refresh=2"],
+                    to_object=True)
 
 
 def test_all_the_queues_memory_is_checked_together(monkeypatch):
@@ -220,13 +215,6 @@ def test_the_fingerprint_covers_every_sources_memory():
 W, STEPS_SOURCES = 2, [0, 1, 1, 0, 1]
 
 
-def make_steps():
-    return [dict(q=unit(W * B, D, seed=10 + s), k=unit(W * B, D, seed=20 + s), d=unit(W * B, D, seed=30 + s),
-                 q_key=unit(W * B, D, seed=40 + s), ids=torch.arange(W * B) + 100 * s,
-                 groups=torch.tensor([7, -1, 7, -1, -1, 8, -1, -1]), source=src)
-            for s, src in enumerate(STEPS_SOURCES)]
-
-
 def run(steps, rank, world):
     obj = TwoQueueObjective(TwoQueueConfig(queue_size=SIZE, temperature=TAU, queue_per_source=True), D, sources=2)
     return train_steps(obj, steps, B, rank, world, extra=lambda st, rows: {"source": torch.full((rows,), st["source"])})
@@ -245,7 +233,8 @@ def run_disagreeing(rank, world):
 def test_two_gloo_ranks_hold_identical_per_source_queues_equal_to_one_process(tmp_path):
     from helpers import on_ranks
 
-    steps = make_steps()
+    steps = momentum_steps(len(STEPS_SOURCES), W * B, D, torch.tensor([7, -1, 7, -1, -1, 8, -1, -1]),
+                           source=lambda s: STEPS_SOURCES[s])
     ranks = on_ranks(run, (steps,), W, tmp_path)
     single = run(steps, 0, 1)
     for key, v in single["state"].items():  # both sources' pairs of queues
@@ -265,11 +254,6 @@ def test_two_gloo_ranks_hold_identical_per_source_queues_equal_to_one_process(tm
 
 # ------------------------------------------------------------------ a resumed run, on two sources
 
-def losses(metrics_csv: Path) -> dict[int, float]:
-    with open(metrics_csv, newline="") as f:
-        return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
-
-
 def test_resumed_run_with_per_source_queues_equals_the_uninterrupted_one(tmp_path, one_thread, monkeypatch):
     """Two sources (64 + 32 pairs, 16-pair batches: 6 steps); a SIGTERM during step 3 stops the run after
     it (preemption.py writes last.ckpt), resumed from last.ckpt: the losses and every source's queues
@@ -277,8 +261,7 @@ def test_resumed_run_with_per_source_queues_equals_the_uninterrupted_one(tmp_pat
     import os
     import signal
 
-    from test_multisource_data import two_sources
-    from test_train_cli import compose_train
+    from helpers import two_sources
 
     from moco_retrieval.training.module import RetrievalModule
     from moco_retrieval.training.preemption import Preempted
@@ -292,7 +275,7 @@ def test_resumed_run_with_per_source_queues_equals_the_uninterrupted_one(tmp_pat
             "trainer.log_every_n_steps=1"]
 
     def run_to(run_dir, *extra):
-        train(OmegaConf.to_object(compose_train(base + [f"run_dir={run_dir}", *extra])), run_dir)
+        train(compose_cfg("train", base + [f"run_dir={run_dir}", *extra], to_object=True), run_dir)
 
     run_to(tmp_path / "ref")
     step = RetrievalModule.training_step
@@ -309,8 +292,9 @@ def test_resumed_run_with_per_source_queues_equals_the_uninterrupted_one(tmp_pat
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu",
                       weights_only=False)["global_step"] == 3
     run_to(tmp_path / "run", "ckpt_path=last")
-    ref = losses(tmp_path / "ref" / "csv" / "metrics.csv")
-    got = {**losses(tmp_path / "run" / "csv" / "metrics.csv"), **losses(tmp_path / "run" / "csv" / "resume-1" / "metrics.csv")}
+    ref = train_losses(tmp_path / "ref" / "csv" / "metrics.csv")
+    got = {**train_losses(tmp_path / "run" / "csv" / "metrics.csv"),
+           **train_losses(tmp_path / "run" / "csv" / "resume-1" / "metrics.csv")}
     assert sorted(ref) == list(range(1, 7)) and got.keys() == ref.keys()
     for step, value in ref.items():
         assert got[step] == pytest.approx(value, rel=1e-5, abs=1e-6), step

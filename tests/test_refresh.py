@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import Given, labels
+from helpers import Given, compose_cfg, labels, momentum_steps
 
 from moco_retrieval.objectives.memory import NegativeQueue
 from moco_retrieval.objectives.refresh import QueueRefresh, side_of, token_rows
@@ -91,16 +91,10 @@ def test_write_replaces_only_the_drawn_keys_and_keeps_ids_groups_steps():
         refresh.write(new, step=9)
 
 
-def test_module_refreshes_with_the_key_encoder_before_the_logits(tmp_path_factory):
-    from moco_retrieval.config import ModelConfig, OptimConfig
-    from moco_retrieval.training.module import RetrievalModule
-    from moco_retrieval.model.tiny import build_tiny_bert
-    from helpers import SyntheticData
+def test_module_refreshes_with_the_key_encoder_before_the_logits(tiny_dir):
+    from helpers import SyntheticData, make_module
 
-    tiny = str(build_tiny_bert(tmp_path_factory.mktemp("tiny") / "bert"))
-    m = RetrievalModule(ModelConfig(backbone="tiny", path=tiny),
-                        TwoQueueConfig(queue_size=16, temperature=0.1, momentum=0.5, queue_refresh=3),
-                        OptimConfig(lr=1e-3, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
+    m = make_module(tiny_dir, TwoQueueConfig(queue_size=16, temperature=0.1, momentum=0.5, queue_refresh=3))
     m.train()
     assert m.objective.docs.refresh is not None and m.objective.queries.refresh is not None
     batches = iter(SyntheticData(m.encoder.tokenize, batch_size=4).train_dataloader())
@@ -127,32 +121,20 @@ def test_module_refreshes_with_the_key_encoder_before_the_logits(tmp_path_factor
 
 
 def test_frozen_backbone_with_refresh_is_a_config_error():
-    from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    from moco_retrieval.command import register_configs
     from moco_retrieval.errors import ConfigError
 
-    register_configs()
-    with initialize_config_module("moco_retrieval.conf", version_base="1.3"):
-        cfg = compose("train", overrides=["objective=two_queue", "objective.queue_refresh=4", "model.frozen_backbone=true"])
-        with pytest.raises(ConfigError, match="queue_refresh=4 with model.frozen_backbone=true"):
-            OmegaConf.to_object(cfg)
-        with pytest.raises(Exception, match="queue_refresh"):  # a range error: negative counts make no sense
-            OmegaConf.to_object(compose("train", overrides=["objective=moco", "objective.queue_refresh=-1"]))
+    cfg = compose_cfg("train", ["objective=two_queue", "objective.queue_refresh=4", "model.frozen_backbone=true"])
+    with pytest.raises(ConfigError, match="queue_refresh=4 with model.frozen_backbone=true"):
+        OmegaConf.to_object(cfg)
+    with pytest.raises(Exception, match="queue_refresh"):  # a range error: negative counts make no sense
+        compose_cfg("train", ["objective=moco", "objective.queue_refresh=-1"], to_object=True)
 
 
 # ------------------------------------------------------------------ two gloo ranks
 
 W, B, STEPS = 2, 3, 4
-
-
-def make_steps():
-    return [dict(q=F.normalize(torch.randn(W * B, D, generator=torch.Generator().manual_seed(10 + s)), dim=-1),
-                 d=F.normalize(torch.randn(W * B, D, generator=torch.Generator().manual_seed(30 + s)), dim=-1),
-                 doc=fake_side(W * B, seed=50 + s), query=fake_side(W * B, seed=70 + s),
-                 ids=torch.arange(W * B) + 100 * s, groups=torch.tensor([7, -1, 7, -1, -1, 8]))
-            for s in range(STEPS)]
 
 
 def run(steps, rank, world):
@@ -181,7 +163,8 @@ def run(steps, rank, world):
 def test_two_gloo_ranks_refresh_identically_to_one_process(tmp_path):
     from helpers import on_ranks
 
-    steps = make_steps()
+    steps = momentum_steps(STEPS, W * B, D, torch.tensor([7, -1, 7, -1, -1, 8]),
+                           doc=lambda s: fake_side(W * B, seed=50 + s), query=lambda s: fake_side(W * B, seed=70 + s))
     ranks = on_ranks(run, (steps,), W, tmp_path)
     single = run(steps, 0, 1)
     assert "docs.refresh.queue_tokens" in single["state"] and "queries.refresh.queue_encoded_steps" in single["state"]

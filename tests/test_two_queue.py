@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import excluded, momentum_step, ref_direction, train_steps, unit
+from helpers import excluded, momentum_step, momentum_steps, ref_direction, train_steps, unit
 
 from moco_retrieval.objectives.two_queue import TwoQueueConfig, TwoQueueObjective
 
@@ -197,15 +197,10 @@ def test_max_age_equals_a_queue_of_that_many_steps_keys():
     assert int(bounded.docs.queue.queue_fill) == 8 * B  # the ring still holds every key written
 
 
-def test_module_serves_both_sides_from_both_encoders(tmp_path_factory):
-    from moco_retrieval.config import ModelConfig, OptimConfig
-    from moco_retrieval.training.module import RetrievalModule
-    from moco_retrieval.model.tiny import build_tiny_bert
-    from helpers import SyntheticData
+def test_module_serves_both_sides_from_both_encoders(tiny_dir):
+    from helpers import SyntheticData, make_module
 
-    tiny = str(build_tiny_bert(tmp_path_factory.mktemp("tiny") / "bert"))
-    m = RetrievalModule(ModelConfig(backbone="tiny", path=tiny), TwoQueueConfig(queue_size=16, temperature=0.1, momentum=0.9),
-                        OptimConfig(lr=1e-3, warmup_steps=0, warmup_ratio=0.0, schedule="constant"))
+    m = make_module(tiny_dir, TwoQueueConfig(queue_size=16, temperature=0.1, momentum=0.9))
     m.train()
     batch = next(iter(SyntheticData(m.encoder.tokenize, batch_size=4).train_dataloader()))
     loss, stats = m.shared_step(batch)
@@ -225,15 +220,6 @@ def test_module_serves_both_sides_from_both_encoders(tmp_path_factory):
 W, B, STEPS = 2, 3, 3
 
 
-def make_steps():
-    out = []
-    for s in range(STEPS):
-        out.append(dict(q=unit(W * B, D, seed=10 + s), k=unit(W * B, D, seed=20 + s), d=unit(W * B, D, seed=30 + s),
-                        q_key=unit(W * B, D, seed=40 + s), ids=torch.arange(W * B) + 100 * s,
-                        groups=torch.tensor([7, -1, 7, -1, -1, 8]) + 0 * s))
-    return out
-
-
 def run(steps, inbatch, rank, world):
     obj = TwoQueueObjective(TwoQueueConfig(queue_size=16, temperature=TAU, inbatch_weight=inbatch), D)
     return train_steps(obj, steps, B, rank, world)
@@ -244,7 +230,7 @@ def test_two_gloo_ranks_hold_identical_queues_equal_to_one_process(tmp_path, inb
     """With the in-batch term too: its documents are gathered with gradient, as in-batch negatives' are."""
     from helpers import on_ranks
 
-    steps = make_steps()
+    steps = momentum_steps(STEPS, W * B, D, torch.tensor([7, -1, 7, -1, -1, 8]))
     ranks = on_ranks(run, (steps, inbatch), W, tmp_path)
     single = run(steps, inbatch, 0, 1)
     for key, v in single["state"].items():  # both queues: keys, ids, groups, steps, pointer, fill
