@@ -14,6 +14,7 @@ from moco_retrieval.data import corpus_store as cs
 from moco_retrieval.data.formats import DataError, EvalSet, read_corpus, write_beir
 from moco_retrieval.data.ids import stable_id
 from moco_retrieval.data.prompts import Prompts
+from helpers import compose_cfg, tiny_overrides
 
 WORDS = ("file system network server image audio video text editor library python tool command line "
          "package manager compress archive backup font color terminal shell mail web browser").split()
@@ -102,12 +103,11 @@ def test_located_errors_read_exactly_as_today(tmp_path, case):
 
 
 @pytest.fixture(scope="module")
-def tiny_encoder(tmp_path_factory):
+def tiny_encoder(tiny_dir):
     from moco_retrieval.config import ModelConfig
     from moco_retrieval.model.encoder import build_encoder
-    from moco_retrieval.model.tiny import build_tiny_bert
 
-    return build_encoder(ModelConfig(backbone="tiny", path=str(build_tiny_bert(tmp_path_factory.mktemp("t") / "bert"))))
+    return build_encoder(ModelConfig(backbone="tiny", path=tiny_dir))
 
 
 @pytest.mark.parametrize("prompted", [False, True])
@@ -144,21 +144,16 @@ def test_search_index_from_the_store_is_todays(tmp_path, small_chunks, tiny_enco
     assert stored.search(q, 5) == today.search(q, 5)
 
 
-def test_search_command_reads_a_corpus_file_through_the_store(tmp_path, tiny_encoder, monkeypatch):
+def test_search_command_reads_a_corpus_file_through_the_store(tmp_path, tiny_dir, tiny_encoder, monkeypatch):
     """`search corpus=FILE` answers as before (same hits and texts) without reading the corpus into a dict."""
-    from hydra import compose, initialize_config_module
-
     from moco_retrieval.data import formats
-    from moco_retrieval.model.tiny import build_tiny_bert
     from moco_retrieval.search import run_search
 
     docs = write_corpus_file(tmp_path / "beir" / "corpus.jsonl", 40)
-    tiny = build_tiny_bert(tmp_path / "bert")
-    overrides = ["model=tiny", f"model.path={tiny}", f"corpus={tmp_path / 'beir'}", f"index_dir={tmp_path / 'index'}",
+    overrides = tiny_overrides(tiny_dir) + [f"corpus={tmp_path / 'beir'}", f"index_dir={tmp_path / 'index'}",
                  "query=python shell", "k=4", "format=json", "progress=false", "device=cpu",
                  f"data.cache_dir={tmp_path / 'cache'}"]
-    with initialize_config_module(config_module="moco_retrieval.conf", version_base="1.3"):
-        cfg = compose(config_name="search", overrides=overrides)
+    cfg = compose_cfg("search", overrides)
     monkeypatch.setattr(formats, "_read_corpus", lambda p: (_ for _ in ()).throw(AssertionError("read into a dict")))
     answers = run_search(cfg, out=io.StringIO())
     hits = answers[0]["results"]
@@ -192,22 +187,17 @@ def write_beir_folder(folder: Path, n: int = 40) -> None:
 
 
 @pytest.mark.parametrize("caps", [[], ["data.max_eval_docs=15", "data.max_eval_queries=8"]])
-def test_evaluate_from_the_store_writes_todays_metrics_and_run_file(tmp_path, monkeypatch, caps):
+def test_evaluate_from_the_store_writes_todays_metrics_and_run_file(tmp_path, tiny_dir, monkeypatch, caps):
     """evaluate on a BEIR folder through the corpus store: eval.json's metrics and run.trec are those of
     today's dict path (load_eval_pool), byte for byte; the store path reads no corpus into a dict."""
-    from hydra import compose, initialize_config_module
-
     from moco_retrieval.data import formats, sources
     from moco_retrieval.evaluate import run_evaluate
-    from moco_retrieval.model.tiny import build_tiny_bert
 
     beir = tmp_path / "beir"
     write_beir_folder(beir)
-    tiny = build_tiny_bert(tmp_path / "bert")
-    with initialize_config_module(config_module="moco_retrieval.conf", version_base="1.3"):
-        cfg = compose(config_name="evaluate", overrides=[
-            "model=tiny", f"model.path={tiny}", "data=beir", f"data.dir={beir}", f"data.cache_dir={tmp_path / 'cache'}",
-            "progress=false", "device=cpu", "plots=false", "eval.top_k=10", "data.eval_batch_size=4", *caps])
+    cfg = compose_cfg("evaluate", tiny_overrides(tiny_dir) + [
+        "data=beir", f"data.dir={beir}", f"data.cache_dir={tmp_path / 'cache'}", "progress=false", "device=cpu",
+        "plots=false", "eval.top_k=10", "data.eval_batch_size=4", *caps])
 
     def outputs(out: Path) -> tuple:
         run_evaluate(cfg, out)

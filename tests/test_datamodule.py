@@ -1,7 +1,5 @@
 """The data module: loading by kind, collate layout, the batch sampler, resume, validation batches."""
-import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,53 +11,7 @@ from moco_retrieval.data.datamodule import RetrievalDataModule
 from moco_retrieval.data.formats import DataError, Negative, Pair
 from moco_retrieval.data.ids import doc_id_for_text, stable_id
 from moco_retrieval.data.sampler import RetrievalBatchSampler
-
-
-def write_jsonl(path: Path, rows) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def write_eval(d: Path, n_docs=12, n_queries=6, split="test") -> Path:
-    (d / "qrels").mkdir(parents=True)
-    write_jsonl(d / "corpus.jsonl", [{"_id": f"d{i}", "title": "", "text": f"eval document {i}", "group": f"g{i % 4}"} for i in range(n_docs)])
-    write_jsonl(d / "queries.jsonl", [{"_id": f"q{i}", "text": f"eval query {i}"} for i in range(n_queries)])
-    rows = [f"q{i}\td{i}\t1" for i in range(n_queries)] + [f"q0\td{n_docs - 1}\t1"]
-    (d / "qrels" / f"{split}.tsv").write_text("query-id\tcorpus-id\tscore\n" + "\n".join(rows) + "\n")
-    return d
-
-
-def make_cfg(tmp_path: Path, n=40, repeat_ids=False, negatives=None, **kw) -> DataConfig:
-    rows = []
-    for i in range(n):
-        r = {"query": f"query {i}", "positive": f"document {i}", "query_id": f"q{i}"}
-        if repeat_ids:
-            r["doc_id"] = f"doc{i % 7}"  # 7 distinct documents (one text per id)
-            r["positive"] = f"document {i % 7}"
-            r["group"] = f"grp{i % 5}" if i % 2 else None  # 5 groups and rows without a group
-        if negatives is not None:
-            r["negatives"] = negatives(i)
-        rows.append(r)
-    write_jsonl(tmp_path / "train.jsonl", rows)
-    if not (tmp_path / "eval").exists():
-        write_eval(tmp_path / "eval")
-    args = dict(kind="jsonl", train_path=str(tmp_path / "train.jsonl"), eval_dir=str(tmp_path / "eval"), batch_size=4, eval_batch_size=5)
-    args.update(kw)
-    return DataConfig(**args)
-
-
-def fake_tokenize(texts, kind):
-    """Words -> ids, truncated to 3 (query) / 5 (doc) tokens, padded to the longest."""
-    max_len = {"query": 3, "doc": 5}[kind]
-    toks = [[len(w) + 1 for w in t.split()][:max_len] for t in texts]
-    L = max(len(t) for t in toks)
-    ids = torch.tensor([t + [0] * (L - len(t)) for t in toks])
-    return {"input_ids": ids, "attention_mask": (ids > 0).long()}
-
-
-def epoch_indices(sampler, epoch):
-    sampler.set_epoch(epoch)
-    return [list(b) for b in sampler]
+from helpers import epoch_indices, fake_tokenize, make_cfg, write_eval
 
 
 # ---------------------------------------------------------------------------------- batch layout
@@ -270,6 +222,7 @@ def test_hard_negatives_layout(tmp_path):
     assert texts[6:8] == ["neg 2.0", "neg 2.1"] and texts[8] in ("neg 2.0", "neg 2.1")
     assert texts[9:12] == ["neg 3.0", "neg 3.1", "neg 3.2"]
     assert batch["neg_id"][9:12].tolist() == [doc_id_for_text(t) for t in texts[9:12]]
+
     # padding is deterministic
     p = Pair("q", "d", 1, negatives=[Negative(1, "a"), Negative(2, "b")])
     assert select_negatives(p, 7, 5, seed=0) == select_negatives(p, 7, 5, seed=0)
@@ -315,20 +268,6 @@ def test_kind_beir(tmp_path):
     assert [p.doc_id for p in dm.train_pairs] == [stable_id(f"d{i + 6}") for i in range(6)]
     assert [p.group for p in dm.train_pairs] == [stable_id(f"g{(i + 6) % 4}") for i in range(6)]
     assert dm.eval_set.qrels["q0"] == {"d0": 1, "d11": 1}
-
-
-def test_kind_debian(tmp_path, monkeypatch):
-    from test_debian import write_control
-
-    monkeypatch.delenv("MOCO_RETRIEVAL_DEBIAN_DIR", raising=False)
-    write_control(tmp_path / "apt")
-    cfg = DataConfig(kind="debian", debian_dir=str(tmp_path / "apt"), cache_dir=str(tmp_path / "cache"), batch_size=2)
-    dm = RetrievalDataModule(cfg)
-    dm.prepare_data()
-    dm.setup("fit")
-    assert dm.data_dir.parent == tmp_path / "cache"
-    assert len(dm.train_pairs) + len(dm.eval_set.queries) == 33
-    assert all(p.group != -1 for p in dm.train_pairs)
 
 
 def test_caps_are_deterministic_and_keep_relevant_docs(tmp_path):

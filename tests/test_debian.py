@@ -22,8 +22,8 @@ from moco_retrieval.data.builders.debian import (
 )
 from moco_retrieval.data.formats import DataError, read_beir, read_pairs_jsonl
 from moco_retrieval.data.ids import stable_id
+from helpers import SHARED_DEBIAN
 
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "debian-bookworm"
 
 # (package, Source field or None, Description-en, in Packages?)
 ENTRIES = [
@@ -250,6 +250,21 @@ def test_the_built_set_is_found_without_pointing_at_the_apt_lists_again(tmp_path
         ensure_debian_dataset(DataConfig(cache_dir=cache), verbose=False)
 
 
+def test_kind_debian(tmp_path, monkeypatch):
+    """data=debian in the data module: prepare_data builds the set into the cache, setup reads it."""
+    from moco_retrieval.data.datamodule import RetrievalDataModule
+
+    monkeypatch.delenv("MOCO_RETRIEVAL_DEBIAN_DIR", raising=False)
+    write_control(tmp_path / "apt")
+    cfg = DataConfig(kind="debian", debian_dir=str(tmp_path / "apt"), cache_dir=str(tmp_path / "cache"), batch_size=2)
+    dm = RetrievalDataModule(cfg)
+    dm.prepare_data()
+    dm.setup("fit")
+    assert dm.data_dir.parent == tmp_path / "cache"
+    assert len(dm.train_pairs) + len(dm.eval_set.queries) == 33
+    assert all(p.group != -1 for p in dm.train_pairs)
+
+
 def test_ensure_debian_dataset_error_lists_locations(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_DEBIAN_DIR, str(tmp_path / "nothing-here"))
     with pytest.raises(DataError) as ei:
@@ -259,9 +274,9 @@ def test_ensure_debian_dataset_error_lists_locations(tmp_path, monkeypatch):
     assert "/var/lib/apt/lists" in msg and "apt-get update -o Acquire::Languages=en" in msg
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="shared Debian snapshot absent")
+@pytest.mark.skipif(not SHARED_DEBIAN.is_dir(), reason="shared Debian snapshot absent")
 def test_real_snapshot(tmp_path):
-    m = build_debian(tmp_path / "deb", [SHARED / "Translation-en.xz"], [SHARED / "Packages.xz"])
+    m = build_debian(tmp_path / "deb", [SHARED_DEBIAN / "Translation-en.xz"], [SHARED_DEBIAN / "Packages.xz"])
     c = m["counts"]
     assert c["translation_records"] == 63956 and c["packages_stanzas"] == 63440
     assert 35_000 <= c["pairs"] <= 45_000

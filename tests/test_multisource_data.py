@@ -5,35 +5,15 @@ from __future__ import annotations
 
 import csv
 import json
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from moco_retrieval.config import DataConfig, PromptsConfig, SourceConfig
 from moco_retrieval.data.datamodule import RetrievalDataModule
 from moco_retrieval.data.formats import DataError
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_datamodule import fake_tokenize, make_cfg, write_eval, write_jsonl  # noqa: E402
-from test_train_cli import compose_train  # noqa: E402
-
-
-def two_sources(tmp_path: Path, n_a=48, n_b=24, **kw) -> DataConfig:
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    a = write_jsonl(tmp_path / "a.jsonl", [{"query": f"alpha query {i}", "positive": f"alpha doc {i}"} for i in range(n_a)])
-    b = write_jsonl(tmp_path / "b.jsonl", [{"query": f"beta query {i}", "positive": f"beta doc {i}"} for i in range(n_b)])
-    if not (tmp_path / "eval").exists():
-        write_eval(tmp_path / "eval")
-    sources = [SourceConfig(name="a", train_path=str(a)),
-               SourceConfig(name="b", train_path=str(b), prompts=PromptsConfig(query="question: ", doc="answer: "))]
-    args = dict(kind="jsonl", eval_dir=str(tmp_path / "eval"), batch_size=4, eval_batch_size=5, sources=sources,
-                prompts=PromptsConfig(query="query: ", doc="passage: "))
-    args.update(kw)
-    return DataConfig(**args)
+from helpers import compose_cfg, fake_tokenize, make_cfg, two_sources
 
 
 def test_batches_of_one_source_with_its_prompts(tmp_path):
@@ -114,12 +94,12 @@ def test_bad_sources_are_named(tmp_path):
 
 def test_sources_compose_strictly_from_the_command_line(tmp_path):
     sources = "[{name: a, train_path: a.jsonl, weight: 2}, {name: b, kind: parquet, train_path: b.parquet, prompts: {query: 'q: '}}]"
-    cfg = compose_train(["data=jsonl", f"data.sources={sources}", "data.source_mode=round_robin"])
+    cfg = compose_cfg("train", ["data=jsonl", f"data.sources={sources}", "data.source_mode=round_robin"])
     assert [s.name for s in cfg.data.sources] == ["a", "b"] and cfg.data.sources[0].weight == 2
     assert cfg.data.sources[1].prompts.query == "q: " and cfg.data.sources[1].prompts.doc == ""
     assert cfg.data.sources[1].columns.query == "query"
     with pytest.raises(ConfigCompositionException):
-        compose_train(["data=jsonl", "data.sources=[{name: a, train_file: a.jsonl}]"])
+        compose_cfg("train", ["data=jsonl", "data.sources=[{name: a, train_file: a.jsonl}]"])
 
 
 def test_a_run_on_two_sources_logs_each_ones_pairs(tmp_path, one_thread):
@@ -127,7 +107,7 @@ def test_a_run_on_two_sources_logs_each_ones_pairs(tmp_path, one_thread):
 
     data = two_sources(tmp_path / "data", n_a=64, n_b=32)
     sources = "[" + ", ".join(f"{{name: {s.name}, train_path: '{s.train_path}'}}" for s in data.sources) + "]"
-    cfg = OmegaConf.to_object(compose_train([
+    cfg = OmegaConf.to_object(compose_cfg("train", [
         "+experiment=smoke", "data=jsonl", f"data.sources={sources}", f"data.eval_dir={data.eval_dir}",
         "data.max_eval_queries=null", "data.max_eval_docs=null", "logger=csv", "trainer.val_check_interval=null",
         "data.prompts.query='query: '"]))
@@ -148,15 +128,14 @@ def test_unset_source_keys_are_the_data_configs(tmp_path):
     assert {p.query.split()[0] for p in dm.train_pairs[20:]} == {"beta"}
 
 
-def test_frozen_features_are_warmed_for_the_prompted_texts(tmp_path):
+def test_frozen_features_are_warmed_for_the_prompted_texts(tiny_dir, tmp_path):
     """train.py's warm-up fills the frozen backbone's cache with the texts the batches hold (each
     source's prompts, data.prompts for the pool): training and validation compute nothing more."""
     from moco_retrieval.config import ModelConfig
     from moco_retrieval.model.encoder import build_encoder
-    from moco_retrieval.model.tiny import build_tiny_bert
     from moco_retrieval.train import warm_frozen_features
 
-    enc = build_encoder(ModelConfig(backbone="tiny", path=str(build_tiny_bert(tmp_path / "tiny")), frozen_backbone=True,
+    enc = build_encoder(ModelConfig(backbone="tiny", path=tiny_dir, frozen_backbone=True,
                                     feature_cache_dir=None))
     dm = RetrievalDataModule(two_sources(tmp_path / "data", n_a=16, n_b=8), None, rank=0, world_size=1)
     dm.setup()

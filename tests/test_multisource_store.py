@@ -8,7 +8,6 @@ from __future__ import annotations
 import csv
 import os
 import signal
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -19,10 +18,7 @@ from omegaconf import OmegaConf
 
 from moco_retrieval.data import convert
 from moco_retrieval.training.preemption import Preempted
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_datamodule import write_eval, write_jsonl  # noqa: E402
-from test_train_cli import compose_train  # noqa: E402
+from helpers import REPO, compose_cfg, write_eval, write_jsonl
 
 BATCH = 8
 N_WEB, N_DOCS = 40, 24  # 5 + 3 batches a pass; weights 3:1 -> 6 + 2 of the epoch's 8 batches
@@ -48,7 +44,7 @@ def sources_override(web: Path, ds: Path) -> str:
 
 def run_cfg(d: Path, *extra: str):
     web, ds = write_sources(d)
-    return OmegaConf.to_object(compose_train([
+    return OmegaConf.to_object(compose_cfg("train", [
         "+experiment=smoke", "data=jsonl", sources_override(web, ds), f"data.eval_dir={d / 'eval'}",
         f"data.batch_size={BATCH}", "data.max_train_examples=null", "data.max_eval_queries=null",
         "data.max_eval_docs=null", "trainer.val_check_interval=null", "trainer.log_every_n_steps=1",
@@ -202,11 +198,11 @@ def test_the_readmes_two_source_command_composes():
     """The README's example (the Debian set and the docstrings, 3:1) is a valid strict config."""
     import shlex
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (REPO / "README.md").read_text()
     block = text[text.index("**Several sources.**"):]
     block = block[block.index("```bash"):block.index("```", block.index("```bash") + 7)]
     (line,) = [ln for ln in block.splitlines() if ln.startswith("python -m moco_retrieval.train")]
-    cfg = compose_train(shlex.split(line)[3:])
+    cfg = compose_cfg("train", shlex.split(line)[3:])
     assert [(s.name, s.kind, s.weight) for s in cfg.data.sources] == [("debian", "debian", 3), ("pydoc", "jsonl", 1)]
     assert cfg.data.sources[1].train_path == "pydoc/train.jsonl" and cfg.data.sources[1].prompts.query == "docstring: "
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,21 +21,11 @@ from moco_retrieval.errors import CheckpointError, ConfigError
 from moco_retrieval.evaluation.encode import encode_texts
 from moco_retrieval.export.__main__ import run_export
 from moco_retrieval.model.loading import load_checkpoint_encoder, load_encoder, load_model_dir
-from moco_retrieval.model.tiny import build_tiny_bert
 from moco_retrieval.search import run_search
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_commands_eval import _compose, _tiny, train_checkpoint  # noqa: E402
-from test_datamodule import fake_tokenize, make_cfg  # noqa: E402
-from test_faults import compose_cfg  # noqa: E402
+from helpers import compose_cfg, fake_tokenize, make_cfg, tiny_overrides, train_checkpoint
 
 E5 = Prompts(query="query: ", doc="passage: ")
 TEXTS = ["resize images from the command line", "a shell for the terminal", "backup archive tool " * 12]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return str(build_tiny_bert(tmp_path_factory.mktemp("tiny") / "bert"))
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +97,7 @@ def test_checkpoint_keeps_its_prompts_and_encodes_with_them(tiny_dir, e5_checkpo
 def test_exported_model_gives_our_embeddings_with_encode_query_and_encode_document(tiny_dir, e5_checkpoint, tmp_path):
     st_mod = pytest.importorskip("sentence_transformers")
     out = tmp_path / "m"
-    run_export(_compose("export", _tiny(tiny_dir) + [f"checkpoint={e5_checkpoint}", f"out_dir={out}"]))
+    run_export(compose_cfg("export", tiny_overrides(tiny_dir) + [f"checkpoint={e5_checkpoint}", f"out_dir={out}"]))
     assert "- Prompts: query 'query: ', document 'passage: '" in (out / "README.md").read_text()
     st_cfg = json.loads((out / "config_sentence_transformers.json").read_text())
     assert st_cfg["prompts"] == {"query": "query: ", "document": "passage: "}
@@ -132,7 +120,7 @@ def test_exported_model_gives_our_embeddings_with_encode_query_and_encode_docume
     corpus = {f"d{i}": t for i, t in enumerate(TEXTS)}
     write_beir(folder, EvalSet(corpus=corpus, queries={"q": "x"}, qrels={"q": {"d0": 1}}), "test")
     query = "convert pictures in a shell"
-    answers = run_search(_compose("search", _tiny(tiny_dir) + [
+    answers = run_search(compose_cfg("search", tiny_overrides(tiny_dir) + [
         f"model_dir={out}", f"corpus={folder}", f"index_dir={tmp_path / 'index'}", f"query={query}", "k=3",
         "format=json", "progress=false", "device=cpu"]), out=io.StringIO())
     st_scores = (st.encode_query([query]) @ st.encode_document(TEXTS).T)[0]
@@ -145,9 +133,9 @@ def test_base_model_takes_the_commands_prompts_and_search_keys_its_index_by_them
     assert enc.prompts == Prompts(query="q: ") and desc["prompts"] == {"query": "q: ", "doc": ""}
     folder = tmp_path / "corpus"
     write_beir(folder, EvalSet(corpus={"d0": "a text"}, queries={"q": "x"}, qrels={"q": {"d0": 1}}), "test")
-    base = _tiny(tiny_dir) + [f"corpus={folder}", "query=a text", "format=json", "progress=false", "device=cpu"]
-    plain = run_search(_compose("search", base), out=io.StringIO())
-    prompted = run_search(_compose("search", base + ["data.prompts.doc='passage: '"]), out=io.StringIO())
+    base = tiny_overrides(tiny_dir) + [f"corpus={folder}", "query=a text", "format=json", "progress=false", "device=cpu"]
+    plain = run_search(compose_cfg("search", base), out=io.StringIO())
+    prompted = run_search(compose_cfg("search", base + ["data.prompts.doc='passage: '"]), out=io.StringIO())
     assert plain[0]["results"][0]["score"] != pytest.approx(prompted[0]["results"][0]["score"], abs=1e-4)
 
 

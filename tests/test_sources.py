@@ -1,18 +1,14 @@
 """Loading by data kind (moco_retrieval.data.sources) and the data module built from loaded data."""
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_datamodule import epoch_indices, fake_tokenize, make_cfg, write_eval  # noqa: E402
-
 from moco_retrieval.errors import ConfigError
-from moco_retrieval.config import DataConfig  # noqa: E402
-from moco_retrieval.data.datamodule import RetrievalDataModule  # noqa: E402
-from moco_retrieval.data.formats import DataError  # noqa: E402
-from moco_retrieval.data.sources import (  # noqa: E402
+from moco_retrieval.config import DataConfig
+from moco_retrieval.data.datamodule import RetrievalDataModule
+from moco_retrieval.data.formats import DataError
+from moco_retrieval.data.sources import (
     cap_eval_set,
     load,
     load_documents,
@@ -20,6 +16,7 @@ from moco_retrieval.data.sources import (  # noqa: E402
     load_training_pairs,
     subset,
 )
+from helpers import epoch_indices, fake_tokenize, make_cfg, write_eval
 
 
 def test_caps_and_order_are_pinned_for_a_fixed_seed(tmp_path):

@@ -2,23 +2,19 @@
 the in-memory loader; converted once per content; located errors as today; rank 0 converts; data=hf."""
 import json
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_datamodule import fake_tokenize, make_cfg, write_eval, write_jsonl  # noqa: E402
-from test_tabular import ROWS, write_csv, write_parquet  # noqa: E402
-
-from moco_retrieval.config import ColumnsConfig, DataConfig  # noqa: E402
-from moco_retrieval.data import convert  # noqa: E402
-from moco_retrieval.data.datamodule import RetrievalDataModule  # noqa: E402
-from moco_retrieval.data.formats import DataError, read_pairs_jsonl  # noqa: E402
-from moco_retrieval.data.sources import load, load_training_pairs, pair_spec, prepare_store, store_root  # noqa: E402
-from moco_retrieval.objectives.infonce import false_negative_pairs  # noqa: E402
+from moco_retrieval.config import ColumnsConfig, DataConfig
+from moco_retrieval.data import convert
+from moco_retrieval.data.datamodule import RetrievalDataModule
+from moco_retrieval.data.formats import DataError, read_pairs_jsonl
+from moco_retrieval.data.sources import load, load_training_pairs, pair_spec, prepare_store, store_root
+from moco_retrieval.objectives.infonce import false_negative_pairs
+from helpers import PAIR_ROWS, compose_cfg, fake_tokenize, write_csv, write_eval, write_jsonl, write_parquet
 
 
 def rich_rows(n):
@@ -145,7 +141,7 @@ def test_failed_conversion_leaves_nothing(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["csv", "parquet"])
 def test_tabular_errors_come_out_as_today(tmp_path, fmt):
-    bad = [dict(ROWS[1]), dict(ROWS[1], query="  "), dict(ROWS[1])]
+    bad = [dict(PAIR_ROWS[1]), dict(PAIR_ROWS[1], query="  "), dict(PAIR_ROWS[1])]
     path = (write_csv if fmt == "csv" else write_parquet)(tmp_path / f"p.{fmt}", bad, {"query": "title"})
     write_eval(tmp_path / "eval")
     cfg = DataConfig(kind=fmt, train_path=str(path), eval_dir=str(tmp_path / "eval"), columns=ColumnsConfig(query="title"),
@@ -156,7 +152,7 @@ def test_tabular_errors_come_out_as_today(tmp_path, fmt):
 
 
 def test_tabular_store_keeps_rows_and_locations(tmp_path):
-    path = write_parquet(tmp_path / "p.parquet", ROWS * 3)
+    path = write_parquet(tmp_path / "p.parquet", PAIR_ROWS * 3)
     write_eval(tmp_path / "eval")
     cfg = DataConfig(kind="parquet", train_path=str(path), eval_dir=str(tmp_path / "eval"), cache_dir=str(tmp_path / "c"))
     dm = RetrievalDataModule(cfg)
@@ -272,7 +268,6 @@ def test_hf_parquet_shards(tmp_path):
 def test_hf_folder_trains(tmp_path, layout, one_thread):
     datasets = pytest.importorskip("datasets")
     from omegaconf import OmegaConf
-    from test_train_cli import compose_train
 
     from moco_retrieval.train import train
 
@@ -283,7 +278,7 @@ def test_hf_folder_trains(tmp_path, layout, one_thread):
     else:
         write_shards(tmp_path / "ds", 2, 24)
     write_eval(tmp_path / "eval")
-    cfg = OmegaConf.to_object(compose_train([
+    cfg = OmegaConf.to_object(compose_cfg("train", [
         "+experiment=smoke", "data=hf", f"data.path={tmp_path / 'ds'}", f"data.eval_dir={tmp_path / 'eval'}",
         "data.batch_size=8", "data.max_train_examples=null", "data.max_eval_docs=null", "data.max_eval_queries=null",
         "trainer.max_steps=3", "trainer.val_check_interval=3", f"data.cache_dir={tmp_path / 'cache'}"]))

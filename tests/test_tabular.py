@@ -1,52 +1,14 @@
 """Parquet and CSV training pairs (moco_retrieval.data.tabular): the same pairs as JSONL, configurable
 column names, errors that name the file, the row and the column; the data=parquet / data=csv configs."""
-import csv
-import json
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_datamodule import write_eval  # noqa: E402
-
-from moco_retrieval.config import ColumnsConfig, DataConfig  # noqa: E402
-from moco_retrieval.data.formats import DataError, read_pairs_jsonl, write_jsonl  # noqa: E402
-from moco_retrieval.data.sources import load, load_documents  # noqa: E402
-from moco_retrieval.data.tabular import read_pairs_csv_located, read_pairs_parquet_located  # noqa: E402
-
-ROWS = [
-    {"query": "resize images", "positive": "ImageMagick edits images.", "query_id": "q1", "doc_id": "imagemagick",
-     "group": "imagemagick-src", "negatives": ["GIMP paints.", {"text": "Inkscape draws.", "doc_id": "inkscape"}],
-     "positive_score": 0.9},
-    {"query": "play chess", "positive": "GNOME chess.", "query_id": "q2", "doc_id": None, "group": None,
-     "negatives": None, "positive_score": None},
-]
-
-
-def write_csv(path: Path, rows, rename=None, header=None):
-    rename = rename or {}
-    fields = header or [rename.get(k, k) for k in rows[0]]
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(fields)
-        for r in rows:
-            w.writerow(["" if v is None else json.dumps(v) if isinstance(v, list) else v for v in r.values()])
-    return path
-
-
-def write_parquet(path: Path, rows, rename=None):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rename = rename or {}
-    cols = {rename.get(k, k): [r[k] for r in rows] for k in rows[0] if k != "negatives"}
-    table = pa.table(cols)
-    negs = [[n if isinstance(n, str) else n["text"] for n in (r["negatives"] or [])] or None for r in rows]
-    table = table.append_column(rename.get("negatives", "negatives"), pa.array(negs, pa.list_(pa.string())))
-    pq.write_table(table, path)
-    return path
+from moco_retrieval.config import ColumnsConfig, DataConfig
+from moco_retrieval.data.formats import DataError, read_pairs_jsonl, write_jsonl
+from moco_retrieval.data.sources import load, load_documents
+from moco_retrieval.data.tabular import read_pairs_csv_located, read_pairs_parquet_located
+from helpers import PAIR_ROWS, compose_cfg, write_csv, write_eval, write_parquet
 
 
 def jsonl_pairs(tmp_path, rows):
@@ -55,26 +17,26 @@ def jsonl_pairs(tmp_path, rows):
 
 
 def test_csv_gives_the_pairs_jsonl_gives(tmp_path):
-    located = read_pairs_csv_located(write_csv(tmp_path / "p.csv", ROWS))
+    located = read_pairs_csv_located(write_csv(tmp_path / "p.csv", PAIR_ROWS))
     assert [row for row, _ in located] == [2, 3]  # CSV lines (the header is line 1)
-    assert [p for _, p in located] == jsonl_pairs(tmp_path, ROWS)
+    assert [p for _, p in located] == jsonl_pairs(tmp_path, PAIR_ROWS)
 
 
 def test_parquet_gives_the_pairs_jsonl_gives(tmp_path):
-    located = read_pairs_parquet_located(write_parquet(tmp_path / "p.parquet", ROWS))
+    located = read_pairs_parquet_located(write_parquet(tmp_path / "p.parquet", PAIR_ROWS))
     assert [row for row, _ in located] == [1, 2]
     plain = [dict(r, negatives=[n if isinstance(n, str) else n["text"] for n in r["negatives"]] if r["negatives"] else None)
-             for r in ROWS]
+             for r in PAIR_ROWS]
     assert [p for _, p in located] == jsonl_pairs(tmp_path, plain)
 
 
 def test_column_names_are_configurable(tmp_path):
     rename = {"query": "title", "positive": "body", "doc_id": "package"}
     cols = ColumnsConfig(query="title", positive="body", doc_id="package")
-    got = [p for _, p in read_pairs_csv_located(write_csv(tmp_path / "p.csv", ROWS, rename), cols)]
-    assert got == jsonl_pairs(tmp_path, ROWS)
-    got = [p for _, p in read_pairs_parquet_located(write_parquet(tmp_path / "p.parquet", ROWS, rename), cols)]
-    assert [(p.query, p.positive, p.doc_id) for p in got] == [(p.query, p.positive, p.doc_id) for p in jsonl_pairs(tmp_path, ROWS)]
+    got = [p for _, p in read_pairs_csv_located(write_csv(tmp_path / "p.csv", PAIR_ROWS, rename), cols)]
+    assert got == jsonl_pairs(tmp_path, PAIR_ROWS)
+    got = [p for _, p in read_pairs_parquet_located(write_parquet(tmp_path / "p.parquet", PAIR_ROWS, rename), cols)]
+    assert [(p.query, p.positive, p.doc_id) for p in got] == [(p.query, p.positive, p.doc_id) for p in jsonl_pairs(tmp_path, PAIR_ROWS)]
     # the default names are not there: the required column is named in the error
     with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'p.csv'}: no column 'query' (data.columns.query")):
         read_pairs_csv_located(tmp_path / "p.csv")
@@ -85,7 +47,7 @@ def test_column_names_are_configurable(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["csv", "parquet"])
 def test_errors_name_file_row_and_column(tmp_path, fmt):
-    bad = [dict(ROWS[1]), dict(ROWS[1], query="  "), dict(ROWS[1])]
+    bad = [dict(PAIR_ROWS[1]), dict(PAIR_ROWS[1], query="  "), dict(PAIR_ROWS[1])]
     write = write_csv if fmt == "csv" else write_parquet
     path = write(tmp_path / f"p.{fmt}", bad, {"query": "title"})
     row = 3 if fmt == "csv" else 2
@@ -94,7 +56,7 @@ def test_errors_name_file_row_and_column(tmp_path, fmt):
 
 
 def test_csv_value_errors(tmp_path):
-    path = write_csv(tmp_path / "p.csv", [ROWS[1], dict(ROWS[1], positive_score="high")])
+    path = write_csv(tmp_path / "p.csv", [PAIR_ROWS[1], dict(PAIR_ROWS[1], positive_score="high")])
     with pytest.raises(DataError, match=re.escape(f"{path}: row 3, column 'positive_score': expected a number, got 'high'")):
         read_pairs_csv_located(path)
     path.write_text("query,positive,negatives\na,b,[\"x\"\n")
@@ -116,20 +78,14 @@ def test_not_a_parquet_file(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["csv", "parquet"])
 def test_data_kind_loads_training_and_eval(tmp_path, fmt):
-    from hydra import compose, initialize_config_module
-
-    from moco_retrieval.command import register_configs
-
-    path = (write_csv if fmt == "csv" else write_parquet)(tmp_path / f"p.{fmt}", ROWS * 3, {"query": "title"})
+    path = (write_csv if fmt == "csv" else write_parquet)(tmp_path / f"p.{fmt}", PAIR_ROWS * 3, {"query": "title"})
     write_eval(tmp_path / "eval")
-    register_configs()
-    with initialize_config_module("moco_retrieval.conf", version_base="1.3"):
-        cfg = compose("train", overrides=[f"data={fmt}", f"data.train_path={path}", f"data.eval_dir={tmp_path / 'eval'}",
-                                          "data.columns.query=title"]).data
-        with pytest.raises(Exception, match="not_a_field"):  # strict: a typo in a column key is an error
-            compose("train", overrides=[f"data={fmt}", "data.columns.not_a_field=x"])
+    cfg = compose_cfg("train", [f"data={fmt}", f"data.train_path={path}", f"data.eval_dir={tmp_path / 'eval'}",
+                                "data.columns.query=title"]).data
+    with pytest.raises(Exception, match="not_a_field"):  # strict: a typo in a column key is an error
+        compose_cfg("train", [f"data={fmt}", "data.columns.not_a_field=x"])
     train, pool = load(cfg)
-    assert [p.query for p in train.pairs] == [r["query"] for r in ROWS] * 3
+    assert [p.query for p in train.pairs] == [r["query"] for r in PAIR_ROWS] * 3
     row0 = 2 if fmt == "csv" else 1
     assert train.where[0] == f"{path}: row {row0}"
     assert pool.description["kind"] == fmt and len(pool.eval_set.queries) == 6
