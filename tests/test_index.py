@@ -185,14 +185,13 @@ def test_evaluation_over_ivfpq_holds_exact_scores_of_its_candidates():
     assert res.metrics["recall@1"] > 0.5
 
 
-def test_saved_search_index_is_rebuilt_when_its_build_settings_change(tmp_path):
+def test_saved_search_index_is_rebuilt_when_its_build_settings_change(tiny_dir, tmp_path):
     """search's saved index is reused for the same settings and rebuilt when nlist or pq_m change."""
     from moco_retrieval.config import EvalConfig, ModelConfig
     from moco_retrieval.model.encoder import build_encoder
-    from moco_retrieval.model.tiny import build_tiny_bert
     from moco_retrieval.search import build_or_load_index
 
-    enc = build_encoder(ModelConfig(backbone="tiny", path=str(build_tiny_bert(tmp_path / "bert"))))
+    enc = build_encoder(ModelConfig(backbone="tiny", path=tiny_dir))
     corpus = {f"d{i}": f"document {i} about topic {i % 17} and {i % 5}" for i in range(300)}
 
     def built(**kw):

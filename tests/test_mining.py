@@ -25,6 +25,7 @@ from moco_retrieval.mining import (
     stats_path_for,
     write_mined,
 )
+from helpers import compose_cfg
 
 # ---------------------------------------------------------------- planted score table (one query)
 # corpus position -> (score, group); the positive is doc 0 (group 7), doc 3 shares its group.
@@ -269,18 +270,6 @@ def mined_dir(tmp_path_factory):
     return root
 
 
-def compose_train(overrides):
-    from hydra import compose, initialize_config_module
-    from omegaconf import OmegaConf
-
-    from moco_retrieval.command import register_configs
-
-    register_configs()
-    with initialize_config_module(config_module="moco_retrieval.conf", version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
-    return OmegaConf.to_object(cfg)
-
-
 @pytest.mark.parametrize("objective", ["inbatch", "moco"])
 def test_training_sees_shared_hard_negatives(mined_dir, tmp_path, objective):
     """A smoke run on mined pairs: every query scores against the batch's B*n hard negatives."""
@@ -291,7 +280,7 @@ def test_training_sees_shared_hard_negatives(mined_dir, tmp_path, objective):
     from moco_retrieval.train import train
 
     B, n = 4, 2
-    cfg = compose_train([
+    cfg = compose_cfg("train", [
         # the smoke preset configures a queue, which objective=inbatch has not: its pieces instead
         "model=tiny", "trainer=cpu", f"objective={objective}", "logger=csv", "data=jsonl", "optim.lr=1e-3",
         "optim.warmup_steps=2", "data.eval_batch_size=128",
@@ -300,7 +289,7 @@ def test_training_sees_shared_hard_negatives(mined_dir, tmp_path, objective):
         "data.max_eval_queries=null", "data.max_eval_docs=null", f"model.path={tmp_path / 'tiny'}",
         "trainer.max_steps=3", "trainer.log_every_n_steps=1", "trainer.val_check_interval=null",
         "trainer.enable_progress_bar=false", *(["objective.queue_size=64"] if objective == "moco" else []),
-    ])
+    ], to_object=True)
     assert cfg.data.n_negatives == n
 
     # one step by hand: the exact count of unmasked negatives
@@ -342,19 +331,16 @@ def test_training_sees_shared_hard_negatives(mined_dir, tmp_path, objective):
 
 def test_mine_command_config_and_outputs(tmp_path, capsys):
     """conf/mine.yaml composed as the command does, run on a JSONL file with a tiny base encoder."""
-    from hydra import compose, initialize_config_module
-
     from moco_retrieval.data.formats import write_pairs_jsonl
     from moco_retrieval.mine import to_mine_config
     from moco_retrieval.mine import run_mine
 
     write_pairs_jsonl(tmp_path / "pairs.jsonl", make_pairs())
-    with initialize_config_module(config_module="moco_retrieval.conf", version_base="1.3"):
-        dcfg = compose("mine", overrides=[
-            "model=tiny", f"model.path={tmp_path / 'tiny'}", "data=jsonl", f"data.train_path={tmp_path / 'pairs.jsonl'}",
-            f"output={tmp_path / 'out' / 'mined.jsonl'}", "n_negatives=3", "range_max=5", "relative_margin=null",
-            "progress=false",
-        ])
+    dcfg = compose_cfg("mine", [
+        "model=tiny", f"model.path={tmp_path / 'tiny'}", "data=jsonl", f"data.train_path={tmp_path / 'pairs.jsonl'}",
+        f"output={tmp_path / 'out' / 'mined.jsonl'}", "n_negatives=3", "range_max=5", "relative_margin=null",
+        "progress=false",
+    ])
     cfg = to_mine_config(dcfg)
     assert cfg.data.eval_dir is None and cfg.relative_margin is None and cfg.drop_group
     res = run_mine(cfg)
@@ -363,6 +349,5 @@ def test_mine_command_config_and_outputs(tmp_path, capsys):
     stats = json.loads((tmp_path / "out" / "mined.stats.json").read_text())
     assert stats["candidates"]["removed"]["positive"] > 0 and stats["model"]["source"] == "base"
     assert "removed by group" in capsys.readouterr().out
-    with initialize_config_module(config_module="moco_retrieval.conf", version_base="1.3"):
-        with pytest.raises(ConfigError, match="output"):
-            to_mine_config(compose("mine", overrides=["data=jsonl"]))
+    with pytest.raises(ConfigError, match="output"):
+        to_mine_config(compose_cfg("mine", ["data=jsonl"]))

@@ -81,12 +81,9 @@ def _rank(tiny_dir, folder, rank, world):
     return out
 
 
-def test_two_gloo_ranks_encode_half_each_and_gather_what_one_process_encodes(tmp_path, one_thread):
+def test_two_gloo_ranks_encode_half_each_and_gather_what_one_process_encodes(tiny_dir, tmp_path, one_thread):
     from helpers import on_ranks
 
-    from moco_retrieval.model.tiny import build_tiny_bert
-
-    tiny_dir = str(build_tiny_bert(tmp_path / "tiny"))
     ranks = on_ranks(_rank, (tiny_dir, str(tmp_path)), W, tmp_path, weights_only=False)
     enc = _encoder(tiny_dir)
     texts = _texts(37, 0)
@@ -129,10 +126,8 @@ def test_eval_items_batches_are_the_ranks_blocks_of_documents_then_queries():
     assert sum(items.batches(5), []) == list(range(32))
 
 
-def test_encoding_streams_into_a_memory_map_in_the_order_given(tmp_path, one_thread):
-    from moco_retrieval.model.tiny import build_tiny_bert
-
-    enc = _encoder(str(build_tiny_bert(tmp_path / "tiny")))
+def test_encoding_streams_into_a_memory_map_in_the_order_given(tiny_dir, tmp_path, one_thread):
+    enc = _encoder(tiny_dir)
     texts = _texts(29, 3)
     out = embedding_file(tmp_path / "emb.npy", len(texts), enc.dim)
     got = encode_texts(enc, texts, "doc", 4, False, out=out)
