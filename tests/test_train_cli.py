@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -126,10 +127,17 @@ def test_cli_rejects_typo_and_missing_values(tmp_path):
 
 
 def test_configs_found_from_a_plain_install(tmp_path):
-    """`pip install .` (not editable) ships conf/ as package data; Hydra finds it from any cwd."""
+    """`pip install .` (not editable) ships conf/ as package data; Hydra finds it from any cwd. The
+    install builds from a copy of what the build reads, so its build/ folder is not left in the
+    repository (where stale copies of removed files would reach the next such install)."""
+    source = tmp_path / "source"
+    for name in ("moco_retrieval", "conf"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, source / name)
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(REPO)], check=True, capture_output=True, timeout=240)
+                    "--target", str(target), str(source)], check=True, capture_output=True, timeout=240)
     assert (target / "moco_retrieval" / "conf" / "experiment" / "queue65k.yaml").exists()
     work = tmp_path / "elsewhere"
     work.mkdir()
