@@ -1,5 +1,10 @@
 """Test-wide settings (never reach the network, keep CPU threads modest, one data cache per session)
-and the fixtures many test files share. Shared functions are in helpers.py."""
+and the fixtures many test files share; the functions they share are in helpers.py.
+
+The folders mirror the package (tests/objectives/ for moco_retrieval/objectives/, ...); the tests of
+the commands at the top and of the ground floor stay here. No folder is a package: pytest puts each
+test file's folder and this one on sys.path, so any test file imports ``from helpers import ...``
+(never from another test file), and a test file's name is unique across the folders."""
 import os
 import random
 

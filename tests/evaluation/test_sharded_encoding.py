@@ -1,7 +1,7 @@
 """Encoding split across ranks: each of two gloo ranks encodes its block, the blocks are gathered,
 and every rank ends with what one process computes; embeddings stream into a memory-mapped file.
 
-Validation under a real two-rank training run is checked by tests/test_torchrun.py (its
+Validation under a real two-rank training run is checked by tests/training/test_torchrun.py (its
 validation metrics equal one process's over the whole pool).
 """
 from __future__ import annotations

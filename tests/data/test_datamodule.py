@@ -332,7 +332,7 @@ def test_caps_are_deterministic_and_keep_relevant_docs(tmp_path):
 def test_val_dataloader_whole_pool_docs_first(tmp_path):
     cfg = make_cfg(tmp_path)
     # rank 1 of 2 given to the constructor, no process group: still the whole pool (validation splits
-    # only over a real process group, which also gathers: tests/test_sharded_encoding.py)
+    # only over a real process group, which also gathers: tests/evaluation/test_sharded_encoding.py)
     dm = RetrievalDataModule(cfg, tokenize=fake_tokenize, rank=1, world_size=2)
     batches = list(dm.val_dataloader())
     kinds = [b["kind"] for b in batches]
