@@ -19,21 +19,19 @@ documents and queries), every run the same number of epochs, lr and temperature:
 Writes benchmarks/results/batch_size.{md,json} and batch_size_vs_batch.png,
 batch_size_vs_negatives.png. ``--quick``: a 6,000-pair slice, 1 epoch, fewer points (minutes).
 
-    python benchmarks/batch_size.py [--quick] [--seeds 3] [--epochs 3]
+    python -m benchmarks.batch_size [--quick] [--seeds 3] [--epochs 3]
 """
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    FROZEN_BASE, Bench, Runner, bench_cache, compose_cfg, environment, f3, figure, log, mean, median, peak_rss_mb, std,
-)
-from harness import cli  # noqa: E402
-from harness.runs import md_table, write_results  # noqa: E402
+from benchmarks.harness import cli
+from benchmarks.harness.cli import bench_cache
+from benchmarks.harness.report import environment, f3, figure, log, mean, median, peak_rss_mb, std
+from benchmarks.harness.runs import md_table, write_results
+from benchmarks.harness.training import FROZEN_BASE, Bench, Runner, compose_cfg
 
 
 NAME = "batch_size"

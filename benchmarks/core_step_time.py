@@ -4,28 +4,26 @@ One step (``harness.steps.OurStep``, the module's order) = query forward + EMA k
 loss + backward + enqueue + AdamW step + EMA update, on random token batches (the text does not matter for timing). The two settings are
 interleaved repeat by repeat so machine noise hits both alike; medians are reported.
 
-    python benchmarks/core_step_time.py [--quick] [--models tiny minilm] [--batch 32] [--out DIR]
+    python -m benchmarks.core_step_time [--quick] [--models tiny minilm] [--batch 32] [--out DIR]
 Writes core_step_time.{md,json} to --out (default benchmarks/results).
 """
 from __future__ import annotations
 
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import cli  # noqa: E402
-from harness.steps import OurStep  # noqa: E402
+from benchmarks.harness import cli
+from benchmarks.harness.steps import OurStep
 
-from moco_retrieval.config import ModelConfig, OptimConfig  # noqa: E402
+from moco_retrieval.config import ModelConfig, OptimConfig
 from moco_retrieval.objectives.moco import MoCoConfig
-from moco_retrieval.training.module import RetrievalModule  # noqa: E402
-from moco_retrieval.model.tiny import build_tiny_bert  # noqa: E402
+from moco_retrieval.training.module import RetrievalModule
+from moco_retrieval.model.tiny import build_tiny_bert
 
 
 def make(model: str, K: int, tiny_dir: str) -> RetrievalModule:

@@ -15,7 +15,7 @@ negatives are other rows' documents, as mined negatives are), written as JSONL. 
   waits) and warm, next to the same run on a 1k-pair file. ``before``: today's loader at the same
   size (the data module's load patched back to ``sources.load``, i.e. every pair a Python object).
 
-    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/data_scale.py --sizes 1000000 [--before 1000000]
+    OMP_NUM_THREADS=1 nice -n 10 python -m benchmarks.data_scale --sizes 1000000 [--before 1000000]
         [--negatives 30 --neg-rows 100000] [--work /tmp/data_scale]
 """
 from __future__ import annotations
@@ -32,10 +32,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, environment  # noqa: E402
-from harness import cli  # noqa: E402
-from harness.runs import md_table, write_results  # noqa: E402
+from benchmarks.harness import cli
+from benchmarks.harness.cli import ROOT
+from benchmarks.harness.report import environment
+from benchmarks.harness.runs import md_table, write_results
 
 WORDS, QUERY_WORDS, DOC_WORDS = 20_000, 8, 90
 STEP1 = re.compile(r"\bstep 1/\d+")
@@ -250,7 +250,7 @@ def run(label: str, file: Path, cache: Path, eval_dir: Path, work: Path, before:
                  "data.num_workers=2", "trainer.log_every_n_steps=1", "trainer.max_steps=4",
                  "trainer.val_check_interval=1000", f"run_dir={work}/runs/{slug}/rank${{oc.env:LOCAL_RANK}}",
                  f"hydra.run.dir={work}/runs/{slug}/hydra", *extra]
-    entry = [str(Path(__file__).resolve()), "worker"] + (["--before"] if before else [])
+    entry = ["-m", "benchmarks.data_scale", "worker"] + (["--before"] if before else [])
     cmd = ["nice", "-n", "10", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            *entry, *overrides]
     t0 = time.monotonic()

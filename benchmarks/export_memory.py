@@ -2,17 +2,17 @@
 a 7B embedder exported on the machine that trained it).
 
 Random BERT-shaped backbones of about 400 and 800 MiB (hidden 1024, 12 and 24 layers, fp32) are
-exported as a sentence-transformers folder (``export_model.export_encoder``), plain and with LoRA adapters
-(r 8), which ``lora_merge.save_merged`` merges into the weights one file at a time; its file-size
-limit (``lora_merge.SHARD_BYTES``) is varied, 50 GB being transformers' default (one file).
+exported as a sentence-transformers folder (``moco_retrieval.export.writer.export_encoder``), plain and with LoRA adapters
+(r 8), which ``writer.save_merged`` merges into the weights one file at a time; its file-size
+limit (``moco_retrieval.export.writer.SHARD_BYTES``) is varied, 50 GB being transformers' default (one file).
 Each case runs in a fresh process and reports two peaks above the memory before the export:
 resident memory (VmHWM, reset just before through ``/proc/self/clear_refs``), which counts the
 written and re-read files' pages that the process maps (page cache the kernel can drop), and
 anonymous memory (RssAnon, sampled every 2 ms by a thread), the part that can run a machine out
 of memory.
 
-    python benchmarks/export_memory.py            # all cases, about a minute
-    python benchmarks/export_memory.py --report   # rewrite the report from results/export_memory.json
+    python -m benchmarks.export_memory            # all cases, about a minute
+    python -m benchmarks.export_memory --report   # rewrite the report from results/export_memory.json
 """
 from __future__ import annotations
 
@@ -23,10 +23,9 @@ import tempfile
 import threading
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import environment  # noqa: E402
-from harness import cli  # noqa: E402
-from harness.runs import md_table, write_results  # noqa: E402
+from benchmarks.harness import cli
+from benchmarks.harness.report import environment
+from benchmarks.harness.runs import md_table, write_results
 
 NAME = "export_memory"
 MIB = 2**20
@@ -41,15 +40,15 @@ def one_case(model_dir: str, lora: bool, limit: int, out: str) -> dict:
     import torch
 
     from moco_retrieval.config import LoraConfig, ModelConfig
+    from moco_retrieval.export import writer
     from moco_retrieval.export.writer import export_encoder
-    from moco_retrieval.model import lora_merge
     from moco_retrieval.model.encoder import build_encoder
 
     torch.set_num_threads(1)
     cfg = ModelConfig(backbone="tiny", path=model_dir, lora=LoraConfig(r=8, alpha=16) if lora else LoraConfig())
     enc = build_encoder(cfg).eval()
     model_bytes = sum(p.numel() * p.element_size() for p in enc.parameters())
-    lora_merge.SHARD_BYTES = limit or lora_merge.SHARD_BYTES
+    writer.SHARD_BYTES = limit or writer.SHARD_BYTES  # save_merged reads it when it runs
     before, anon_before = _status_kib("VmRSS"), _status_kib("RssAnon")
     Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from the RSS now
     with AnonPeak() as anon:
@@ -95,7 +94,7 @@ def measure(tmp: Path) -> list[dict]:
             build_tiny_bert(model_dir, hidden=HIDDEN, layers=layers, heads=16)
         out = tmp / f"out-{len(rows)}"
         limit = LIMITS.get(label, 0)
-        code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import export_memory as m; "
+        code = ("import json; from benchmarks import export_memory as m; "
                 f"print(json.dumps(m.one_case({str(model_dir)!r}, {lora}, {limit}, {str(out)!r})))")
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         row = {"layers": layers, "lora": lora, "file_limit": label, **json.loads(res.stdout.strip().splitlines()[-1])}

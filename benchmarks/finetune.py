@@ -25,247 +25,26 @@ or later invocation skips them, and independent runs can go in parallel processe
 each (``--only NAME --seeds 0``). ``--report`` writes finetune.md / finetune.json / finetune_*.png
 from the cache alone. ``--quick``: 40 pairs x few steps on a 200 / 400 pool (results to --out).
 
-    python benchmarks/finetune.py --only two_queue_ib-32,inbatch-32 --seeds 0 --threads 1
-    python benchmarks/finetune.py --report
+    python -m benchmarks.finetune --only two_queue_ib-32,inbatch-32 --seeds 0 --threads 1
+    python -m benchmarks.finetune --report
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import TRAINER, Bench, compose_cfg, environment, figure, log, quiet_trainer  # noqa: E402
-from harness import cli  # noqa: E402
-from harness.runs import md_table, read_jsonl, run_selected, write_results  # noqa: E402
-from harness.runs import records as cached_records  # noqa: E402
-from harness.steps import PeerTrainer, step_clock  # noqa: E402
-
-import torch  # noqa: E402
+from benchmarks.harness import cli, equal_data
+from benchmarks.harness.equal_data import (CANDIDATES, HEADLINE, INBATCH, MAIN_RUN, RETIRED_RUNS, RUNS, add_run_args,
+                                           metrics, miss_in_group, pair_batches, runner, trained)
+from benchmarks.harness.report import environment, figure, fmt, fmt_recorded, log, med_std, paired
+from benchmarks.harness.runs import md_table, read_jsonl, run_selected, write_results
+from benchmarks.harness.runs import records as cached_records
+from benchmarks.harness.training import compose_cfg
 
 NAME = "finetune"
-BASE = [f"trainer={TRAINER}", "logger=none", "data=debian", "trainer.val_check_interval=null"]
-INBATCH = ["+experiment=inbatch256"]
-MAIN = ["+experiment=queue65k"]
-MOCO = MAIN + ["objective=moco"]  # the main job before B6
-GTE = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
-
-
-# the two-queue options B6's runs were first made at; every run names them, so a cached run keeps
-# its meaning when the objective's defaults move
-TWO_QUEUE_PINNED = {"objective.momentum": "0.999", "objective.queue_max_age": "null"}
-
-
-def two_queue(*extra: str, inbatch: float = 0.0) -> list[str]:
-    """The main job with the two-queue objective at ``TWO_QUEUE_PINNED``, the in-batch weight
-    ``inbatch``, and ``extra`` overrides (``key=value``, replacing a pinned one)."""
-    options = {**TWO_QUEUE_PINNED, "objective.inbatch_weight": str(inbatch)}
-    options.update(e.split("=", 1) for e in extra)
-    return MAIN + [f"{k}={v}" for k, v in options.items()]
-
-
-TWO_QUEUE = two_queue()  # the two-queue objective alone (false_negatives.py builds on it)
-
-
-def main_objective(*extra: str) -> list[str]:
-    """``+experiment=queue65k``'s objective as B6 runs it at batch 32 (m 0.995, in-batch term, a
-    4,096-key queue each: the keys its ``queue_max_age`` 128 keeps), plus ``extra``."""
-    return two_queue("objective.momentum=0.995", "objective.queue_size=4096", *extra, inbatch=1.0)
-
-
-# name -> (kind, batch, overrides or loss options, what it is); in order of priority
-RUNS: dict[str, tuple[str, int, object, str]] = {
-    "two_queue-32": ("ours", 32, TWO_QUEUE, "two-queue momentum, K 65,536 each, m 0.999, no in-batch term"),
-    "two_queue_ib-32": ("ours", 32, two_queue(inbatch=1.0), "two-queue, m 0.999 + in-batch term (weight 1): queue65k's objective 2026-12-02 to 12-03"),
-    "inbatch-32": ("ours", 32, INBATCH, "ours, in-batch negatives"),
-    "mnrl-32": ("mnrl", 32, {}, "sentence-transformers MNRL"),
-    "moco-32": ("ours", 32, MOCO, "MoCo queue, K 65,536, m 0.999 (queue65k before B6)"),
-    "inbatch-256": ("ours", 256, INBATCH, "ours, in-batch negatives"),
-    "cmnrl-256": ("cmnrl", 256, {"mini_batch_size": 32}, "sentence-transformers CachedMNRL, mini-batch 32"),
-    "inbatch-64": ("ours", 64, INBATCH, "ours, in-batch negatives"),
-    "inbatch-128": ("ours", 128, INBATCH, "ours, in-batch negatives"),
-    "mnrl_gte-32": ("mnrl", 32, {"directions": GTE}, "MNRL, directions q->d, q->q, d->q, d->d"),
-    "two_queue_m0.995-32": ("ours", 32, two_queue("objective.momentum=0.995"), "two-queue, m 0.995 (ALBEF)"),
-    "two_queue_m0.995_ib-32": ("ours", 32, two_queue("objective.momentum=0.995", inbatch=1.0),
-                               "two-queue, m 0.995 + in-batch term (weight 1)"),
-    "two_queue_m0.995_ib_k4k-32": ("ours", 32, main_objective(),
-                                   "two-queue, m 0.995 + in-batch term, K 4,096 (keys at most 128 steps old: no cone); at batch 32 "
-                                   "the same training as queue65k's queue_max_age 128 (tests/test_two_queue.py)"),
-    "two_queue_cosine-32": ("ours", 32, two_queue("objective.momentum=0.99", "objective.momentum_schedule=cosine"),
-                            "two-queue, m cosine 0.99 -> 1"),
-    "two_queue_k16k-32": ("ours", 32, two_queue("objective.queue_size=16384"), "two-queue, K 16,384"),
-    # each change on its own, against the main job's objective (MAIN_RUN, 3 seeds)
-    "two_queue_m0.995_ib_k4k_sameside-32": ("ours", 32, main_objective("objective.same_side_negatives=true"),
-                                            "queue65k's objective + q->q and d->d negatives (GTE)"),
-    "two_queue_m0.995_ib_k4k_dq0.5-32": ("ours", 32, main_objective("objective.doc_to_query_weight=0.5"),
-                                         "queue65k's objective, d->q weight 0.5"),
-    "two_queue_m0.995_ib_k4k_warmup-32": ("ours", 32, main_objective("objective.queue_warmup_steps=57"),
-                                          "queue65k's objective, queues count after 10% of the steps"),
-    "two_queue_m0.995_ib_k4k_refresh32-32": ("ours", 32, main_objective("objective.queue_refresh=32"),
-                                             "queue65k's objective + 32 queued keys of each queue re-encoded a step (negative cache)"),
-    "two_queue_m0.995_ib_refresh32-32": ("ours", 32, two_queue("objective.momentum=0.995", "objective.queue_refresh=32", inbatch=1.0),
-                                         "two-queue, m 0.995 + in-batch term, K 65,536 unbounded + refresh 32 a step: "
-                                         "does refreshing let the older keys count without the cone?"),
-    "icol-32": ("ours", 32, MAIN + ["objective=icol", "model.shared_tower=false", "objective.phase_steps=128",
-                                    "objective.queue_size=4096"],
-                "ICoL: two towers trained in turns (128 steps each), queue 4,096 of this phase's other-tower embeddings"),
-    "inbatch_2tower-32": ("ours", 32, INBATCH + ["model.shared_tower=false"], "ours, in-batch negatives, two towers (icol-32's twin)"),
-}
-# the run with +experiment=queue65k's objective (the bar's subject); its queue_max_age 128 at batch
-# 32 keeps the same 4,096 keys as this run's queue (the same losses: tests/test_two_queue.py)
-MAIN_RUN = "two_queue_m0.995_ib_k4k-32"
-# runs the bar's equal-steps lines are also reported for once they have 3 seeds (3 are planned for each)
-CANDIDATES = [MAIN_RUN, "two_queue_m0.995_ib_k4k_refresh32-32", "two_queue_m0.995_ib_k4k_sameside-32"]
-HEADLINE = [MAIN_RUN, "two_queue_ib-32", "inbatch-32", "mnrl-32", "inbatch-256", "cmnrl-256"]
-
-
-# ----------------------------------------------------------------------------------- data
-
-
-def pair_batches(bench: Bench, seed: int, pairs: int, batch: int) -> list[list[int]]:
-    """The first ``pairs`` pairs of the batch-32 order of ``seed``, as batches of ``batch``."""
-    cfg = compose_cfg(BASE + INBATCH + ["data.batch_size=32", f"data.seed={seed}", f"seed={seed}"])
-    sampler = bench.datamodule(cfg).batch_sampler
-    sampler.set_epoch(0)
-    b32 = list(sampler)[: pairs // 32]
-    if len(b32) * 32 < pairs:
-        raise SystemExit(f"--pairs {pairs}: one epoch holds only {len(b32) * 32:,} pairs at batch 32")
-    m = batch // 32
-    return [sum(b32[i : i + m], []) for i in range(0, len(b32) - m + 1, m)]
-
-
-class Evaluator:
-    """Scores an encoder on the pool; ``every`` pairs and at the end; keeps the training clock."""
-
-    def __init__(self, pool, eval_cfg, every: int, batch: int, steps: int, dims: tuple[int, ...] = ()):
-        self.pool, self.eval_cfg, self.dims = pool, eval_cfg, tuple(dims)  # dims: also scored truncated
-        self.at = {s for s in range(every // batch, steps, max(1, every // batch))} | {steps}
-        self.curve: list[dict] = []
-        self.train_s, self.eval_s, self._t = 0.0, 0.0, None
-        self.step_times: list[float] = []
-        self.batch, self.steps = batch, steps
-        self._logged = time.perf_counter()
-
-    def start(self) -> None:
-        self._t = time.perf_counter()
-
-    def step_done(self, step: int, encoder) -> None:
-        dt = time.perf_counter() - self._t
-        self.step_times.append(dt)
-        self.train_s += dt
-        if step % 50 == 0 or time.perf_counter() - self._logged > 300:  # big batches: a step can take minutes
-            self._logged = time.perf_counter()
-            left = (self.steps - step) * self.train_s / step
-            log(f"  step {step}/{self.steps}: {self.train_s / step:.1f} s/step, about {left / 60:.0f} min of training left")
-        if step in self.at:
-            self.curve.append(self.score(encoder, step))
-        self._t = time.perf_counter()
-
-    def score(self, encoder, step: int) -> dict:
-        from moco_retrieval.evaluation.encode import evaluate_encoder
-
-        t0 = time.perf_counter()
-        was = encoder.training
-        encoder.eval()
-        res = evaluate_encoder(encoder, self.pool, self.eval_cfg, batch_size=64, show_progress=False, dims=self.dims)
-        encoder.train(was)
-        self.eval_s += time.perf_counter() - t0
-        point = {"step": step, "pairs": step * self.batch, "train_s": self.train_s, **_metrics(res),
-                 "miss_in_group@1": miss_in_group(res.run, self.pool)}
-        if self.dims:
-            point["by_dim"] = {str(d): {k: m[k] for k in ("recall@1", "mrr@10", "ndcg@10")} for d, m in res.metrics_by_dim.items()}
-        log(f"  step {step}: recall@1 {point['recall@1']:.3f} nDCG@10 {point['ndcg@10']:.3f} "
-            f"unrelated cos {point['unrelated_cos_mean']:+.3f} ({self.train_s:.0f}s training)")
-        return point
-
-
-def _metrics(res) -> dict:
-    m, g = res.metrics, res.geometry
-    return {"recall@1": m["recall@1"], "mrr@10": m["mrr@10"], "ndcg@10": m["ndcg@10"], "recall@10": m["recall@10"],
-            "unrelated_cos_mean": g.get("unrelated_cos_mean"), "positive_cos_mean": g.get("positive_cos_mean")}
-
-
-def miss_in_group(run: dict, pool) -> float:
-    """Share of queries whose top document is wrong but of the positive's group (source package):
-    a confusion training cannot teach away, since group masking keeps such documents out of every
-    softmax. What is left of 1 - recall@1 after it: the misses more or other negatives could fix."""
-    groups, n = pool.doc_groups or {}, 0
-    for qid, ranked in run.items():
-        top = max(ranked, key=ranked.get) if ranked else None
-        pos = [d for d, r in pool.qrels.get(qid, {}).items() if r > 0]
-        g = groups.get(pos[0]) if pos else None
-        n += top is not None and top not in pos and g is not None and groups.get(top) == g
-    return n / max(1, len(pool.queries))
-
 
 # ----------------------------------------------------------------------------------- runs
-
-
-def run_ours(bench, overrides, batches, seed, ev: Evaluator) -> dict:
-    import lightning as L
-    from torch.utils.data import DataLoader
-
-    from moco_retrieval.data.collate import Collator, PairDataset
-    from moco_retrieval.training.module import RetrievalModule
-
-    cfg = compose_cfg(BASE + list(overrides) + [f"data.batch_size={len(batches[0])}", "trainer.max_epochs=1",
-                                                f"seed={seed}", f"data.seed={seed}"])
-    L.seed_everything(seed, verbose=False)
-    module = RetrievalModule.from_config(cfg)
-    loader = DataLoader(PairDataset(bench.train_pairs), batch_sampler=batches, collate_fn=Collator(module.encoder.tokenize))
-
-    clock = step_clock(on_start=ev.start, on_end=lambda trainer, m: ev.step_done(trainer.global_step, m.encoder))
-    trainer = quiet_trainer(cfg, callbacks=[clock])
-    trainer.fit(module, train_dataloaders=loader)
-    out = {"objective": cfg.objective.name, "temperature": cfg.objective.temperature, "lr": cfg.optim.lr,
-           "last_step": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}}
-    out.update(module.objective.stats(trainer.global_step))
-    return out
-
-
-def run_peer(bench, kind, options, batches, seed, ev: Evaluator) -> dict:
-    """sentence-transformers' MNRL / CachedMNRL / MatryoshkaLoss over the same batches (the clock
-    includes tokenisation, as ours includes collation)."""
-    from moco_retrieval.model.backbone import resolve_backbone_path
-    from moco_retrieval.model.encoder import build_encoder
-
-    cfg = compose_cfg(BASE + INBATCH + [f"seed={seed}"])
-    torch.manual_seed(seed)
-    device = "cuda" if TRAINER == "gpu" and torch.cuda.is_available() else "cpu"
-    steps = len(batches)
-    peer = PeerTrainer(str(resolve_backbone_path(cfg.model)), kind, options, lr=cfg.optim.lr,
-                       weight_decay=cfg.optim.weight_decay, lengths=(cfg.model.query_max_len, cfg.model.doc_max_len),
-                       steps=steps, warmup=int(cfg.optim.warmup_ratio * steps), device=device)
-    scorer = build_encoder(cfg.model).to(device)  # our encoder, the peer's weights: same pooling + normalisation
-    pairs = bench.train_pairs
-    for step, idx in enumerate(batches, start=1):
-        ev.start()
-        peer.step(peer.features([pairs[i].query for i in idx], [pairs[i].positive for i in idx]))
-        if step in ev.at:
-            peer.copy_into(scorer)
-        ev.step_done(step, scorer)
-    return {"objective": kind, "temperature": peer.temperature, "lr": cfg.optim.lr,
-            **{k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}}
-
-
-def trained(bench, pool, label: str, run: tuple, batches: list[list[int]], seed: int, eval_every: int,
-            dims: tuple[int, ...] = ()) -> dict:
-    """Trains one entry of a RUNS table, ``(kind, batch, overrides or loss options, what)``, over
-    ``batches``, scored every ``eval_every`` pairs and at the end (also at ``dims``): what a
-    record of B6 and the scripts built on it measures (they add its key and name)."""
-    kind, batch, spec, what = run
-    ev = Evaluator(pool, compose_cfg(BASE + INBATCH).eval, eval_every, batch, len(batches), dims=dims)
-    log(f"{label} seed {seed}: {len(batches)} steps of {batch} ({len(batches) * batch:,} pairs), {torch.get_num_threads()} thread(s)")
-    t0 = time.perf_counter()
-    info = run_ours(bench, spec, batches, seed, ev) if kind == "ours" else run_peer(bench, kind, spec, batches, seed, ev)
-    ts = ev.step_times[3:] or ev.step_times
-    return {"seed": seed, "kind": kind, "batch_size": batch, "what": what, "steps": len(batches), "pairs": len(batches) * batch,
-            "train_s": ev.train_s, "eval_s": ev.eval_s, "s_per_step": statistics.median(ts), "final": ev.curve[-1],
-            "curve": ev.curve, "wall_s": time.perf_counter() - t0, "threads": torch.get_num_threads(),
-            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), **info}
 
 
 def do_run(bench, pool, name, seed, args) -> dict:
@@ -279,30 +58,6 @@ def run_key(name: str, seed: int, args) -> str:
 
 
 # ----------------------------------------------------------------------------------- report
-
-
-def med_std(xs):
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return float("nan"), float("nan")
-    return statistics.median(xs), (statistics.stdev(xs) if len(xs) > 1 else float("nan"))
-
-
-def fmt_recorded(xs, key) -> str:
-    """``fmt`` over the runs that recorded ``key`` (blank when none did), with how many did."""
-    have = [x for x in xs if key in x["final"]]
-    return "" if not have else fmt(have, key) + ("" if len(have) == len(xs) else f" ({len(have)} seed(s))")
-
-
-def fmt(xs, key) -> str:
-    m, s = med_std([r["final"][key] for r in xs])
-    return f"{m:.3f}" + (f" ± {s:.3f}" if s == s else "")
-
-
-def paired(q: list[dict], r: list[dict], key: str) -> list[float]:
-    """Per-seed differences q - r in ``key``, over the seeds both ran (a seed fixes the batches)."""
-    ref = {x["seed"]: x["final"][key] for x in r}
-    return [x["final"][key] - ref[x["seed"]] for x in sorted(q, key=lambda x: x["seed"]) if x["seed"] in ref]
 
 
 def equal_steps(by: dict, subject: str) -> list[str]:
@@ -421,6 +176,11 @@ def curve_table(by: dict) -> list[str]:
             md_table(["run"] + [f"{a:,} pairs" for a in at], rows)]
 
 
+def what(name: str) -> str:
+    """A run's description in the table; a retired run's says so, and why."""
+    return RUNS[name][3] + (f"; {RETIRED_RUNS[name]}" if name in RETIRED_RUNS else "")
+
+
 def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str]) -> None:
     by: dict[str, list[dict]] = {}
     for r in records:
@@ -430,7 +190,7 @@ def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str]
         xs = by.get(name)
         if not xs:
             continue
-        rows.append([name, RUNS[name][3], xs[0]["batch_size"], len(xs), fmt(xs, "recall@1"), fmt(xs, "mrr@10"), fmt(xs, "ndcg@10"),
+        rows.append([name, what(name), xs[0]["batch_size"], len(xs), fmt(xs, "recall@1"), fmt(xs, "mrr@10"), fmt(xs, "ndcg@10"),
                      fmt(xs, "unrelated_cos_mean"), fmt_recorded(xs, "miss_in_group@1"),
                      f"{med_std([x['s_per_step'] for x in xs])[0]:.2f}",
                      f"{med_std([x['train_s'] for x in xs])[0]:.0f}"])
@@ -458,7 +218,7 @@ def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str]
            *verdict(by, read_cost(out_dir)), ""]
     for name in [n for n in CANDIDATES if n != MAIN_RUN and len(by.get(n, [])) >= 3]:
         md += [f"At equal steps, for {name}:", "", *equal_steps(by, name), ""]
-    missing = [f"{n} (seed {s})" for n in RUNS for s in range(3 if n in HEADLINE + CANDIDATES else 1)
+    missing = [f"{n} (seed {s})" for n in RUNS if n not in RETIRED_RUNS for s in range(3 if n in HEADLINE + CANDIDATES else 1)
                if not any(r["seed"] == s for r in by.get(n, []))]
     if missing:
         md += ["## Not run yet", "", "Planned and not in the cache (the cache resumes them): " + ", ".join(missing) + ".", ""]
@@ -531,20 +291,6 @@ def curves(by: dict, x: str, xlabel: str, title: str, path: Path) -> None:
 # ----------------------------------------------------------------------------------- main
 
 
-def add_run_args(ap: argparse.ArgumentParser, *, default: str, runs: list[str], small: str) -> None:
-    """The options of every B6-style benchmark: the harness's (runs, seeds, threads, report,
-    deadline, results folder, data location) and the data and pool sizes (``small``: the name of
-    the script's smoke mode, whose sizes the help mentions)."""
-    cli.add_selection(ap, runs=runs, default=default)
-    ap.add_argument("--pairs", type=int, default=None, help=f"training pairs per run (default 18,240; {small}: smaller)")
-    ap.add_argument("--eval-every", type=int, default=None, help="pairs between evaluations (default 6,080)")
-    ap.add_argument("--max-queries", type=int, default=None, help="queries of the pool (default 1,000)")
-    ap.add_argument("--max-docs", type=int, default=None, help="documents of the pool (default 2,400)")
-    cli.add_report(ap)
-    cli.add_deadline(ap)
-    cli.add_common(ap)
-
-
 def main(argv=None) -> int:
     ap = cli.parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="a few steps on a small pool (smoke check; results to --out)")
@@ -559,23 +305,14 @@ def main(argv=None) -> int:
     out_dir = cli.out_dir(args)
     prefix = f"{NAME}_quick" if q else (NAME if args.pairs == 18240 else f"{NAME}_{args.pairs}pairs")  # B4's setup: 4800
     cache = out_dir / f"{prefix}_runs.jsonl"
-    cut = run_selected(cache, args, ["base", *RUNS], lambda name, seed: run_key(name, seed, args), lambda: runner(args, run_or_base))
+    cut = run_selected(cache, args, ["base", *RUNS], lambda name, seed: run_key(name, seed, args), lambda: runner(args, run_or_base),
+                       retired=RETIRED_RUNS)
     # read again: runs finished by parallel processes since belong in the report too
     records = cached_records(cache, f"|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}")
     if not any(r["name"] == "base" for r in records):
         records += base_from_other_caches(out_dir, args)
     report(records, args, out_dir, prefix, cut)
     return 0
-
-
-def runner(args, make):
-    """Loads the Debian set and the pool (``--max-queries`` x ``--max-docs``) once; returns what
-    makes one run's record: ``make(bench, pool, name, seed, args)``."""
-    from moco_retrieval.data.sources import cap_eval_set
-
-    bench = Bench()
-    pool = cap_eval_set(bench.eval_set, args.max_queries or None, args.max_docs or None, seed=0)
-    return lambda name, seed: make(bench, pool, name, seed, args)
 
 
 def run_or_base(bench, pool, name, seed, args) -> dict:
@@ -597,9 +334,9 @@ def base_record(bench, pool, key, args) -> dict:
     from moco_retrieval.evaluation.encode import evaluate_encoder
     from moco_retrieval.model.encoder import build_encoder
 
-    cfg = compose_cfg(BASE + INBATCH)
+    cfg = compose_cfg(equal_data.BASE + INBATCH)
     res = evaluate_encoder(build_encoder(cfg.model), pool, cfg.eval, batch_size=64, show_progress=False)
-    final = {**_metrics(res), "miss_in_group@1": miss_in_group(res.run, pool)}
+    final = {**metrics(res), "miss_in_group@1": miss_in_group(res.run, pool)}
     return {"key": key, "name": "base", "seed": 0, "kind": "base", "batch_size": 0, "final": final, "curve": []}
 
 

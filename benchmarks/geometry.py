@@ -19,21 +19,21 @@ and 2,400 documents (every relevant one kept) by default, to bound the CPU time 
 encodings (``--max-queries 0 --max-docs 0``: all). ``--quick``: 300 queries / 600 documents and a
 1-epoch head.
 
-    python benchmarks/geometry.py [--quick] [--checkpoint PATH]
+    python -m benchmarks.geometry [--quick] [--checkpoint PATH]
 """
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import FROZEN_BASE, ROOT, Bench, compose_cfg, environment, f3, log, peak_rss_mb  # noqa: E402
-from harness import cli  # noqa: E402
-from harness.runs import md_table, write_results  # noqa: E402
+from benchmarks.harness import cli
+from benchmarks.harness.cli import ROOT
+from benchmarks.harness.report import environment, f3, log, peak_rss_mb
+from benchmarks.harness.runs import md_table, write_results
+from benchmarks.harness.training import FROZEN_BASE, Bench, compose_cfg
 
-import torch  # noqa: E402
-from moco_retrieval.training.checkpoints import last_checkpoint  # noqa: E402
+import torch
+from moco_retrieval.training.checkpoints import last_checkpoint
 
 NAME = "geometry"
 DEFAULT_CKPT = str(last_checkpoint(ROOT.parent / "runs" / "queue65k"))
@@ -202,7 +202,7 @@ def plot_side_by_side(results: dict, path: Path, bins: int = 60) -> None:
     """One column per encoder: unrelated vs positive cosine histograms on a shared x axis."""
     import numpy as np
 
-    from _common import figure
+    from benchmarks.harness.report import figure
 
     n = len(results)
     fig = figure(3.0 * n, 3.2)

@@ -50,8 +50,7 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
 
 # the data set and the frozen features once (seconds on a GPU machine; minutes only if the apt lists must be parsed)
 step "prepare data + feature cache" 90 "$PY" - <<'PY'
-import sys; sys.path.insert(0, "benchmarks")
-from _common import Bench, compose_cfg, FROZEN_BASE
+from benchmarks.harness.training import FROZEN_BASE, Bench, compose_cfg
 from moco_retrieval.model.encoder import build_encoder
 b = Bench()
 enc = build_encoder(compose_cfg(FROZEN_BASE).model).cuda()
@@ -59,16 +58,16 @@ print("warm", round(b.warm(enc), 1), "s;", len(b.train_pairs), "pairs")
 PY
 # B11 short on the GPU, where memory is the point: peak CUDA memory (torch.cuda.max_memory_allocated)
 # and recall of the small-batch answers, seed 0, on B6's first 2,560 pairs (320 steps at batch 8)
-step "B11 small_batch (2,560 pairs)" 150 "$PY" benchmarks/small_batch.py --pairs 2560 --eval-every 2560 \
+step "B11 small_batch (2,560 pairs)" 150 "$PY" -m benchmarks.small_batch --pairs 2560 --eval-every 2560 \
   --only inbatch-8,main-8,main_gc-8,lora_main-8,gradcache-256,cmnrl-256 --seeds 0 --out "$RES"
 # B1 quick: ~13 short runs on a 6,000-pair slice
-step "B1 batch_size --quick" 130 "$PY" benchmarks/batch_size.py --quick --fresh --out "$RES"
+step "B1 batch_size --quick" 130 "$PY" -m benchmarks.batch_size --quick --fresh --out "$RES"
 # B5: step time vs K (batch 64, bf16 autocast), queue micro-benchmark (same K, d, B), FAISS vs torch at 100k docs
-step "B5 speed" 140 "$PY" benchmarks/speed.py --device cuda --rounds 5 --steps 5 --warmup 3 --queue-iters 50 --out "$RES"
+step "B5 speed" 140 "$PY" -m benchmarks.speed --device cuda --rounds 5 --steps 5 --warmup 3 --queue-iters 50 --out "$RES"
 # B6 quick: the fine-tune runs (ours in-batch / MoCo / two-queue, MNRL, CachedMNRL) on a few hundred pairs
-step "B6 finetune --quick" 150 "$PY" benchmarks/finetune.py --quick --only base,two_queue_m0.995_ib_k4k-32,two_queue_ib-32,two_queue-32,inbatch-32,moco-32,mnrl-32,cmnrl-256 --out "$RES"
+step "B6 finetune --quick" 150 "$PY" -m benchmarks.finetune --quick --only base,two_queue_m0.995_ib_k4k-32,two_queue_ib-32,two_queue-32,inbatch-32,moco-32,mnrl-32,cmnrl-256 --out "$RES"
 # B9 short: `python -m moco_retrieval.train +experiment=queue65k` (and objective=inbatch) as users run it, 60 steps
 # each, side by side, then one evaluate report (run directories and checkpoints stay on the machine)
-step "B9 main_job --steps 60" 120 "$PY" benchmarks/main_job.py --steps 60 --threads 4 --runs /tmp/main_job_gpu --out "$RES"
+step "B9 main_job --steps 60" 120 "$PY" -m benchmarks.main_job --steps 60 --threads 4 --runs /tmp/main_job_gpu --out "$RES"
 echo "== done in $(( $(date +%s) - START ))s; files in $RES:"
 ls -l "$RES"

@@ -1,9 +1,9 @@
 """Index scale: FAISS flat vs IVF vs IVF-PQ on synthetic corpora of 1M and 10M x 384 vectors.
 
-    python benchmarks/index_scale.py                      # 1M and 10M (about 1 h on one busy core)
-    python benchmarks/index_scale.py --sizes 1000000      # 1M only
-    python benchmarks/index_scale.py --quick              # 50k, a smoke check (results *_quick.*)
-    python benchmarks/index_scale.py --report             # only the report, from the run cache
+    python -m benchmarks.index_scale                      # 1M and 10M (about 1 h on one busy core)
+    python -m benchmarks.index_scale --sizes 1000000      # 1M only
+    python -m benchmarks.index_scale --quick              # 50k, a smoke check (results *_quick.*)
+    python -m benchmarks.index_scale --report             # only the report, from the run cache
 
 Per corpus size and index: build time (train + add), search time per query (all queries in one
 call), index bytes (FAISS's serialized size), peak RSS of the process that built and searched it,
@@ -35,10 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import cli  # noqa: E402  (the harness loads no torch: a measuring child's RSS stays its own)
-from harness.cli import RESULTS  # noqa: E402
-from harness.runs import append_jsonl, md_table, past_deadline, read_jsonl, write_results  # noqa: E402
+from benchmarks.harness import cli  # (the harness loads no torch: a measuring child's RSS stays its own)
+from benchmarks.harness.cli import RESULTS
+from benchmarks.harness.runs import append_jsonl, md_table, past_deadline, read_jsonl, write_results
 
 NAME = "index_scale"
 DEFAULT_NLIST = {1_000_000: 1024, 10_000_000: 4096}  # about sqrt(n) to 1.3 sqrt(n); other sizes: 1024
@@ -53,15 +52,6 @@ GENERATOR = "gmm2-v1"  # bump when the generator changes: cached vectors and run
 def log(msg: str) -> None:
     # stderr: a child's stdout carries its result line
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _common():
-    """benchmarks/_common.py, imported by the parent only: it loads torch, which would inflate a
-    measuring child's RSS."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _common as common
-
-    return common
 
 
 def rss_mb(field: str = "VmRSS") -> float:
@@ -215,7 +205,7 @@ def measure(spec: dict) -> dict:
 
 
 def run_child(spec: dict) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--measure", json.dumps(spec)], stdout=subprocess.PIPE,
+    out = subprocess.run([sys.executable, "-m", "benchmarks.index_scale", "--measure", json.dumps(spec)], stdout=subprocess.PIPE,
                          check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return json.loads(out.stdout.decode().strip().splitlines()[-1])
 
@@ -302,7 +292,7 @@ def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str]
     md = [
         "# Index scale: flat, IVF and IVF-PQ at 1M and 10M x 384",
         "",
-        f"`python benchmarks/index_scale.py` ({time.strftime('%Y-%m-%d', time.gmtime())}). One FAISS thread on a "
+        f"`python -m benchmarks.index_scale` ({time.strftime('%Y-%m-%d', time.gmtime())}). One FAISS thread on a "
         "shared 2-core CPU; synthetic normalized Gaussian-mixture vectors "
         f"({args.clusters} clusters, {SUBSPACE}-d within-cluster subspace + noise; generator `{GENERATOR}`, seed {args.seed}); "
         f"{args.queries} queries from the same mixture; recall@10 = overlap of the top-10 with the exact top-10. "
@@ -341,7 +331,7 @@ def main(argv=None) -> int:
         return 0
     sizes = [int(s) for s in (args.sizes or ("50000" if args.quick else "1000000,10000000")).split(",")]
     args.queries = args.queries or (100 if args.quick else 500)
-    args.work_dir = args.work_dir or _common().bench_cache(NAME)
+    args.work_dir = args.work_dir or cli.bench_cache(NAME)
     prefix = f"{NAME}_quick" if args.quick else NAME
     cache = args.out / f"{prefix}_runs.jsonl"
     done = {r["key"]: r for r in read_jsonl(cache)}

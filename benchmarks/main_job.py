@@ -8,8 +8,8 @@ then one ``python -m moco_retrieval.evaluate`` report of both final checkpoints 
 encoder on the held-out pool. Each finished pair is cached in ``results/main_job_runs.jsonl``
 (committed), so ``--report`` rebuilds the table without the runs.
 
-    python benchmarks/main_job.py [--steps N] [--runs DIR] [--threads 1] [--out DIR]
-    python benchmarks/main_job.py --report
+    python -m benchmarks.main_job [--steps N] [--runs DIR] [--threads 1] [--out DIR]
+    python -m benchmarks.main_job --report
 
 ``--steps N`` passes ``trainer.max_steps=N``: a shorter job whose learning-rate schedule spans N
 steps, not the first N steps of the full job. Default: the whole epoch.
@@ -25,10 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, ROOT, environment, log  # noqa: E402
-from harness import cli  # noqa: E402
-from harness.runs import append_jsonl, md_table, read_jsonl, write_results  # noqa: E402
+from benchmarks.harness import cli
+from benchmarks.harness.cli import RESULTS, ROOT
+from benchmarks.harness.report import environment, log
+from benchmarks.harness.runs import append_jsonl, md_table, read_jsonl, write_results
 
 NAME = "main_job"
 JOBS = {"queue65k": [], "queue65k_inbatch": ["objective=inbatch"]}
@@ -104,7 +104,7 @@ def report(recs: list[dict], out_dir: Path = RESULTS) -> None:
                          *(f"{j[m]:+.3f}" if m == "unrelated_cos_mean" else f"{j[m]:.3f}" for m in METRICS),
                          *(f"{j[t]:,.0f}" if t in j else "-" for t in ("train_s", "val_s")), j.get("attempts", "-")])
     md = [f"# {NAME}: the main job against the same job with in-batch negatives",
-          "", "Produced by `benchmarks/main_job.py`. One seed per run; the two trainings ran side by side,",
+          "", "Produced by `python -m benchmarks.main_job`. One seed per run; the two trainings ran side by side,",
           "one thread each, so their seconds compare with each other only. Metrics: "
           "`python -m moco_retrieval.evaluate` on the held-out pool (3,283 queries and documents).", "",
           md_table(["length", "run", "recall@1", "MRR@10", "nDCG@10", "mean unrelated cos", "training s", "validation s", "attempts"],

@@ -18,37 +18,36 @@ within 2 points of the full-size model trained without it, while the full size l
 
 Finished runs go to ``benchmarks/results/matryoshka_runs.jsonl`` (committed), so later invocations
 resume; one thread per run, runs in parallel processes. ``--cost`` times one step of each run in
-turn on real batches (``finetune_cost.measure``) and writes the side-by-side seconds the report reads.
+turn on real batches (``harness.side_by_side.measure``) and writes the side-by-side seconds the report reads.
 
-    python benchmarks/matryoshka.py --only inbatch_mrl-32 --seeds 0 --threads 1
-    python benchmarks/matryoshka.py --cost --rounds 10
-    python benchmarks/matryoshka.py --report
+    python -m benchmarks.matryoshka --only inbatch_mrl-32 --seeds 0 --threads 1
+    python -m benchmarks.matryoshka --cost --rounds 10
+    python -m benchmarks.matryoshka --report
 """
 from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import finetune as b6  # noqa: E402
-import finetune_cost  # noqa: E402
-from _common import Bench, environment, log  # noqa: E402
-from harness import cli  # noqa: E402
-from harness.runs import md_table, run_selected, write_results  # noqa: E402
-from harness.runs import records as cached_records  # noqa: E402
+from benchmarks.harness import cli, equal_data, side_by_side
+from benchmarks.harness.equal_data import INBATCH, Evaluator, add_run_args, pair_batches, runner, trained
+from benchmarks.harness.report import environment, log, med_std
+from benchmarks.harness.runs import md_table, run_selected, write_results
+from benchmarks.harness.runs import records as cached_records
+from benchmarks.harness.side_by_side import table_lines as cost_table_lines
+from benchmarks.harness.training import Bench, compose_cfg
 
-import torch  # noqa: E402
+import torch
 
 NAME = "matryoshka"
 DIMS = (384, 256, 128, 64)
 MRL = [f"objective.matryoshka_dims=[{','.join(map(str, DIMS))}]"]
 
-# name -> (kind, batch, overrides or loss options, what it is), as finetune.RUNS
+# name -> (kind, batch, overrides or loss options, what it is), as equal_data.RUNS
 RUNS: dict[str, tuple[str, int, object, str]] = {
-    "inbatch-32": ("ours", 32, b6.INBATCH, "ours, in-batch negatives, trained at full size"),
-    "inbatch_mrl-32": ("ours", 32, b6.INBATCH + MRL, f"ours, in-batch negatives + Matryoshka {list(DIMS)}"),
+    "inbatch-32": ("ours", 32, INBATCH, "ours, in-batch negatives, trained at full size"),
+    "inbatch_mrl-32": ("ours", 32, INBATCH + MRL, f"ours, in-batch negatives + Matryoshka {list(DIMS)}"),
     "mnrl_mrl-32": ("mnrl_mrl", 32, {"matryoshka_dims": list(DIMS)}, f"sentence-transformers MatryoshkaLoss(MNRL), {list(DIMS)}"),
 }
 REFERENCE = "inbatch-32"
@@ -58,16 +57,16 @@ def base_record(pool, args) -> dict:
     """The untrained model at every prefix: what truncation costs before any training."""
     from moco_retrieval.model.encoder import build_encoder
 
-    cfg = b6.compose_cfg(b6.BASE + b6.INBATCH)
-    final = b6.Evaluator(pool, cfg.eval, 1, 1, 0, dims=DIMS).score(build_encoder(cfg.model), 0)
+    cfg = compose_cfg(equal_data.BASE + INBATCH)
+    final = Evaluator(pool, cfg.eval, 1, 1, 0, dims=DIMS).score(build_encoder(cfg.model), 0)
     return {"key": run_key("base", 0, args), "name": "base", "seed": 0, "kind": "base", "final": final}
 
 
 def do_run(bench, pool, name: str, seed: int, args) -> dict:
     if name == "base":
         return base_record(pool, args)
-    batches = b6.pair_batches(bench, seed, args.pairs, RUNS[name][1])
-    rec = b6.trained(bench, pool, f"B12 {name}", RUNS[name], batches, seed, args.eval_every, dims=DIMS)
+    batches = pair_batches(bench, seed, args.pairs, RUNS[name][1])
+    rec = trained(bench, pool, f"B12 {name}", RUNS[name], batches, seed, args.eval_every, dims=DIMS)
     rec.pop("curve")  # scored once, at the end: the curve is its final point
     return {"key": run_key(name, seed, args), "name": name, **rec}
 
@@ -85,7 +84,7 @@ def at_dim(x: dict, dim: int, key: str) -> float:
 
 
 def cell(xs: list[dict], dim: int, key: str) -> str:
-    m, s = b6.med_std([at_dim(x, dim, key) for x in xs])
+    m, s = med_std([at_dim(x, dim, key) for x in xs])
     return f"{m:.3f}" + (f" ± {s:.3f}" if s == s else "")
 
 
@@ -123,7 +122,7 @@ def _signed(xs: list[float]) -> str:
 
 def cost_table(out_dir: Path) -> list[str]:
     path = out_dir / f"{NAME}_cost.json"
-    return finetune_cost.table_lines(json.loads(path.read_text())) if path.exists() else ["Cost not measured yet (`--cost`)."]
+    return cost_table_lines(json.loads(path.read_text())) if path.exists() else ["Cost not measured yet (`--cost`)."]
 
 
 def report(records: list[dict], args, out_dir: Path, cut: list[str]) -> None:
@@ -152,10 +151,10 @@ def report(records: list[dict], args, out_dir: Path, cut: list[str]) -> None:
     log(f"wrote {out_dir / (NAME + '.md')}")
 
 
-def cost(args, out_dir: Path) -> None:
+def measure_cost(args, out_dir: Path) -> None:
     names = list(RUNS)
-    times = finetune_cost.measure(Bench(), names, args.rounds, 1, runs=RUNS)
-    rows = finetune_cost.summarise(times, REFERENCE, runs=RUNS)
+    times = side_by_side.measure(Bench(), names, args.rounds, 1, runs=RUNS)
+    rows = side_by_side.summarise(times, REFERENCE, runs=RUNS)
     (out_dir / f"{NAME}_cost.json").write_text(json.dumps({"ref": REFERENCE, "rounds": args.rounds,
                                                            "threads": torch.get_num_threads(), "rows": rows}, indent=1))
 
@@ -164,7 +163,7 @@ def main(argv=None) -> int:
     ap = cli.parser(__doc__)
     ap.add_argument("--cost", action="store_true", help="time the runs' steps side by side, then report")
     ap.add_argument("--rounds", type=int, default=10, help="--cost: timed rounds")
-    b6.add_run_args(ap, default="base," + ",".join(RUNS), runs=["base", *RUNS], small="--pairs")
+    add_run_args(ap, default="base," + ",".join(RUNS), runs=["base", *RUNS], small="--pairs")
     args = ap.parse_args(argv)
     cli.apply(args)
     args.pairs = args.pairs or 18240
@@ -174,8 +173,8 @@ def main(argv=None) -> int:
     out_dir = cli.out_dir(args)
     cache = out_dir / f"{NAME}_runs.jsonl"
     if args.cost:
-        cost(args, out_dir)  # then the report, from the cache
-    cut = [] if args.cost else run_selected(cache, args, ["base", *RUNS], lambda n, s: run_key(n, s, args), lambda: b6.runner(args, do_run))
+        measure_cost(args, out_dir)  # then the report, from the cache
+    cut = [] if args.cost else run_selected(cache, args, ["base", *RUNS], lambda n, s: run_key(n, s, args), lambda: runner(args, do_run))
     report(cached_records(cache, f"|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}"), args, out_dir, cut)
     return 0
 

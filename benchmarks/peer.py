@@ -20,22 +20,22 @@ from convergence; the 65,536-key queue holds at most steps x batch keys (4,800 a
 Pool: 1,000 held-out queries against 2,400 documents (every relevant one kept) by default
 (``--max-queries 0 --max-docs 0``: all 3,283 / 3,283). ``--quick``: 12 steps, 200 / 400.
 
-    python benchmarks/peer.py [--quick] [--steps 150] [--batch-size 32]
+    python -m benchmarks.peer [--quick] [--steps 150] [--batch-size 32]
 """
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import TRAINER, Bench, bench_cache, compose_cfg, environment, f3, figure, log, peak_rss_mb  # noqa: E402
-from harness import cli  # noqa: E402
-from harness.runs import md_table, read_jsonl, run_missing, write_results  # noqa: E402
-from harness.steps import PeerTrainer, step_clock  # noqa: E402
+from benchmarks.harness import cli
+from benchmarks.harness.cli import bench_cache
+from benchmarks.harness.report import environment, f3, figure, log, peak_rss_mb
+from benchmarks.harness.runs import md_table, read_jsonl, run_missing, write_results
+from benchmarks.harness.steps import PeerTrainer, step_clock
+from benchmarks.harness.training import TRAINER, Bench, compose_cfg
 
-import torch  # noqa: E402
+import torch
 
 NAME = "peer"
 

@@ -18,8 +18,8 @@ the docstrings on their build's whole evaluation split. Finished runs go to
 ``benchmarks/results/per_source_runs.jsonl`` (committed); one thread per run, runs in parallel
 processes (``--only NAME --seeds S``) resume from it.
 
-    python benchmarks/per_source.py --only shared-32,per_source-32 --seeds 0 --threads 1
-    python benchmarks/per_source.py --report
+    python -m benchmarks.per_source --only shared-32,per_source-32 --seeds 0 --threads 1
+    python -m benchmarks.per_source --report
 """
 from __future__ import annotations
 
@@ -30,22 +30,23 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import finetune as b6  # noqa: E402
-from _common import Bench, bench_cache, compose_cfg, environment, log, quiet_trainer  # noqa: E402
-from harness import cli  # noqa: E402
-from harness.runs import md_table, run_selected, write_results  # noqa: E402
-from harness.steps import step_clock  # noqa: E402
-from harness.runs import records as cached_records  # noqa: E402
+from benchmarks.harness import cli, equal_data
+from benchmarks.harness.cli import bench_cache
+from benchmarks.harness.equal_data import INBATCH, MAIN, add_run_args, metrics
+from benchmarks.harness.report import environment, log, med_std
+from benchmarks.harness.runs import md_table, run_selected, write_results
+from benchmarks.harness.runs import records as cached_records
+from benchmarks.harness.steps import step_clock
+from benchmarks.harness.training import Bench, compose_cfg, quiet_trainer
 
-import torch  # noqa: E402
+import torch
 
 NAME = "per_source"
 SOURCES = ("debian", "pydoc")
 RUNS: dict[str, tuple[list[str], str]] = {
-    "inbatch-32": (b6.INBATCH, "in-batch negatives only"),
-    "shared-32": (b6.MAIN, "the main job's two-queue objective, one pair of queues for both sources"),
-    "per_source-32": (b6.MAIN + ["objective.queue_per_source=true"], "the same, one pair of queues per source"),
+    "inbatch-32": (INBATCH, "in-batch negatives only"),
+    "shared-32": (MAIN, "the main job's two-queue objective, one pair of queues for both sources"),
+    "per_source-32": (MAIN + ["objective.queue_per_source=true"], "the same, one pair of queues per source"),
 }
 
 
@@ -69,8 +70,8 @@ def pools(bench: Bench, pydoc: Path, args) -> dict:
 def train_cfg(name: str, seed: int, pydoc: Path, pairs_per_source: int):
     sources = (f"data.sources=[{{name: debian, kind: debian, max_train_examples: {pairs_per_source}}}, "
                f"{{name: pydoc, train_path: '{pydoc / 'train.jsonl'}', max_train_examples: {pairs_per_source}}}]")
-    overrides = RUNS[name][0] if name in RUNS else b6.INBATCH  # base: the untrained encoder of any run
-    return compose_cfg(b6.BASE + overrides + [sources, "data.source_mode=round_robin", "data.batch_size=32",
+    overrides = RUNS[name][0] if name in RUNS else INBATCH  # base: the untrained encoder of any run
+    return compose_cfg(equal_data.BASE + overrides + [sources, "data.source_mode=round_robin", "data.batch_size=32",
                                                  "trainer.max_epochs=1", f"seed={seed}", f"data.seed={seed}"])
 
 
@@ -81,7 +82,7 @@ def score(encoder, pools: dict, eval_cfg) -> dict:
     out = {}
     for source, pool in pools.items():
         res = evaluate_encoder(encoder, pool, eval_cfg, batch_size=64, show_progress=False)
-        out[source] = {**b6._metrics(res), "queries": len(pool.queries), "docs": len(pool.corpus)}
+        out[source] = {**metrics(res), "queries": len(pool.queries), "docs": len(pool.corpus)}
         log(f"  {source}: recall@1 {out[source]['recall@1']:.3f} nDCG@10 {out[source]['ndcg@10']:.3f}")
     return out
 
@@ -150,7 +151,7 @@ def report(records: list[dict], args, out_dir: Path, cut: list[str]) -> None:
 
 
 def cell(xs: list[dict], source: str, key: str) -> str:
-    m, s = b6.med_std([x["final"][source][key] for x in xs])
+    m, s = med_std([x["final"][source][key] for x in xs])
     return f"{m:.3f}" + (f" ± {s:.3f}" if s == s else "")
 
 
@@ -175,7 +176,7 @@ def runner(args, pydoc: Path):
 
 def main(argv=None) -> int:
     ap = cli.parser(__doc__)
-    b6.add_run_args(ap, default="base," + ",".join(RUNS), runs=["base", *RUNS], small="--pairs-per-source")
+    add_run_args(ap, default="base," + ",".join(RUNS), runs=["base", *RUNS], small="--pairs-per-source")
     ap.add_argument("--pairs-per-source", type=int, default=None, help="pairs of each source (default: every docstring pair, as many Debian pairs)")
     args = ap.parse_args(argv)
     cli.apply(args)

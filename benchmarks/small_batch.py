@@ -26,52 +26,40 @@ to ``benchmarks/results/small_batch_runs.jsonl`` (committed), so later invocatio
 thread per run, runs in parallel processes (``--only NAME --seeds S``).
 
 Each run's own clock runs beside whatever else shares the CPU, so its seconds do not compare runs.
-``--cost`` times one step of each run in turn on real batches (``finetune_cost.measure``, one
+``--cost`` times one step of each run in turn on real batches (``harness.side_by_side.measure``, one
 process, medians over rounds) and writes ``small_batch_cost.json``; the goal's seconds come from it.
 A process's peak RSS covers loading and evaluation too, so ``--memory`` measures each run's steps
-alone (``finetune_cost.memory``): the MiB resident between steps (weights, gradients, EMA copy,
+alone (``harness.side_by_side.memory``): the MiB resident between steps (weights, gradients, EMA copy,
 queues, optimizer state) and the most MiB a step adds at its peak over the steps that train the
 first 256 pairs (32 steps at batch 8, one GradCache step), into ``small_batch_memory.json``.
 
-    python benchmarks/small_batch.py --only inbatch-8,main-8 --seeds 0 --threads 1
-    python benchmarks/small_batch.py --cost --rounds 5 --threads 1
-    python benchmarks/small_batch.py --memory --threads 1
-    python benchmarks/small_batch.py --report
-    python benchmarks/small_batch.py --dry-run            # the tiny random model, seconds, to a temporary folder
+    python -m benchmarks.small_batch --only inbatch-8,main-8 --seeds 0 --threads 1
+    python -m benchmarks.small_batch --cost --rounds 5 --threads 1
+    python -m benchmarks.small_batch --memory --threads 1
+    python -m benchmarks.small_batch --report
+    python -m benchmarks.small_batch --dry-run            # the tiny random model, seconds, to a temporary folder
 """
 from __future__ import annotations
 
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import finetune as b6  # noqa: E402
-import finetune_cost  # noqa: E402
-from _common import RESULTS, Bench, environment, figure, log, peak_rss_mb  # noqa: E402
-from harness import cli  # noqa: E402
-from harness.runs import md_table, read_jsonl, run_selected, write_results  # noqa: E402
-from harness.runs import records as cached_records  # noqa: E402
+import torch
 
-import torch  # noqa: E402
+from benchmarks.harness import cli, equal_data, side_by_side
+from benchmarks.harness.cli import RESULTS
+from benchmarks.harness.equal_data import (INBATCH, MAIN_AT_32, MAIN_RUN, MOCO, add_run_args, batches_of,
+                                          main_objective_at, runner, trained)
+from benchmarks.harness.report import environment, figure, fmt, log, med_std, paired, peak_rss_mb
+from benchmarks.harness.runs import md_table, read_jsonl, run_selected, write_results
+from benchmarks.harness.runs import records as cached_records
+from benchmarks.harness.training import TRAINER, Bench
 
 NAME = "small_batch"
 LORA = ["model.lora.r=16", "model.lora.alpha=32", "optim.lr=2e-4"]
-MAIN_AT_32 = {"momentum": 0.995, "queue_max_age": 128, "keys": 4096}  # B6's MAIN_RUN: queue65k's objective at 32
-
-
-def main_objective_at(batch: int, *extra: str) -> list[str]:
-    """The main job's objective at ``batch``: the same keys (queue_max_age x batch = 4,096) and the
-    same EMA span in pairs (time constant 1 / (1 - m) steps scaled by 32 / batch)."""
-    scale = 32 // batch
-    m = 1 - (1 - MAIN_AT_32["momentum"]) / scale
-    return b6.two_queue(f"objective.momentum={m:g}", f"objective.queue_size={MAIN_AT_32['keys']}",
-                        f"objective.queue_max_age={MAIN_AT_32['queue_max_age'] * scale}", *extra, inbatch=1.0)
-
-
 def _main_what(batch: int) -> str:
     scale = 32 // batch
     return (f"the main job's two-queue objective, m {1 - 0.005 / scale:g} (EMA time constant {200 * scale} steps), "
@@ -80,40 +68,31 @@ def _main_what(batch: int) -> str:
 
 # name -> (kind, batch, overrides or loss options, what it is); in order of priority
 RUNS: dict[str, tuple[str, int, object, str]] = {
-    "inbatch-8": ("ours", 8, b6.INBATCH, "ours, in-batch negatives"),
+    "inbatch-8": ("ours", 8, INBATCH, "ours, in-batch negatives"),
     "main-8": ("ours", 8, main_objective_at(8), _main_what(8)),
-    "gradcache-256": ("ours", 256, b6.INBATCH + ["model.grad_cache_chunk=8"], "ours, in-batch 256 by GradCache, chunks of 8"),
+    "gradcache-256": ("ours", 256, INBATCH + ["model.grad_cache_chunk=8"], "ours, in-batch 256 by GradCache, chunks of 8"),
     "cmnrl-256": ("cmnrl", 256, {"mini_batch_size": 8}, "sentence-transformers CachedMNRL, mini-batch 8"),
-    "moco-8": ("ours", 8, b6.MOCO, "MoCo queue, K 65,536, m 0.999"),
-    "lora_inbatch-8": ("ours", 8, b6.INBATCH + LORA, "LoRA r 16 (lr 2e-4), in-batch negatives"),
+    "moco-8": ("ours", 8, MOCO, "MoCo queue, K 65,536, m 0.999"),
+    "lora_inbatch-8": ("ours", 8, INBATCH + LORA, "LoRA r 16 (lr 2e-4), in-batch negatives"),
     "lora_main-8": ("ours", 8, main_objective_at(8, *LORA), "LoRA r 16 (lr 2e-4), " + _main_what(8)),
     "main_gc-8": ("ours", 8, main_objective_at(8, "model.gradient_checkpointing=true"),
                   "main-8 with gradient checkpointing"),
-    "inbatch-4": ("ours", 4, b6.INBATCH, "ours, in-batch negatives"),
+    "inbatch-4": ("ours", 4, INBATCH, "ours, in-batch negatives"),
     "main-4": ("ours", 4, main_objective_at(4), _main_what(4)),
 }
 SEEDS = {n: (0, 1, 2) for n in ("inbatch-8", "main-8", "gradcache-256", "cmnrl-256")}  # the goal's runs; others seed 0
-REFERENCES = {"inbatch-32": "inbatch-32", "main-32": b6.MAIN_RUN}  # our name -> B6's, read from its cache
+REFERENCES = {"inbatch-32": "inbatch-32", "main-32": MAIN_RUN}  # our name -> B6's, read from its cache
 COST_REF = "inbatch-8"  # the side-by-side cost is per pair relative to it
 
 
 # ----------------------------------------------------------------------------------- runs
 
 
-def batches_of(bench, seed: int, pairs: int, batch: int) -> list[list[int]]:
-    """B6's pairs in B6's order: its batch-32 batches, each split into 32 / ``batch`` steps below 32."""
-    if batch >= 32:
-        return b6.pair_batches(bench, seed, pairs, batch)
-    if 32 % batch:
-        raise SystemExit(f"batch {batch}: must divide 32 (or be a multiple of it)")
-    return [b[i : i + batch] for b in b6.pair_batches(bench, seed, pairs, 32) for i in range(0, 32, batch)]
-
-
 class Memory:
     """Peak memory of one run: the process's peak RSS, and the CUDA allocator's peak when on a GPU."""
 
     def __init__(self):
-        self.cuda = torch.cuda.is_available() and b6.TRAINER == "gpu"
+        self.cuda = torch.cuda.is_available() and TRAINER == "gpu"
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         self.rss_before = peak_rss_mb()
@@ -128,7 +107,7 @@ class Memory:
 def do_run(bench, pool, name: str, seed: int, args) -> dict:
     batches = batches_of(bench, seed, args.pairs, RUNS[name][1])
     mem = Memory()
-    rec = b6.trained(bench, pool, f"B11 {name}", RUNS[name], batches, seed, args.eval_every)
+    rec = trained(bench, pool, f"B11 {name}", RUNS[name], batches, seed, args.eval_every)
     return {"key": run_key(name, seed, args), "name": name, **rec, **mem.record(), "model": args.model}
 
 
@@ -161,10 +140,10 @@ def goal(by: dict, cost: Optional[dict] = None, memory: Optional[dict] = None) -
     for key in ("recall@1", "ndcg@10"):
         if not r:
             break
-        mq, sq = b6.med_std([x["final"][key] for x in q])
-        mr, sr = b6.med_std([x["final"][key] for x in r])
+        mq, sq = med_std([x["final"][key] for x in q])
+        mr, sr = med_std([x["final"][key] for x in r])
         sd, n = max(v for v in (sq, sr, 0.0) if v == v), min(len(q), len(r))
-        diffs = " / ".join(f"{d:+.3f}" for d in b6.paired(q, r, key))
+        diffs = " / ".join(f"{d:+.3f}" for d in paired(q, r, key))
         verdict = (f"beats by more than 2 std: {'yes' if mq - mr > 2 * sd else 'no'}" if n >= 3
                    else f"{n} seed(s): no claim yet")
         out.append(f"- {key}, main-8 vs inbatch-8: {mq:.3f} vs {mr:.3f} ({mq - mr:+.3f}, 2 std {2 * sd:.4f}); {verdict}"
@@ -174,7 +153,7 @@ def goal(by: dict, cost: Optional[dict] = None, memory: Optional[dict] = None) -
         if not g:
             out.append(f"- vs {ref}: not run yet.")
             continue
-        mq, mg = b6.med_std([x["final"]["recall@1"] for x in q])[0], b6.med_std([x["final"]["recall@1"] for x in g])
+        mq, mg = med_std([x["final"]["recall@1"] for x in q])[0], med_std([x["final"]["recall@1"] for x in g])
         sd = mg[1] if mg[1] == mg[1] else 0.0
         out.append(f"- vs {ref}: recall@1 {mq:.3f} vs {mg[0]:.3f} (matches within 2 std: {'yes' if mq >= mg[0] - 2 * sd else 'no'}); "
                    + seconds_vs(q, g, ref, cost) + memory_vs(q, g, memory))
@@ -192,7 +171,7 @@ def seconds_vs(q: list[dict], g: list[dict], ref: str, cost: Optional[dict]) -> 
     ratio = pair_cost_ratio(cost, "main-8", ref) if cost else None
     if ratio is not None:
         return f"training seconds at equal data, side by side: {ratio:.2f}x {ref}'s (the goal: at most 0.5)"
-    tq, tg = b6.med_std([x["train_s"] for x in q])[0], b6.med_std([x["train_s"] for x in g])[0]
+    tq, tg = med_std([x["train_s"] for x in q])[0], med_std([x["train_s"] for x in g])[0]
     return (f"training seconds {tq:.0f} vs {tg:.0f} by the runs' own clocks (ratio {tq / tg:.2f}; the goal: at most 0.5; "
             "not side by side: `--cost` measures it)")
 
@@ -202,25 +181,25 @@ def pair_cost_ratio(cost: dict, a: str, b: str) -> Optional[float]:
     rows = {r["name"]: r for r in cost["rows"]}
     if a not in rows or b not in rows:
         return None
-    return finetune_cost.per_pair_ratio(rows[a]["times"], rows[a]["batch"], rows[b]["times"], rows[b]["batch"])
+    return side_by_side.per_pair_ratio(rows[a]["times"], rows[a]["batch"], rows[b]["times"], rows[b]["batch"])
 
 
 def cost_lines(cost: Optional[dict]) -> list[str]:
-    return finetune_cost.table_lines(cost) if cost else ["Not measured yet (`--cost`)."]
+    return side_by_side.table_lines(cost) if cost else ["Not measured yet (`--cost`)."]
 
 
 def measure_cost(names: list[str], rounds: int, path: Path) -> dict:
     names = [COST_REF, *(n for n in names if n != COST_REF)]
-    times = finetune_cost.measure(Bench(), names, rounds, 1, runs=RUNS, batches=batches_of)
+    times = side_by_side.measure(Bench(), names, rounds, 1, runs=RUNS, batches=batches_of)
     cost = {"ref": COST_REF, "rounds": rounds, "threads": torch.get_num_threads(),
-            "rows": finetune_cost.summarise(times, COST_REF, runs=RUNS), "environment": environment()}
+            "rows": side_by_side.summarise(times, COST_REF, runs=RUNS), "environment": environment()}
     path.write_text(json.dumps(cost, indent=1))
     log(f"wrote {path}")
     return cost
 
 
 def measure_memory(names: list[str], path: Path) -> dict:
-    memory = {"rows": finetune_cost.memory(Bench(), names, runs=RUNS, batches=batches_of), "environment": environment()}
+    memory = {"rows": side_by_side.memory(Bench(), names, runs=RUNS, batches=batches_of), "environment": environment()}
     path.write_text(json.dumps(memory, indent=1))
     log(f"wrote {path}")
     return memory
@@ -267,10 +246,10 @@ def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str]
         if not xs:
             continue
         what = RUNS[name][3] if name in RUNS else f"B6's {REFERENCES[name]} (from its cache)"
-        rows.append([name, what, xs[0]["batch_size"], len(xs), b6.fmt(xs, "recall@1"), b6.fmt(xs, "mrr@10"),
-                     b6.fmt(xs, "ndcg@10"), b6.fmt(xs, "unrelated_cos_mean"),
-                     f"{b6.med_std([x['s_per_step'] for x in xs])[0]:.2f}",
-                     f"{b6.med_std([x['train_s'] for x in xs])[0]:.0f}", *memory_cells(name, xs, memory)])
+        rows.append([name, what, xs[0]["batch_size"], len(xs), fmt(xs, "recall@1"), fmt(xs, "mrr@10"),
+                     fmt(xs, "ndcg@10"), fmt(xs, "unrelated_cos_mean"),
+                     f"{med_std([x['s_per_step'] for x in xs])[0]:.2f}",
+                     f"{med_std([x['train_s'] for x in xs])[0]:.0f}", *memory_cells(name, xs, memory)])
     md = [f"# B11: small per-step batches at equal memory ({'dry run, tiny random model' if args.dry_run else args.model})", "",
           f"Every run: the same {args.pairs:,} training pairs in the same order (B6's), held-out pool "
           f"{args.max_queries} queries / {args.max_docs} documents; median ± std over the seeds run. Training "
@@ -322,12 +301,12 @@ def plot(by: dict, cost: Optional[dict], memory: Optional[dict], path: Path) -> 
         for name, xs in by.items():
             values = [v for v in xs_of[key](xs) if v is not None]
             if name in REFERENCES:  # B6's batch-32 runs: a level to compare with, not a point here
-                ax.axhline(b6.med_std([r["final"]["recall@1"] for r in xs])[0], ls=":" if name.startswith("main") else "--",
+                ax.axhline(med_std([r["final"]["recall@1"] for r in xs])[0], ls=":" if name.startswith("main") else "--",
                            color="grey", lw=1, label=f"{name} (B6)")
                 continue
             if not values:
                 continue
-            ax.scatter([statistics.median(values)], [b6.med_std([r["final"]["recall@1"] for r in xs])[0]], label=name,
+            ax.scatter([statistics.median(values)], [med_std([r["final"]["recall@1"] for r in xs])[0]], label=name,
                        zorder=3, marker="*" if name.startswith("main") else "o")
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
@@ -349,13 +328,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="--cost: timed rounds")
     ap.add_argument("--memory", action="store_true",
                     help="measure each --only run's training memory, one run at a time (no training), then report")
-    b6.add_run_args(ap, default=",".join(RUNS), runs=list(RUNS), small="dry-run")
+    add_run_args(ap, default=",".join(RUNS), runs=list(RUNS), small="dry-run")
     args = ap.parse_args(argv)
     cli.apply(args)
     d = args.dry_run
     args.model = "tiny" if d else "minilm"
-    if d and "model=tiny" not in b6.BASE:  # every composed config of B6's machinery on the tiny random encoder
-        b6.BASE = [*b6.BASE, "model=tiny"]
+    equal_data.use_model("tiny" if d else None)  # a dry run: every config of B6's protocol on the tiny random encoder
     args.pairs = args.pairs or (512 if d else 18240)
     args.eval_every = args.eval_every or (256 if d else 6080)
     args.max_queries = args.max_queries if args.max_queries is not None else (50 if d else 1000)
@@ -372,7 +350,7 @@ def main(argv=None) -> int:
     if args.memory:
         measure_memory(names, memory_path)
     cut = [] if args.cost or args.memory else run_selected(cache, args, list(RUNS), lambda name, seed: run_key(name, seed, args),
-                                            lambda: b6.runner(args, do_run))
+                                            lambda: runner(args, do_run))
     suffix = f"|model={args.model}|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}"
     records = cached_records(cache, suffix) + references(args)
     cost, memory = (json.loads(p.read_text()) if p.exists() else None for p in (cost_path, memory_path))

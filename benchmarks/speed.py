@@ -20,7 +20,7 @@ Sections (each runs in its own child process, so its peak RSS is its own):
 Writes benchmarks/results/speed.{md,json} and speed_step.png, speed_queue.png.
 ``--quick``: fewer K, rounds and steps, 20,000 documents.
 
-    python benchmarks/speed.py [--quick] [--device auto|cpu|cuda] [--sections step,queue,faiss]
+    python -m benchmarks.speed [--quick] [--device auto|cpu|cuda] [--sections step,queue,faiss]
 """
 from __future__ import annotations
 
@@ -36,18 +36,18 @@ import time
 import types
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Bench, compose_cfg, environment, figure, log, peak_rss_mb  # noqa: E402
-from harness import cli  # noqa: E402
-from harness.runs import md_table, write_results  # noqa: E402
-from harness.steps import OurStep  # noqa: E402
+from benchmarks.harness import cli
+from benchmarks.harness.cli import RESULTS
+from benchmarks.harness.report import environment, figure, log, peak_rss_mb
+from benchmarks.harness.runs import md_table, write_results
+from benchmarks.harness.steps import OurStep
+from benchmarks.harness.training import Bench, compose_cfg
 
-import torch  # noqa: E402
+import torch
 
-from moco_retrieval.model.devices import pick_device  # noqa: E402
+from moco_retrieval.model.devices import pick_device
 
 NAME = "speed"
-HERE = Path(__file__).resolve().parent
 
 
 def sync(dev: torch.device) -> None:
@@ -173,7 +173,7 @@ def import_lightly_memory_bank():
 
 
 def section_queue(args) -> dict:
-    from moco_retrieval.objectives.queue import NegativeQueue
+    from moco_retrieval.objectives.memory import NegativeQueue
 
     dev = pick_device(args.device)
     ks = [int(k) for k in args.queue_ks.split(",")]
@@ -353,7 +353,7 @@ def previous_sections(path: Path) -> dict:
 def run_section(section: str, passthrough: list[str]) -> dict:
     """One section in a child process of its own (so its peak RSS is its own)."""
     out_file = Path(tempfile.gettempdir()) / f"mr-bench-speed-{section}-{os.getpid()}.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), *passthrough, "--section", section, "--child-out", str(out_file)]
+    cmd = [sys.executable, "-m", "benchmarks.speed", *passthrough, "--section", section, "--child-out", str(out_file)]
     log(f"section {section}")
     t = time.time()
     rc = subprocess.call(cmd)
@@ -370,7 +370,7 @@ def run_section(section: str, passthrough: list[str]) -> dict:
 def other_benchmarks_memory() -> dict:
     out = {}
     for name in ("batch_size", "temperature", "geometry", "peer"):
-        p = HERE / "results" / f"{name}.json"
+        p = RESULTS / f"{name}.json"
         if p.is_file():
             try:
                 out[name] = json.loads(p.read_text()).get("peak_rss_mb")

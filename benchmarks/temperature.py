@@ -14,18 +14,18 @@ while recall falls.
 Writes benchmarks/results/temperature.{md,json} and temperature.png.
 ``--quick``: a 6,000-pair slice, 1 epoch, tau in {0.01, 0.05, 1.0}.
 
-    python benchmarks/temperature.py [--quick] [--epochs 3] [--seeds 1]
+    python -m benchmarks.temperature [--quick] [--epochs 3] [--seeds 1]
 """
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Bench, Runner, bench_cache, environment, f3, figure, log, median, peak_rss_mb  # noqa: E402
-from harness import cli  # noqa: E402
-from harness.runs import md_table, write_results  # noqa: E402
+from benchmarks.harness import cli
+from benchmarks.harness.cli import bench_cache
+from benchmarks.harness.report import environment, f3, figure, log, median, peak_rss_mb
+from benchmarks.harness.runs import md_table, write_results
+from benchmarks.harness.training import Bench, Runner
 
 
 NAME = "temperature"

@@ -14,12 +14,11 @@ with the project's promises kept around it:
 ``HYDRA_FULL_ERROR=1`` shows the traceback of either. ``main(cfg)`` with a composed config
 runs the task at once (as ``hydra.main``'s function does); ``main.__wrapped__`` is the checked task.
 
-``--help`` of every command: what it does, its option groups and presets, its main options.
-
-Hydra's own page lists the structured-config schemas (``objective: moco, moco_schema, ...``) among
-a group's options, which are internal (the base each option's yaml extends), and says nothing of
-the command; this one reads the command's docstring and the config it composes. Hydra's page stays
-behind ``--hydra-help``; ``--cfg job`` prints every key.
+``--help`` of every command (:func:`help_text`): what it does (its module's docstring), its option
+groups and presets, its main options. Hydra's own page lists the structured-config schemas among a
+group's options and says nothing of the command; it stays behind ``--hydra-help``; ``--cfg job``
+prints every key. ``register_configs`` puts everything the commands compose in Hydra's config
+store: the command schemas and the objectives' group.
 """
 from __future__ import annotations
 

@@ -79,78 +79,23 @@ def setting(default: Any = MISSING, valid: Optional[Range] = None, *, factory: A
 # ---- text options: one Enum each, checked by OmegaConf whenever a config is composed or merged
 
 
-class Dtype(StrEnum):
-    """Tensor storage: model.backbone_dtype, objective.queue_dtype."""
-
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
+def choices(name: str, values: str) -> type[StrEnum]:
+    """A text option's choices as an Enum whose members are their own values."""
+    return StrEnum(name, values.split(), module=__name__)
 
 
-class Pooling(StrEnum):
-    mean = "mean"
-    cls = "cls"
-    last = "last"  # the last non-padding token: decoder backbones (model/decoder.py)
-
-
-class Head(StrEnum):
-    none = "none"
-    linear = "linear"
-    mlp = "mlp"
-
-
-class HeadInit(StrEnum):
-    random = "random"
-    identity = "identity"  # linear head only, head_dim == hidden
-
-
-class BackboneKind(StrEnum):
-    transformer = "transformer"
-    bag_of_wordpieces = "bag_of_wordpieces"  # the input embeddings alone (model/backbone.py)
-
-
-class LrSchedule(StrEnum):
-    linear = "linear"
-    cosine = "cosine"
-    constant = "constant"
-
-
-class DataKind(StrEnum):
-    debian = "debian"
-    jsonl = "jsonl"
-    parquet = "parquet"
-    csv = "csv"
-    hf = "hf"
-    beir = "beir"
-
-
-class SourceMode(StrEnum):
-    weighted = "weighted"  # by weight, else by size
-    round_robin = "round_robin"
-
-
-class IndexKind(StrEnum):
-    flat = "flat"
-    ivf = "ivf"
-    ivfpq = "ivfpq"
-    hnsw = "hnsw"
-
-
-class Which(StrEnum):
-    """Which encoder of a checkpoint: the trained (query) one, or a MoCo checkpoint's EMA key encoder."""
-
-    query = "query"
-    key = "key"
-
-
-class Sampling(StrEnum):
-    top = "top"
-    random = "random"
-
-
-class Format(StrEnum):
-    text = "text"
-    json = "json"
+Dtype = choices("Dtype", "float32 bfloat16 float16")  # tensor storage: backbone_dtype, queue_dtype
+Pooling = choices("Pooling", "mean cls last")  # last: the last real token (decoders, model/decoder.py)
+Head = choices("Head", "none linear mlp")
+HeadInit = choices("HeadInit", "random identity")  # identity: linear head only, head_dim == hidden
+BackboneKind = choices("BackboneKind", "transformer bag_of_wordpieces")  # the latter: input embeddings alone
+LrSchedule = choices("LrSchedule", "linear cosine constant")
+DataKind = choices("DataKind", "debian jsonl parquet csv hf beir")
+SourceMode = choices("SourceMode", "weighted round_robin")  # weighted: by weight, else by size
+IndexKind = choices("IndexKind", "flat ivf ivfpq hnsw")
+Which = choices("Which", "query key")  # a checkpoint's trained (query) encoder, or a MoCo checkpoint's EMA one
+Sampling = choices("Sampling", "top random")
+Format = choices("Format", "text json")
 
 
 def field_names(schema: type) -> list[str]:
@@ -273,7 +218,7 @@ class ModelConfig(RangeChecked):
     # tiny random encoder (tests): written into `path` when missing
     tiny_hidden: int = setting(32, AT_LEAST_ONE)
     tiny_layers: int = setting(2, AT_LEAST_ONE)  # the tiny encoder's hidden size (above) and layers
-    # GradCache (gradcache.py): texts encoded with gradient go through the encoder this many at a
+    # GradCache (model/gradcache.py): texts encoded with gradient go through the encoder this many at a
     # time and are re-run during backward, so a large batch fits in memory (None: all at once)
     grad_cache_chunk: Optional[int] = setting(None, AT_LEAST_ONE)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -649,7 +594,8 @@ def unknown_key(full_key: str, schema: type, added: bool = True) -> ConfigError:
     close = difflib.get_close_matches(key, field_names(schema), n=1)
     hint = f"; did you mean {'.'.join([*parents, close[0]])}?" if close else ""
     plus = "; a + before a key does not add one" if added else ""
-    return ConfigError(f"{full_key}: unknown key ({schema.__name__} in moco_retrieval/config.py has no {key!r}{plus}){hint}")
+    where = schema.__module__.replace(".", "/") + ".py"
+    return ConfigError(f"{full_key}: unknown key ({schema.__name__} in {where} has no {key!r}{plus}){hint}")
 
 
 def cache_root() -> Path:

@@ -11,7 +11,7 @@ Then train with ``data=jsonl data.train_path=OUTPUT data.eval_dir=DIR data.n_neg
 ``output`` is refused unless ``overwrite=true``; an input (the training pairs, ...) is refused always.
 """
 # The output is refused before anything is read when it is a directory, exists (unless overwrite=true)
-# or is one of the command's inputs (outputs.py); it is written atomically. Rows left without a
+# or is one of the command's inputs (files.py); it is written atomically. Rows left without a
 # negative are not written unless keep_empty: a warning says how many and why, and the printed
 # training command says what part of the pairs it trains on.
 from __future__ import annotations
@@ -89,7 +89,7 @@ def mining_inputs(cfg: Any) -> dict[str, list[Path]]:
 
 def check_mine_outputs(cfg: Any) -> tuple[Path, Path]:
     """``(output, stats file)``, refused (one message naming the key) before anything is read when
-    either is a directory, there already without ``overwrite``, or an input (see outputs.py)."""
+    either is a directory, there already without ``overwrite``, or an input (see files.py)."""
     from moco_retrieval.files import check_output
 
     if not cfg.output:

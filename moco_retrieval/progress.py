@@ -1,7 +1,7 @@
-"""Progress of long loops (encoding, converting, searching) for a person: a tqdm bar on a terminal,
-plain time-stamped lines with the time left when the output goes to a log file (Docker, SLURM,
-Kubernetes), where a redrawn bar shows as one endless line. Training's own progress lines are
-training/report.py's."""
+"""Progress of long loops (encoding, converting, searching): a tqdm bar on a terminal, time-stamped lines in a log file.
+
+Lines with the time left when the output goes to a log file (Docker, SLURM, Kubernetes), where a
+redrawn bar shows as one endless line. Training's own progress lines are training/report.py's."""
 from __future__ import annotations
 
 import sys

@@ -1,7 +1,4 @@
-"""A search command's saved FAISS index: built once per model, corpus and index settings, saved
-(``index.faiss``, ``doc_ids.json``, ``meta.json``) and loaded by later searches with the same key.
-
-``python -m moco_retrieval.search``: semantic search over a corpus with a trained or exported model.
+"""``python -m moco_retrieval.search``: semantic search over a corpus with a trained or exported model.
 
     python -m moco_retrieval.search checkpoint=CKPT query="resize images from the command line"
     python -m moco_retrieval.search model_dir=EXPORTED k=5 < queries.txt      # one query a line
@@ -11,7 +8,7 @@
 The first call encodes the corpus, builds the FAISS index (``eval.index``: flat, ivf or hnsw) and
 saves it in ``index_dir`` (default ``$MOCO_RETRIEVAL_CACHE/search/<key>``, the key hashing the
 model, the corpus and the index settings); later calls with the same model and corpus load it.
-``rebuild=true`` forces a new one (search_index.py). Queries come from ``query=...`` / ``queries=[...]``, else from
+``rebuild=true`` forces a new one. Queries come from ``query=...`` / ``queries=[...]``, else from
 standard input (one a line; an interactive prompt on a terminal).
 
 Before encoding a corpus it says how many documents and about how long (timed on a sample).
@@ -20,6 +17,9 @@ and held-out ones, the package name as id: a semantic ``apt search``. ``data=bei
 corpus.jsonl; ``data=jsonl``: the training positives and ``data.eval_dir``'s corpus.
 
 Keys: SearchConfig in config.py (``conf/search.yaml``).
+
+The saved index (``SearchIndex``): built once per model, corpus and index settings, saved
+(``index.faiss``, ``doc_ids.json``, ``meta.json``) and loaded by later searches with the same key.
 """
 from __future__ import annotations
 

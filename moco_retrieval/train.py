@@ -1,20 +1,20 @@
 """The main job: ``python -m moco_retrieval.train [+experiment=NAME] [overrides...]``.
 
 Composes the config (strict, ranges checked: see config.py), takes the run directory's lock
-(run_lock.py), checks the checkpoint to resume from, reads and checks the data, then builds the
+(training/run_lock.py), checks the checkpoint to resume from, reads and checks the data, then builds the
 Lightning module -> trainer, fits, runs a final validation and writes into the run directory:
 ``checkpoints/last.ckpt`` and ``checkpoints/best-*.ckpt`` (by val/recall@1), ``metrics.json``
-(final validation metrics, flat keys; the run's training and validation seconds over all its attempts: run_clock.py), ``config.yaml`` (resolved), ``metrics.csv`` (every attempt's logged metrics in step order: metrics_history.py) and
+(final validation metrics, flat keys; the run's training and validation seconds over all its attempts: training/records.py), ``config.yaml`` (resolved), ``metrics.csv`` (every attempt's logged metrics in step order: training/records.py) and
 the loggers' files. It prints, at its start, the command that resumes it; ``ckpt_path=last`` without ``run_dir``
-resumes the newest run of the same experiment among Hydra's folders (latest_run.py).
+resumes the newest run of the same experiment among Hydra's folders (training/checkpoints.py).
 
-Preemption (see preemption.py): on SIGTERM, SIGUSR1 or Ctrl-C (SIGINT) the run finishes the current
+Preemption (see training/preemption.py): on SIGTERM, SIGUSR1 or Ctrl-C (SIGINT) the run finishes the current
 step, writes ``checkpoints/last.ckpt`` atomically, prints the command that resumes it and exits with
 status 128 + signal (143 / 138 / 130) without a final validation or ``metrics.json``. A requeued job
 runs the same command with the same ``run_dir`` and ``ckpt_path=last``, which resumes from that checkpoint (or from ``last.prev.ckpt`` when it cannot
 be read; it starts fresh, and says so, when there is none yet), refusing a config that changes what
-the checkpoint trained (resume_check.py). A loss or weights that stop being finite end the run
-before any checkpoint records them (finite_guard.py). Known errors (errors.py) end the command with
+the checkpoint trained (training/resume_check.py). A loss or weights that stop being finite end the run
+before any checkpoint records them (training/finite_guard.py). Known errors (errors.py) end the command with
 one message and status 2.
 """
 from __future__ import annotations
@@ -45,20 +45,8 @@ from moco_retrieval.data.datamodule import RetrievalDataModule
 from moco_retrieval.data.multisource import source_prompts
 from moco_retrieval.data.prompts import apply_by_row, by_row
 from moco_retrieval.data.sampler import source_of
-from moco_retrieval.training.checkpoints import (
-    AtomicCheckpointIO,
-    RebaseCheckpointPaths,
-    checkpoint_step,
-    checkpoints_dir,
-    last_checkpoint,
-    latest_run,
-    previous_of,
-    read_checkpoint,
-    remove_best_after,
-    remove_stale_temporaries,
-    resolve_ckpt_path,
-    set_aside_unreadable,
-)
+from moco_retrieval.training.checkpoints import AtomicCheckpointIO, RebaseCheckpointPaths, checkpoints_dir, last_checkpoint, latest_run, remove_best_after, remove_stale_temporaries, resolve_ckpt_path, set_aside_unreadable
+from moco_retrieval.files import checkpoint_step, previous_of, read_checkpoint
 from moco_retrieval.training.cluster import is_rank_zero, on_slurm, torchrun_devices
 from moco_retrieval.training.finite_guard import FiniteGuard
 from moco_retrieval.training.loggers import build_loggers, finish_loggers, log_config
@@ -156,7 +144,7 @@ def build(cfg: TrainConfig, run_dir: Path, dm: Optional[RetrievalDataModule] = N
     callbacks += [RecordTraining(cfg), RebaseCheckpointPaths(checkpoints_dir(run_dir))]
     loggers = build_loggers(cfg.logger, run_dir, resume=resuming)
     log_config(loggers, cfg)
-    # SIGTERM / SIGUSR1 / Ctrl-C: finish the step, write checkpoints/last.ckpt, exit 128 + signal (preemption.py).
+    # SIGTERM / SIGUSR1 / Ctrl-C: finish the step, write checkpoints/last.ckpt, exit 128 + signal (training/preemption.py).
     # Under SLURM, Lightning's auto-requeue on SIGUSR1 (`scontrol requeue` after that checkpoint).
     slurm = on_slurm()
     # (first in line, so that the run stops before the other callbacks' hooks of the next step)
@@ -204,7 +192,7 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> Optional[str]:
 
 def train(cfg: TrainConfig, run_dir: Path) -> dict:
     """Fit, validate once more at the end, write metrics.json and config.yaml; return the metrics.
-    Rank 0 holds the run directory's lock (run_lock.py) throughout."""
+    Rank 0 holds the run directory's lock (training/run_lock.py) throughout."""
     run_dir = Path(run_dir)
     writable_run_dir(run_dir)
     with RunLock(run_dir) if is_rank_zero() else nullcontext():
@@ -288,7 +276,7 @@ def resume_command(run_dir: Path) -> str:
 
 def chosen_run_dir(cfg: DictConfig) -> Path:
     """``run_dir``, else Hydra's new folder; with ``ckpt_path=last`` and no ``run_dir``, the newest
-    run of the same experiment among Hydra's folders (latest_run.py), said on stderr."""
+    run of the same experiment among Hydra's folders (training/checkpoints.py), said on stderr."""
     if cfg.run_dir:  # (before Hydra's config: main(cfg) runs without Hydra too)
         return Path(cfg.run_dir)
     hydra = HydraConfig.get()

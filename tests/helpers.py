@@ -346,7 +346,8 @@ class Given:
         t = self.table.get((side, encoder))
         return t if t is None or grad else t.detach()
 
-    def tokens(self, side, kind):
+    def tokens(self, side, kind, encoder="momentum"):
+        self.asked.append(("stored " + kind, encoder, False))
         return self._tokens(side, kind)
 
     def features(self, side):

@@ -16,8 +16,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from moco_retrieval.training import checkpoints as checkpoint_file
-from moco_retrieval.training.checkpoints import AtomicCheckpointIO, atomic_torch_save, previous_of, read_checkpoint
+from moco_retrieval import files as checkpoint_file
+from moco_retrieval.training.checkpoints import AtomicCheckpointIO
+from moco_retrieval.files import atomic_torch_save, previous_of, read_checkpoint
 from moco_retrieval.training.checkpoints import resolve_ckpt_path
 from moco_retrieval.data.formats import DataError, EvalSet, read_beir, read_pairs_jsonl, write_beir, write_jsonl
 from moco_retrieval.errors import (USER_ERROR_STATUS, CheckpointError, ConfigError, UserError,

@@ -181,7 +181,7 @@ def test_resumed_attempt_keeps_earlier_csv_history(tmp_path):
 def test_checkpoint_files_are_readable_like_other_files(tmp_path):
     import stat
 
-    from moco_retrieval.training.checkpoints import atomic_torch_save
+    from moco_retrieval.files import atomic_torch_save
 
     old = os.umask(0o022)
     try:

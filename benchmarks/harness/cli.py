@@ -1,4 +1,5 @@
-"""The command-line options every benchmark shares, and the data and cache locations they set.
+"""The command-line options every benchmark shares, the data and cache locations they set, and the
+repository's paths (``ROOT``, ``RESULTS``).
 
 A script builds its parser with ``parser(__doc__)``, adds the shared options it takes with
 ``add_common`` (always ``--out``, ``--threads``, ``--debian-dir``, ``--cache``), ``add_selection``
@@ -26,6 +27,14 @@ def set_locations(debian_dir: Optional[str] = None, cache: Optional[str] = None)
         os.environ["MOCO_RETRIEVAL_DEBIAN_DIR"] = str(DEFAULT_DEBIAN_DIR)
     if cache:
         os.environ["MOCO_RETRIEVAL_CACHE"] = str(Path(cache).expanduser().resolve())
+
+
+def bench_cache(name: str) -> Path:
+    """A benchmark's file or folder under the package cache (``cache_root()/bench/<name>``): finished
+    runs and generated data kept outside the results folder."""
+    from moco_retrieval.config import cache_root  # here: the package loads only when a script asks
+
+    return cache_root() / "bench" / name
 
 
 def parser(doc: Optional[str]) -> argparse.ArgumentParser:

@@ -5,8 +5,9 @@ there is skipped (the file is read again before each run, so parallel processes 
 a run is claimed before it starts (a file in ``<cache>.claims/``, created atomically and removed
 when the run ends; a claim whose process is gone is taken over), so two processes given the same
 runs do not both train one, a finished one is appended as one whole line, and a run not started
-by ``--deadline`` is cut (listed in the report). ``write_results`` writes a benchmark's
-``<name>.md`` and ``<name>.json``.
+by ``--deadline`` is cut (listed in the report), and a run of a retired option that is not cached
+is refused before anything loads (``run_selected``'s ``retired``). ``write_results`` writes a
+benchmark's ``<name>.md`` and ``<name>.json``.
 """
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from harness import cli
+from benchmarks.harness import cli
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -148,17 +149,30 @@ def run_missing(cache: Path, names: Iterable[str], seeds: Sequence[int], deadlin
 
 
 def run_selected(cache: Path, args, known: Sequence[str], key_of: Callable[[str, int], str],
-                 make_run: Callable[[], Callable[[str, int], dict]]) -> list[str]:
+                 make_run: Callable[[], Callable[[str, int], dict]], retired: Mapping[str, str] = {}) -> list[str]:
     """The runs ``--only`` x ``--seeds`` (names checked against ``known`` first) through the run
     cache until ``--deadline``; none under ``--report``. ``make_run`` loads what the runs need and
-    returns the function that makes one record; it is called only when a run is missing."""
+    returns the function that makes one record; it is called only when a run is missing.
+    ``retired``: name -> why; such a run is read from the cache, and asking for one that is not
+    there exits with the reason before anything loads."""
     if args.report:
         return []
     names, seeds = cli.names(args.only, known), cli.seeds(args.seeds)
     done = cached_keys(cache)
-    if all(key_of(n, s) in done for n in names for s in seeds):
+    missing = [(n, s) for n in names for s in seeds if key_of(n, s) not in done]
+    if not missing:
         return []
+    refuse_retired([n for n, _ in missing], retired, "cached")
     return run_missing(cache, names, seeds, args.deadline, key_of, make_run())
+
+
+def refuse_retired(names: Iterable[str], retired: Mapping[str, str], kept: str = "cached") -> None:
+    """Exits (one message, no traceback) when one of ``names`` is a retired run of ``retired``
+    (name -> why); ``kept``: what is left of it to say."""
+    gone = list(dict.fromkeys(n for n in names if n in retired))
+    if gone:
+        raise SystemExit("; ".join(f"{n}: {retired[n]}" for n in gone)
+                         + f". A retired run cannot be run again; its {kept} results stay in the report.")
 
 
 def records(cache: Path, suffix: str) -> list[dict]:

@@ -16,7 +16,7 @@ plain ``encode`` stays the document side) and are recorded in ``moco_retrieval.j
 
 ``encoder=query`` (default) exports the query-side encoder that training optimised;
 ``encoder=key`` the momentum (EMA) key encoder of a MoCo checkpoint. With separate towers
-(``model.shared_tower=false``: ICoL, two-tower in-batch) both towers are exported, as a
+(``model.shared_tower=false``) both towers are exported, as a
 sentence-transformers ``Router`` with a "query" route (the query tower) and a "document" route
 (the document tower; also plain ``encode``'s): ``encode_query`` / ``encode_document`` use the right
 tower, and ``evaluate`` / ``search model_dir=`` rebuild both.
@@ -32,8 +32,8 @@ end-of-text token as in training.
 only the entries its ``moco_retrieval.json`` lists (other files stay), and refuses a folder that is
 not an export. The export is written beside ``out_dir`` first and moved in when complete.
 
-Keys: ExportConfig in config.py (``conf/export.yaml``). The files: export_model.py; out_dir's rules:
-export_folder.py; the loaders (checkpoint, model directory): ``moco_retrieval/model/loading.py``.
+Keys: ExportConfig in config.py (``conf/export.yaml``). The files: writer.py; out_dir's rules:
+folder.py; the loaders (checkpoint, model directory): ``moco_retrieval/model/loading.py``.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ from moco_retrieval.model.momentum import ENCODERS
 
 
 def write_model_card(out: Path, desc: dict, checkpoint: Optional[str], side: str, name: str) -> Path:
-    """``out/README.md``: the card of model_card.py in place of sentence-transformers' generic one."""
+    """``out/README.md``: the card of card.py in place of sentence-transformers' generic one."""
     from moco_retrieval.export.card import (
         model_card,
         run_dir_of,

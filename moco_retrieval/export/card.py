@@ -3,7 +3,7 @@ as sentence-transformers' own trainer fills it: base model, objective and its se
 steps, the held-out metrics of the exported step, and how to load it.
 
 What a checkpoint does not hold is read from its run directory (``RUN/checkpoints/X.ckpt``):
-``config.yaml`` (data) and ``metrics.csv`` (metrics_history.py; the validation of the exported step, else
+``config.yaml`` (data) and ``metrics.csv`` (training/records.py; the validation of the exported step, else
 ``metrics.json`` for ``last.ckpt``). Whatever is missing is left out, never guessed.
 """
 from __future__ import annotations

@@ -1,14 +1,14 @@
-"""A LoRA backbone's adapters merged into its base weights, written to a folder as a plain Hugging
-Face model (export), one safetensors shard at a time.
-
-Merging into a copy of the whole backbone (``copy.deepcopy(peft_model).merge_and_unload()``) costs
-a second model: 14 GB more for a 7B base in bfloat16. Here each merged weight is computed as peft's
-merge computes it (a copy of the base weight plus ``get_delta_weight``), only while its shard is
-written; every other tensor is written from the base itself. The trained model is not touched.
-
-The files of an export: a trained encoder as a sentence-transformers model directory (Transformer,
+"""The files of an export: a trained encoder as a sentence-transformers model directory (Transformer,
 Pooling, Dense layers of the head, Normalize; a query / document ``Router`` for separate towers),
-or a LoRA adapter alone, each with ``moco_retrieval.json`` listing what it wrote (see export.py).
+or a LoRA adapter alone, each with ``moco_retrieval.json`` listing what it wrote (see
+export/__main__.py).
+
+A LoRA backbone's adapters are merged into its base weights one safetensors shard at a time
+(``save_merged``): merging into a copy of the whole backbone (``copy.deepcopy(peft_model)
+.merge_and_unload()``) would cost a second model, 14 GB more for a 7B base in bfloat16. Each merged
+weight is computed as peft's merge computes it (a copy of the base weight plus
+``get_delta_weight``), only while its shard is written; every other tensor is written from the base
+itself. The trained model is not touched.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from moco_retrieval.model.lora import (
 )
 
 SHARD_BYTES = 256 * 2**20  # the most merged bytes held at once (safetensors serialises a shard into one more
-# buffer); the files are export_model.py's temporary ones, which sentence-transformers saves again
+# buffer); the files are the export's temporary ones, which sentence-transformers saves again
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"  # transformers' file names
 
 

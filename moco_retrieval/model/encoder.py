@@ -178,7 +178,7 @@ class TextEncoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig, loaded: Optional[tuple[nn.Module, Any]] = None):
         """``loaded``: the (model, tokenizer) of ``cfg``'s backbone when the caller has them (the
-        base-model guide of a LoRA run: model/guide.py); None loads them from its folder."""
+        base-model guide of a LoRA run: model/loading.py); None loads them from its folder."""
         super().__init__()
         path, key = resolve_backbone(cfg)
         model, tokenizer = loaded if loaded is not None else load_backbone(path, key, cfg.backbone_dtype)

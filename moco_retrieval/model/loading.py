@@ -54,7 +54,7 @@ from moco_retrieval.model.lora import (
     restore_base_weights,
 )
 from moco_retrieval.model.momentum import ENCODERS, state_dict_prefix
-from moco_retrieval.training.checkpoints import read_checkpoint
+from moco_retrieval.files import read_checkpoint
 
 META_FILE = "moco_retrieval.json"  # written next to an exported model: its ModelConfig and source
 ST_CONFIG = "config_sentence_transformers.json"

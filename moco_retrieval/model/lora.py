@@ -7,7 +7,7 @@ weights with the trained encoder, so its momentum copy is the adapters and the h
 
 Checkpoints leave the base weights out (they are the backbone folder's, loaded again when the
 model is built): :func:`drop_base_weights` before a save, :func:`restore_base_weights` before a
-load. Export merges the adapters into a plain backbone (lora_merge.py: no copy of the base), or
+load. Export merges the adapters into a plain backbone (export/writer.py: no copy of the base), or
 saves the adapter alone (:func:`save_adapter`).
 """
 from __future__ import annotations

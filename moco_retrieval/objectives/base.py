@@ -30,9 +30,9 @@ from torch import Tensor, nn
 
 from moco_retrieval.config import AT_LEAST_ONE, POSITIVE, PROPER_FRACTION, ConfigError, Range, RangeChecked, setting
 from moco_retrieval.objectives.guided import Guide
-from moco_retrieval.objectives.infonce import Direction, Scoring
+from moco_retrieval.objectives.infonce import Direction, Keys, Scoring
 from moco_retrieval.objectives.logq import StreamingFrequency
-from moco_retrieval.objectives.memory import KeyMemory, PerSourceMemory
+from moco_retrieval.objectives.memory import KeyMemory, KeySource, MomentumOptions, PerSourceMemory
 
 TRAINED, MOMENTUM, GUIDE = "trained", "momentum", "guide"
 
@@ -74,6 +74,9 @@ class ObjectiveConfig(RangeChecked):
                 f"objective.temperature={self.temperature}: must be in [objective.temperature_min, "
                 f"objective.temperature_max] = [{self.temperature_min}, {self.temperature_max}] "
                 "when objective.learn_temperature=true")
+        if self.guide == "momentum" and not isinstance(self, MomentumOptions):
+            raise ConfigError(f"objective.guide=momentum needs the keys of both sides (objective=moco or two_queue); "
+                              f"objective={self.name} has none: use guide=base or a model folder")
         dims, weights = self.matryoshka_dims, self.matryoshka_weights
         if len(set(dims)) != len(dims) or min(dims, default=1) < 1:
             raise ConfigError(f"objective.matryoshka_dims={list(dims)}: must be distinct dimensions >= 1")
@@ -89,8 +92,8 @@ class Embed(Protocol):
 
     def __call__(self, side: str, encoder: str = TRAINED, grad: bool = True) -> Tensor | None: ...
 
-    def tokens(self, side: dict, kind: str) -> Tensor:
-        """Stored texts (a tokenized side) by the EMA key encoder, without gradient (refresh.py)."""
+    def tokens(self, side: dict, kind: str, encoder: str = MOMENTUM) -> Tensor:
+        """Stored texts (a tokenized side) by ``encoder``, without gradient (refresh.py)."""
 
     def features(self, side: str) -> Tensor:
         """The frozen backbone's features of the batch's ``side``, without gradient (feature_memory.py)."""
@@ -99,16 +102,24 @@ class Embed(Protocol):
         """Backbone features through the trained encoder's head now, with gradient (feature_memory.py)."""
 
 
+def hard_keys(batch: dict, embed, encoder: str = MOMENTUM, grad: bool = False) -> Keys | None:
+    """The batch's hard negatives as keys by ``encoder``, with gradient or not, or None."""
+    neg = embed("neg", encoder, grad=grad)
+    return None if neg is None else Keys(neg, batch["neg_id"], batch["neg_group"])
+
+
 class Objective(nn.Module):
     """Base of every objective: see the module docstring for the protocol."""
 
-    momentum_keys: ClassVar[bool] = False  # EMA keys of both sides: guide=momentum works
     momentum: Optional[float] = None  # an EMA key encoder's momentum (None: the objective needs none)
     key_encoder_dropout: bool = False
 
     def __init__(self, cfg: ObjectiveConfig):
         super().__init__()
-        self.guide = Guide(cfg.guide, cfg.name, self.momentum_keys, cfg.guide_margin, cfg.guide_threshold)
+        self.keys = TRAINED  # the encoder whose detached embeddings are the queued keys
+        if isinstance(cfg, MomentumOptions) and cfg.keys == KeySource.momentum:  # an EMA key encoder makes them
+            self.keys, self.momentum, self.key_encoder_dropout = MOMENTUM, float(cfg.momentum), bool(cfg.key_encoder_dropout)
+        self.guide = Guide(cfg.guide, cfg.guide_margin, cfg.guide_threshold, keys=self.keys)
         logq = StreamingFrequency(cfg.logq_buckets, cfg.logq_alpha) if cfg.logq_correction else None
         self.scoring = Scoring(cfg, guide=self.guide.rule, logq=logq)
 
@@ -174,4 +185,4 @@ class Objective(nn.Module):
         return {f"{name}.{b}": t for name, m in parts for b, t in m.named_buffers()}
 
 
-__all__ = ["ObjectiveConfig", "Objective", "Embed", "TRAINED", "MOMENTUM", "GUIDE"]
+__all__ = ["ObjectiveConfig", "Objective", "Embed", "hard_keys", "TRAINED", "MOMENTUM", "GUIDE"]

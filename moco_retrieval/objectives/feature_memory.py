@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from moco_retrieval.config import ConfigError
 from moco_retrieval.distributed import all_gather_no_grad, all_gather_with_grad
-from moco_retrieval.objectives.base import Objective, ObjectiveConfig
+from moco_retrieval.objectives.base import TRAINED, Objective, ObjectiveConfig, hard_keys
 from moco_retrieval.objectives.infonce import Direction, Keys
 from moco_retrieval.objectives.memory import Enqueue, QueueOptions, side_memories
 
@@ -63,7 +63,7 @@ class FeatureMemoryObjective(Objective):
 
     def directions(self, batch: dict, embed) -> dict[str, Direction]:
         ids, groups = batch["doc_id"], batch["group"]
-        q, k, neg = embed("query"), embed("doc").float(), embed("neg")
+        q, k = embed("query"), embed("doc").float()
         features = embed.features("doc")  # what is stored
         keys = None
         if self.batch_negatives:
@@ -71,7 +71,7 @@ class FeatureMemoryObjective(Objective):
         self.scoring.observe(keys.ids if keys is not None else None, ids, embed.step)
         guide = self.guide.scores(embed, "query", memory=self.memory, hard=True,
                                   batch_keys=keys.vectors if keys is not None else None)
-        hard = Keys(neg, batch["neg_id"], batch["neg_group"]) if neg is not None else None
+        hard = hard_keys(batch, embed, TRAINED, grad=True)
         fm = Direction(self.scoring, q.float() / self.scoring.temperature(), k, ids, groups, guide).add_keys(keys, hard)
         if self.memory.fill > 0:  # the stored features as the current head projects them, with gradient
             fm.add(embed.project(self.memory.keys()), self.memory.ids(), self.memory.groups(), "queue")

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from moco_retrieval.config import ConfigError
 from moco_retrieval.distributed import all_gather_no_grad
 
 NONE, MOMENTUM = "none", "momentum"
@@ -61,17 +60,12 @@ class GuidedMask:
 
 class Guide:
     """An objective's guide (``objective.guide``): its masking ``rule`` (None: off) and, for one
-    direction, its scores of that direction's candidates (``scores``). ``momentum_ok``: the objective
-    has EMA keys of both sides (``guide=momentum`` needs them)."""
+    direction, its scores of that direction's candidates (``scores``)."""
 
-    def __init__(self, name: str, objective: str, momentum_ok: bool, margin: float = 0.0,
-                 threshold: float | None = None):
+    def __init__(self, name: str, margin: float = 0.0, threshold: float | None = None, keys: str = MOMENTUM):
         self.name = str(name)
-        if self.name == MOMENTUM and not momentum_ok:
-            raise ConfigError(f"objective.guide=momentum needs an EMA key encoder (objective=moco or two_queue); "
-                              f"objective={objective} has none: use guide=base or a model folder")
         self.rule = GuidedMask(margin, threshold) if self.name != NONE else None
-        self.encoder = "guide" if self.fixed else MOMENTUM
+        self.encoder = "guide" if self.fixed else keys  # "momentum": the encoder that makes the keys
 
     @property
     def fixed(self) -> bool:

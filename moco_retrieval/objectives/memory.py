@@ -32,11 +32,12 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from moco_retrieval.config import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, ConfigError, Dtype, setting
+from moco_retrieval.config import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, ConfigError, Dtype, choices, setting
 from moco_retrieval.distributed import all_gather_no_grad
 from moco_retrieval.objectives.refresh import QueueRefresh
 
 SLOT_METADATA_BYTES = 3 * 8  # id, group and step of each slot (int64)
+KeySource = choices("KeySource", "momentum online")
 
 
 @dataclass
@@ -50,14 +51,18 @@ class QueueOptions:
 
 @dataclass
 class MomentumOptions:
-    """Option group: an EMA key encoder whose keys fill the queues, their age bound and refresh."""
+    """Option group: who makes the keys that fill the queues (an EMA key encoder, or the trained
+    encoder's own pass), their age bound and refresh."""
 
-    momentum: float = setting(0.999, FRACTION)  # EMA of the key encoder, per optimizer step
+    # momentum: an EMA copy of the encoder embeds the keys (MoCo); online: the trained encoder's own
+    # embeddings, detached, with no second encoder pass and no EMA copy (XBM, ContAccum)
+    keys: KeySource = KeySource.momentum
+    momentum: float = setting(0.999, FRACTION)  # EMA of the key encoder, per optimizer step (keys=momentum)
     # only keys written in the newest this-many optimizer steps are negatives (null: every queued
     # key); bounds the queue's span against the EMA's time constant 1/(1-momentum)
     queue_max_age: Optional[int] = setting(None, AT_LEAST_ONE)
-    key_encoder_dropout: bool = False  # False: the key encoder stays in eval mode (no dropout)
-    # queued keys (of each queue) re-encoded per step by the current key encoder, replacing their
+    key_encoder_dropout: bool = False  # False: the EMA key encoder stays in eval mode (no dropout)
+    # queued keys (of each queue) re-encoded per step by the encoder that makes the keys, replacing their
     # stale versions: the negative cache's refresh (objectives/refresh.py); 0: off
     queue_refresh: int = setting(0, NON_NEGATIVE)
     # several training sources (data.sources): one queue (two_queue: one pair) per source, each batch
@@ -66,6 +71,9 @@ class MomentumOptions:
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.keys == KeySource.online and self.key_encoder_dropout:
+            raise ConfigError("objective.key_encoder_dropout=true with objective.keys=online: there is no key encoder; "
+                              "the online keys are the trained pass's, with its dropout")
         if self.queue_per_source and self.queue_refresh:
             raise ConfigError(
                 f"objective.queue_per_source=true with objective.queue_refresh={self.queue_refresh}: the refresh of "
@@ -332,13 +340,13 @@ class KeyMemory(nn.Module):
     def pending(self) -> Enqueue | None:
         return self._pending
 
-    def refresh_keys(self, embed) -> None:
-        """Refreshing: re-encode this step's draw of queued texts with the key encoder and write the
-        new keys, before any logits (refresh.py)."""
+    def refresh_keys(self, embed, encoder: str) -> None:
+        """Refreshing: re-encode this step's draw of queued texts with ``encoder`` (the one that makes
+        the keys) and write the new keys, before any logits (refresh.py)."""
         if self.refresh is not None:
             side = self.refresh.inputs(embed.step)
             if side is not None:
-                self.refresh.write(embed.tokens(side, self.kind), embed.step)
+                self.refresh.write(embed.tokens(side, self.kind, encoder), embed.step)
 
     def hold(self, enqueue: Enqueue | None) -> None:
         """Keep ``enqueue`` for ``commit`` (a later forward's replaces it; None: nothing to write)."""
@@ -402,6 +410,13 @@ class PerSourceMemory(nn.Module):
         return {f"{k}_source_{s}": v for s, memory in enumerate(self.sources) for k, v in memory.stats(step).items()}
 
 
+def build_with_memories(cls, cfg, encoder, guide_dim: int | None, sources: int = 1):
+    """``cls(cfg, dim, guide_dim, max_len, sources)``: an objective whose memories hold ``encoder``'s
+    keys; ``max_len``, the encoder's tokens per kind, is the width of a refreshing memory's texts."""
+    max_len = {kind: encoder.max_len(kind) for kind in ("query", "doc")} if cfg.queue_refresh else None
+    return cls(cfg, encoder.dim, guide_dim, max_len, sources)
+
+
 def side_memories(cfg, dim: int, sources: int, sides: tuple[str, ...], guide_dim: int | None = None,
                   max_len: dict | None = None) -> list["KeyMemory | PerSourceMemory"]:
     """One memory per side ("doc" -> stats prefix "queue", "query" -> "query_queue"), or one per source
@@ -417,5 +432,5 @@ def side_memories(cfg, dim: int, sources: int, sides: tuple[str, ...], guide_dim
     return out
 
 
-__all__ = ["QueueOptions", "MomentumOptions", "NegativeQueue", "Enqueue", "batch_enqueue", "KeyMemory",
-           "PerSourceMemory", "side_memories", "check_queues_fit"]
+__all__ = ["KeySource", "QueueOptions", "MomentumOptions", "NegativeQueue", "Enqueue", "batch_enqueue", "KeyMemory",
+           "PerSourceMemory", "side_memories", "build_with_memories", "check_queues_fit"]

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from moco_retrieval.objectives.base import MOMENTUM, Objective, ObjectiveConfig
-from moco_retrieval.objectives.infonce import Direction, Keys, gathered_keys
-from moco_retrieval.objectives.memory import Enqueue, MomentumOptions, QueueOptions, batch_enqueue, side_memories
+from moco_retrieval.objectives.base import Objective, ObjectiveConfig, hard_keys
+from moco_retrieval.objectives.infonce import Direction, gathered_keys
+from moco_retrieval.objectives.memory import (Enqueue, MomentumOptions, QueueOptions, batch_enqueue, build_with_memories,
+                                              side_memories)
 
 
 @dataclass
@@ -25,17 +26,6 @@ class MoCoConfig(MomentumOptions, QueueOptions, ObjectiveConfig):
 
     name: str = "moco"
     enqueue_hard_negatives: bool = False  # also enqueue the batch's mined hard negatives' keys
-
-
-def hard_keys(batch: dict, embed) -> Keys | None:
-    """The batch's hard negatives as EMA keys (no gradient), or None."""
-    neg = embed("neg", MOMENTUM, grad=False)
-    return None if neg is None else Keys(neg, batch["neg_id"], batch["neg_group"])
-
-
-def memory_widths(cfg, encoder) -> dict | None:
-    """The encoder's tokens per kind: the width of a refreshing memory's stored texts (else None)."""
-    return {kind: encoder.max_len(kind) for kind in ("query", "doc")} if cfg.queue_refresh else None
 
 
 class MoCoObjective(Objective):
@@ -62,28 +52,23 @@ class MoCoObjective(Objective):
     inputs train; in fine-tuning MoCo alone falls far below in-batch negatives (benchmarks B6, B11).
     """
 
-    momentum_keys = True
-
     def __init__(self, cfg: MoCoConfig, dim: int, guide_dim: int | None = None, max_len: dict | None = None,
                  sources: int = 1):
         super().__init__(cfg)
         (self.docs,) = side_memories(cfg, dim, sources, ("doc",), guide_dim if self.guide.fixed else None, max_len)
         self.batch_negatives = bool(cfg.batch_negatives)
         self.enqueue_hard_negatives = bool(cfg.enqueue_hard_negatives)
-        self.momentum, self.key_encoder_dropout = float(cfg.momentum), bool(cfg.key_encoder_dropout)
 
-    @classmethod
-    def build(cls, cfg, encoder, guide_dim, sources=1):
-        return cls(cfg, encoder.dim, guide_dim, memory_widths(cfg, encoder), sources)
+    build = classmethod(build_with_memories)
 
     def directions(self, batch: dict, embed) -> dict[str, Direction]:
         step, ids, groups = embed.step, batch["doc_id"], batch["group"]
         docs = self.docs.for_source(self.docs.source_of(batch))  # (the batch's source's, with queue_per_source)
-        docs.refresh_keys(embed)
-        q, k = embed("query"), embed("doc", MOMENTUM, grad=False)
+        docs.refresh_keys(embed, self.keys)
+        q, k = embed("query"), embed("doc", self.keys, grad=False)
         keys = gathered_keys(k, ids, groups) if self.batch_negatives else None
         self.scoring.observe(keys.ids if keys is not None else None, ids, step)
-        hard = hard_keys(batch, embed)
+        hard = hard_keys(batch, embed, self.keys)
         guide = self.guide.scores(embed, "query", memory=docs, batch_keys=keys.vectors if keys is not None else None,
                                   hard=True)
         qd = Direction(self.scoring, q.float() / self.scoring.temperature(), k, ids, groups, guide).add_keys(keys, hard, docs)

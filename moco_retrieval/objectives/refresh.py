@@ -2,7 +2,7 @@
 encoder and written over their stale versions.
 
 Queued keys come from past key encoders, and the older a key, the further it sits from what the
-current encoder would make of its text (and that drift lets the space narrow into a cone: queue.py).
+current encoder would make of its text (and that drift lets the space narrow into a cone: memory.py).
 Lindgren et al., "Efficient Training of Retrieval Models using Negative Cache" (NeurIPS 2021), keep
 a large cache of possibly stale document embeddings as negatives and update a small fraction of it
 every iteration, and show that this small fraction suffices for fast convergence. Here the cache

@@ -28,11 +28,11 @@ from torch import Tensor
 
 from moco_retrieval.config import NON_NEGATIVE, setting
 from moco_retrieval.distributed import all_gather_no_grad, all_gather_with_grad
-from moco_retrieval.objectives.base import MOMENTUM, Objective, ObjectiveConfig
+from moco_retrieval.objectives.base import Objective, ObjectiveConfig, hard_keys
 from moco_retrieval.objectives.guided import GuideScores
 from moco_retrieval.objectives.infonce import Direction, Keys, gathered_keys
-from moco_retrieval.objectives.memory import MomentumOptions, QueueOptions, batch_enqueue, side_memories
-from moco_retrieval.objectives.moco import hard_keys, memory_widths
+from moco_retrieval.objectives.memory import (MomentumOptions, QueueOptions, batch_enqueue, build_with_memories,
+                                              side_memories)
 
 
 @dataclass
@@ -89,8 +89,6 @@ class TwoQueueObjective(Objective):
     is both directions without EMA keys or queues.
     """
 
-    momentum_keys = True
-
     def __init__(self, cfg: TwoQueueConfig, dim: int, guide_dim: int | None = None, max_len: dict | None = None,
                  sources: int = 1):
         super().__init__(cfg)
@@ -100,20 +98,17 @@ class TwoQueueObjective(Objective):
         self.queue_warmup_steps = int(cfg.queue_warmup_steps)
         self.same_side_negatives = bool(cfg.same_side_negatives)
         self.inbatch_weight = float(cfg.inbatch_weight)
-        self.momentum, self.key_encoder_dropout = float(cfg.momentum), bool(cfg.key_encoder_dropout)
 
-    @classmethod
-    def build(cls, cfg, encoder, guide_dim, sources=1):
-        return cls(cfg, encoder.dim, guide_dim, memory_widths(cfg, encoder), sources)
+    build = classmethod(build_with_memories)
 
     def directions(self, batch: dict, embed) -> dict[str, Direction]:
         step, ids, groups = embed.step, batch["doc_id"], batch["group"]
         source = self.docs.source_of(batch)  # (one check across ranks for both sides)
         docs, queries = self.docs.for_source(source), self.queries.for_source(source)
         for memory in (docs, queries):
-            memory.refresh_keys(embed)
+            memory.refresh_keys(embed, self.keys)
         q, d = embed("query"), embed("doc")  # trained, with gradient
-        k, q_key = embed("doc", MOMENTUM, grad=False), embed("query", MOMENTUM, grad=False)
+        k, q_key = embed("doc", self.keys, grad=False), embed("query", self.keys, grad=False)  # (online: q, d detached)
         tau = self.scoring.temperature()
         q_tau, d_tau = q.float() / tau, d.float() / tau  # anchors scaled once: every block arrives as logits
         batch_k = gathered_keys(k, ids, groups) if self.batch_negatives else None
@@ -122,7 +117,7 @@ class TwoQueueObjective(Objective):
         counted = step >= self.queue_warmup_steps
         guide_qd = self.guide.scores(embed, "query", memory=docs, hard=True,
                                      batch_keys=batch_k.vectors if batch_k is not None else None)
-        qd = Direction(self.scoring, q_tau, k, ids, groups, guide_qd).add_keys(batch_k, hard_keys(batch, embed),
+        qd = Direction(self.scoring, q_tau, k, ids, groups, guide_qd).add_keys(batch_k, hard_keys(batch, embed, self.keys),
                                                                            docs if counted else None)
         guide_dq = self.guide.scores(embed, "doc", memory=queries,
                                      batch_keys=batch_q.vectors if batch_q is not None else None)

@@ -20,7 +20,8 @@ from lightning.pytorch.callbacks import Callback
 
 from moco_retrieval.distributed import world_size
 from moco_retrieval.errors import CheckpointError, UserError
-from moco_retrieval.training.checkpoints import LAST, checkpoint_step, read_checkpoint
+from moco_retrieval.training.checkpoints import LAST
+from moco_retrieval.files import checkpoint_step, read_checkpoint
 
 NONE = 2**62  # "no bad step yet"; the ranks agree with a MIN
 

@@ -1,4 +1,10 @@
-"""The W&B policy: which mode a run logs in, and the settings of its ``WandbLogger``.
+"""Lightning loggers from ``LoggerConfig``: W&B (offline unless configured online) and CSV.
+
+Lightning's loggers write from rank 0 only. The CSV log and ``metrics.json`` are the local record
+that exists whatever W&B does. A run keeps one W&B run id (``wandb/run_id`` in the run directory): a
+resumed or requeued attempt continues that W&B run instead of opening a new one.
+
+The W&B policy (``wandb_mode``, ``wandb_settings``):
 
 * offline by default, so a job without network never hangs on ``wandb.init``;
 * online only when the job has ``WANDB_API_KEY`` **and** asks for it, by ``WANDB_MODE=online``
@@ -7,14 +13,8 @@
 * runs of one cluster job (its ranks, its requeued segments) share ``group`` = ``logger.group``
   or the job id (:func:`moco_retrieval.training.cluster.job_id`).
 
-Nothing here talks to the network or imports wandb; the environment is ``os.environ`` unless an
+The policy talks to no network and imports no wandb; the environment is ``os.environ`` unless an
 ``env`` mapping is given (the tests).
-
-Lightning loggers from ``LoggerConfig``: W&B (offline unless configured online) and CSV.
-
-Lightning's loggers write from rank 0 only. The CSV log and ``metrics.json`` are the local
-record that exists whatever W&B does. A run keeps one W&B run id (``wandb/run_id`` in the run
-directory): a resumed or requeued attempt continues that W&B run instead of opening a new one.
 """
 from __future__ import annotations
 

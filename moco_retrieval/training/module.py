@@ -74,8 +74,8 @@ class Embeddings:
             raise RuntimeError(f"embed({side!r}) with gradient after embedding it without: ask with gradient first")
         return out if grad else out.detach()
 
-    def tokens(self, side: dict, kind: str) -> torch.Tensor:
-        return self.module.encode(MOMENTUM, side, kind, False, self.autocast)
+    def tokens(self, side: dict, kind: str, encoder: str = MOMENTUM) -> torch.Tensor:
+        return self.module.encode(encoder, side, kind, False, self.autocast)
 
     def features(self, side: str) -> torch.Tensor:
         with torch.no_grad(), autocast_to(self.autocast):

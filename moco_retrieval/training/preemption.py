@@ -1,12 +1,4 @@
-"""How a stopped run ends: the signals that stop it, the exception that ends it after the
-preemption checkpoint, and its exit status (``128 + signal``: 143 for SIGTERM, 138 for SIGUSR1,
-130 for SIGINT, the status of a process the signal killed, which requeue machinery treats as
-retryable; see preemption.py).
-
-``scontrol requeue`` of this SLURM job, as Lightning's auto-requeue does (preemption.py runs it on
-rank 0 on the requeue signal, SIGUSR1, the time-limit warning).
-
-Preemption-safe training: stop at a step boundary on SIGTERM, SIGUSR1 or SIGINT (Ctrl-C),
+"""Preemption-safe training: stop at a step boundary on SIGTERM, SIGUSR1 or SIGINT (Ctrl-C),
 write ``checkpoints/last.ckpt``, exit with a status a requeue understands.
 
 Ctrl-C is a stop like SIGTERM (exit 130, ``train.py`` prints the command that resumes); a second
@@ -30,37 +22,30 @@ What :class:`PreemptionCheckpoint` does (one per trainer, added by ``train.build
 2. At the end of every optimizer step the ranks agree on the flag with one all-reduce (MAX) of a
    single number, so every rank stops after the same step even when only one node was signalled.
 3. Then every rank takes part in ``trainer.save_checkpoint(checkpoints/last.ckpt)``: rank 0 writes
-   it through the atomic checkpoint IO (temporary file, fsync, rename). The checkpoint is the one
-   Lightning writes at ``on_train_batch_end`` (as ``ModelCheckpoint(every_n_train_steps=...)``
-   does), with this step's keys already in the queue: model, key encoder, queue, optimizer,
-   scheduler, step, RNG states and the position in the epoch. The run goes on to log the step's
-   metrics and stops at the next hook (before a validation, the next batch or the epoch's end).
+   it through the atomic checkpoint IO (checkpoints.py). The checkpoint is the one Lightning
+   writes at ``on_train_batch_end``, with this step's keys already in the queue: model, key
+   encoder, queue, optimizer, scheduler, step, RNG states, the position in the epoch, and each
+   rank's fingerprint of its unsynced state. The run goes on to log the step's metrics and stops at
+   the next hook (before a validation, the next batch or the epoch's end).
 4. Under SLURM with ``SLURMEnvironment(auto_requeue=True)`` and the requeue signal (SIGUSR1, the
-   time-limit warning) rank 0 runs ``scontrol requeue <job>``, as Lightning's auto-requeue does. A
-   SIGTERM is not requeued from here: SLURM requeues preempted jobs itself, and ``scancel`` means
-   stop.
+   time-limit warning) rank 0 runs ``scontrol requeue <job>`` (``slurm_requeue``), as Lightning's
+   auto-requeue does. A SIGTERM is not requeued from here: SLURM requeues preempted jobs itself,
+   and ``scancel`` means stop.
 5. :class:`Preempted` (a ``SystemExit``) ends the run with status ``128 + signal``: 143 for
-   SIGTERM, 138 for SIGUSR1, 130 for SIGINT, the status of a process the signal killed. Requeue machinery treats
-   that as retryable: Kubeflow's ``restartPolicy: ExitCode`` retries 128-255 and fails 1-127;
-   ``restartPolicy: OnFailure`` and Job ``backoffLimit`` retry any non-zero status;
-   ``docker/slurm.sbatch`` requeues a run that stopped unfinished with a status above 128.
-   No final validation runs and ``metrics.json`` is not written (the sign of an unfinished run).
-   Under ``torchrun`` the workers exit 143 but torchrun itself exits 1 (``SignalException`` when
-   it got the SIGTERM, ``ChildFailedError`` when a worker did): with torchrun, use a restart
-   policy that retries any failure (``OnFailure``, as docker/k8s-pytorchjob.yaml does).
-   A SIGTERM that Lightning handles itself (outside the training steps, e.g. during the final
-   validation) raises its ``SIGTERMException``, status 0; ``train.main`` turns that into 143
+   SIGTERM, 138 for SIGUSR1, 130 for SIGINT, the status of a process the signal killed. Requeue
+   machinery treats that as retryable: Kubeflow's ``restartPolicy: ExitCode`` retries 128-255 and
+   fails 1-127; ``restartPolicy: OnFailure`` and Job ``backoffLimit`` retry any non-zero status;
+   ``docker/slurm.sbatch`` requeues a run that stopped unfinished with a status above 128. No final
+   validation runs and ``metrics.json`` is not written (the sign of an unfinished run). Under
+   ``torchrun`` the workers exit 143 but torchrun itself exits 1: with torchrun, use a restart
+   policy that retries any failure (``OnFailure``, as docker/k8s-pytorchjob.yaml does). A SIGTERM
+   that Lightning handles itself (outside the training steps, e.g. during the final validation)
+   raises its ``SIGTERMException``, status 0; ``train.main`` turns that into 143
    (:func:`sigterm_exit_status`).
 
-Resume: the same command line with ``ckpt_path=last`` and the same ``run_dir`` (see
-``checkpointing.resolve_ckpt_path``; with no ``last.ckpt`` yet the run starts fresh). A validation
-that was due at the preempted step is skipped, as Lightning does for any checkpoint saved at
-``on_train_batch_end``.
-
-Every checkpoint also records a fingerprint of each rank's objective state (queues and all else the
-objective declares in ``unsynced_state()``) and key encoder
-(``checkpoint["rank_fingerprints"]``, one entry per rank), so that a run whose ranks drifted apart
-shows it: the ranks must hold identical copies, which DDP does not check.
+Resume: the same command line with ``ckpt_path=last`` and the same ``run_dir`` (with no
+``last.ckpt`` yet the run starts fresh). A validation that was due at the preempted step is
+skipped, as Lightning does for any checkpoint saved at ``on_train_batch_end``.
 """
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The run's own clock: seconds spent training and validating, summed over every attempt of a
+"""What a run records over all its attempts: its clock and its metrics file.
+
+The run's own clock (:class:`RunClock`): seconds spent training and validating, summed over every attempt of a
 run. A run preempted and resumed (``ckpt_path=last``) counts the time before its checkpoint too,
 which neither the process's wall time nor W&B's per-attempt runtime does; what a requeue wasted
 after the last checkpoint is not counted, because that work was redone.

@@ -180,7 +180,7 @@ def progress_callback(every: int = 10) -> Callback:
 
 
 def trained_for(trainer) -> str:
-    """``"  after N min of training"``: the run clock's total (run_clock.py), over every attempt."""
+    """``"  after N min of training"``: the run clock's total (records.py), over every attempt."""
     seconds = trainer.callback_metrics.get("time/train_s")
     return "" if seconds is None else f"  after {float(seconds) / 60:.1f} min of training"
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from moco_retrieval.training.checkpoints import atomic_torch_save
+from moco_retrieval.files import atomic_torch_save
 from moco_retrieval.config import ModelConfig, PromptsConfig
 from moco_retrieval.objectives.inbatch import InBatchConfig
 from moco_retrieval.data.collate import EvalCollator, collate

@@ -212,8 +212,8 @@ def test_two_queue_in_batch_term_masks_what_the_guide_masks(batch_negatives):
 
 
 def test_momentum_guide_needs_an_ema_encoder():
-    with pytest.raises(ConfigError, match="guide=momentum needs an EMA key encoder"):
-        InBatchObjective(InBatchConfig(guide="momentum"))
+    with pytest.raises(ConfigError, match="guide=momentum needs the keys of both sides"):
+        InBatchConfig(guide="momentum")  # refused with the config
 
 
 def test_inbatch_guided_mask_equals_loops():

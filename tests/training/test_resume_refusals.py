@@ -14,7 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from moco_retrieval.training.checkpoints import atomic_torch_save, read_checkpoint
+from moco_retrieval.files import atomic_torch_save, read_checkpoint
 from moco_retrieval.errors import CheckpointError
 from helpers import SHARED_DEBIAN, SMALL_RESUMABLE, compose_cfg
 

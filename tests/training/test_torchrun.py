@@ -30,7 +30,7 @@ import lightning as L
 import pytest
 import torch
 
-from moco_retrieval.training.checkpoints import tensors_sha256
+from moco_retrieval.files import tensors_sha256
 
 # torchrun as this interpreter's module: its workers then run this interpreter, and so this checkout's
 # code (a `torchrun` script elsewhere on PATH starts another Python, with whatever install it has)

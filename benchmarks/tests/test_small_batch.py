@@ -6,27 +6,29 @@ import json
 
 import pytest
 
-from test_finetune_report import load_bench
+from benchmarks import small_batch
+from benchmarks.harness import equal_data, side_by_side
+from benchmarks.harness.training import compose_cfg
 
 
 @pytest.fixture(scope="module")
 def b11():
-    return load_bench("b11_small_batch", "small_batch.py")
+    return small_batch
 
 
 def test_the_main_objective_at_batch_8_keeps_the_keys_and_the_ema_span_of_batch_32(b11):
-    cfg = b11.b6.compose_cfg(b11.b6.BASE + b11.RUNS["main-8"][2] + ["data.batch_size=8"])
+    cfg = compose_cfg(equal_data.BASE + b11.RUNS["main-8"][2] + ["data.batch_size=8"])
     obj = cfg.objective
     assert obj.name == "two_queue" and obj.inbatch_weight == 1.0
     assert obj.queue_max_age * 8 == 128 * 32 == obj.queue_size  # the same 4,096 keys
     assert 1 / (1 - obj.momentum) == pytest.approx(4 * 1 / (1 - 0.995))  # an EMA 4x as many steps long
-    lora = b11.b6.compose_cfg(b11.b6.BASE + b11.RUNS["lora_main-8"][2])
+    lora = compose_cfg(equal_data.BASE + b11.RUNS["lora_main-8"][2])
     assert lora.model.lora.r == 16 and lora.optim.lr == 2e-4 and lora.objective.queue_max_age == 512
 
 
 def test_small_batches_split_b6s_batches_in_order(b11, monkeypatch):
     b32 = [list(range(i, i + 32)) for i in range(0, 96, 32)]
-    monkeypatch.setattr(b11.b6, "pair_batches", lambda bench, seed, pairs, batch: b32)
+    monkeypatch.setattr(equal_data, "pair_batches", lambda bench, seed, pairs, batch: b32)
     for batch in (8, 4):
         got = b11.batches_of(None, 0, 96, batch)
         assert len(got) == 96 // batch and all(len(b) == batch for b in got)
@@ -72,7 +74,7 @@ def test_cost_times_side_by_side_and_the_goal_takes_its_ratio_not_the_own_clocks
         step = {"inbatch-8": [0.4, 0.4], "main-8": [0.8, 1.6], "gradcache-256": [128.0, 128.0]}
         return {n: step[n] for n in names}
 
-    monkeypatch.setattr(b11.finetune_cost, "measure", measure)
+    monkeypatch.setattr(side_by_side, "measure", measure)
     monkeypatch.setattr(b11, "Bench", lambda: None)
     monkeypatch.setattr(b11, "references", lambda args: [])
     assert b11.main(["--cost", "--rounds", "2", "--only", "main-8,gradcache-256", "--out", str(tmp_path)]) == 0
@@ -109,7 +111,7 @@ def test_memory_measures_steps_alone_and_the_table_and_plot_take_it_over_the_pro
                 {"name": "main-8", "batch": 8, "resident_mib": 460.0, "step_peak_mib": 400.0, "step_peaks_mib": [400.0]},
                 {"name": "gradcache-256", "batch": 256, "resident_mib": 350.0, "step_peak_mib": 450.0, "step_peaks_mib": [450.0]}]
 
-    monkeypatch.setattr(b11.finetune_cost, "memory", memory)
+    monkeypatch.setattr(side_by_side, "memory", memory)
     monkeypatch.setattr(b11, "Bench", lambda: None)
     monkeypatch.setattr(b11, "references", lambda args: [])
     figures, real_figure = [], b11.figure

@@ -5,12 +5,13 @@ import json
 
 import pytest
 
-from test_finetune_report import load_bench
+from benchmarks import main_job as b9
+from benchmarks.harness.training import compose_cfg
 
 
 @pytest.fixture(scope="module")
 def main_job():
-    return load_bench("b9_main_job", "main_job.py")
+    return b9
 
 
 def overrides(cmd: list[str]) -> list[str]:
@@ -23,9 +24,8 @@ def test_the_two_jobs_differ_only_in_the_objective_and_compose_as_strict_configs
     assert set(b) - set(a) == {"objective=inbatch", f"run_dir={tmp_path / 'b'}"}
     assert "ckpt_path=last" in a and "trainer.max_steps=285" in a  # resumes; a shorter job when asked
     assert not any(o.startswith("trainer.max_steps") for o in main_job.train_command("queue65k", 0, tmp_path))
-    compose = main_job.sys.modules["_common"].compose_cfg
-    cfg_a = compose([o for o in a if not o.startswith(("run_dir", "ckpt_path"))])
-    cfg_b = compose([o for o in b if not o.startswith(("run_dir", "ckpt_path"))])
+    cfg_a = compose_cfg([o for o in a if not o.startswith(("run_dir", "ckpt_path"))])
+    cfg_b = compose_cfg([o for o in b if not o.startswith(("run_dir", "ckpt_path"))])
     assert cfg_a.objective.name == "two_queue" and cfg_b.objective.name == "inbatch"
     assert cfg_a.data.batch_size == cfg_b.data.batch_size == 64 and cfg_a.trainer.max_steps == cfg_b.trainer.max_steps == 285
 

@@ -1,36 +1,26 @@
-"""What the training benchmarks share besides the harness (``harness/``: CLI, run cache, steps).
+"""A training config through Hydra's compose API, and many quiet runs in one process.
 
-* ``compose_cfg(overrides)``: the training config through Hydra's compose API (strict schema).
-* the data and cache locations' defaults (``harness.cli.set_locations``) are set on import;
-  finished-run caches outside the results folder go to ``bench_cache(name)``.
+* ``compose_cfg(overrides)``: the training config (strict schema); an override of a retired option
+  (``RETIRED``) exits with one message naming it and why, rather than Hydra's traceback.
 * ``Bench``: one process, many runs: the Debian set is read once, the frozen feature cache is
   warmed once and kept alive, and ``fit_eval(cfg)`` trains a ``RetrievalModule`` with a quiet
-  Lightning ``Trainer`` (no logger, no progress bar, no checkpoints, no validation loop) and scores
-  the held-out pool with ``evaluate_encoder``; ``Runner`` runs frozen-head configs once each
-  through a run cache.
-* small statistics (median, std) and environment notes (threads, peak RSS).
+  Lightning ``Trainer`` (``quiet_trainer``: no logger, no progress bar, no checkpoints, no
+  validation loop) and scores the held-out pool with ``evaluate_encoder``.
+* ``Runner``: frozen-head configs (``FROZEN_BASE`` + overrides) run once each through a run cache.
+* ``TRAINER``: ``MR_BENCH_TRAINER=gpu`` runs the benchmarks on a GPU (benchmarks/gpu.sh).
 """
 from __future__ import annotations
 
 import logging
 import os
-import platform
-import resource
-import statistics
-import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-os.environ.setdefault("WANDB_MODE", "disabled")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+from benchmarks.harness.report import log
+from benchmarks.harness.runs import RunCache, past_deadline
 
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
 warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
@@ -39,27 +29,44 @@ warnings.filterwarnings("ignore", category=UserWarning, module="lightning")
 for _name in ("lightning.pytorch", "lightning.fabric", "lightning", "faiss.loader", "pytorch_lightning"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
-from harness.cli import RESULTS, ROOT, set_locations  # noqa: E402,F401  (ROOT, RESULTS: the scripts' paths)
-from harness.runs import RunCache, past_deadline  # noqa: E402
+
+# MR_BENCH_TRAINER=gpu runs the frozen-head benchmarks on a GPU (benchmarks/gpu.sh)
+TRAINER = os.environ.get("MR_BENCH_TRAINER", "cpu")
+FROZEN_BASE = ["model=frozen_head", f"trainer={TRAINER}", "logger=none", "data=debian"]
+
+# Options issue 43 retired, each with the simpler twin B6 measured it below. Runs made with them stay
+# in the run caches and reports (history); composing them again is refused, saying why.
+RETIRED = {
+    "objective=icol": "inbatch_2tower-32, in-batch negatives on the same two towers",
+    "objective.momentum_schedule": "two_queue_m0.995-32, a constant momentum",
+    "objective.doc_to_query_weight": "two_queue_m0.995_ib_k4k-32, the main job's objective with both directions at weight 1",
+}
 
 
-# ----------------------------------------------------------------------------------- locations
-
-set_locations()  # the defaults before any script loads data; cli.apply(args) applies its flags
-
-
-def bench_cache(name: str) -> Path:
-    """A benchmark's finished-run cache file, under the package cache (``cache_root()/bench``)."""
-    from moco_retrieval.config import cache_root
-
-    return cache_root() / "bench" / name
+class Retired(SystemExit):
+    """A run or an override of a retired option: one message, no traceback, exit status 1."""
 
 
-# ----------------------------------------------------------------------------------- config
+def retired_reason(overrides: Iterable[Any]) -> Optional[str]:
+    """Why ``overrides`` (a run's overrides; other specs, e.g. a peer's loss options, never are)
+    cannot be composed any more, naming the retired override; None when they can."""
+    if not isinstance(overrides, (list, tuple)):
+        return None
+    for o in overrides:
+        if not isinstance(o, str):
+            continue
+        key = o.lstrip("+~").split("=", 1)[0]
+        for option, twin in RETIRED.items():
+            if o == option or key == option:
+                return f"{o} is retired (issue 43): B6 measured it below its simpler twin ({twin})"
+    return None
 
 
 def compose_cfg(overrides: Sequence[str] = ()):
     """A ``TrainConfig`` from conf/ through Hydra's compose API, e.g. ``["model=frozen_head"]``."""
+    why = retired_reason(list(overrides))
+    if why:
+        raise Retired(f"cannot compose the config: {why}; runs made with it stay in the run caches and reports")
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
@@ -71,11 +78,6 @@ def compose_cfg(overrides: Sequence[str] = ()):
     with initialize_config_module("moco_retrieval.conf", version_base="1.3"):
         cfg = compose("train", overrides=list(overrides))
     return OmegaConf.to_object(cfg)
-
-
-# MR_BENCH_TRAINER=gpu runs the frozen-head benchmarks on a GPU (benchmarks/gpu.sh)
-TRAINER = os.environ.get("MR_BENCH_TRAINER", "cpu")
-FROZEN_BASE = ["model=frozen_head", f"trainer={TRAINER}", "logger=none", "data=debian"]
 
 
 # ----------------------------------------------------------------------------------- runs
@@ -233,60 +235,3 @@ def quiet_trainer(cfg, callbacks: Iterable[Any] = (), **kw):
     )
     args.update(kw)
     return L.Trainer(**args)
-
-
-# ----------------------------------------------------------------------------------- stats / io
-
-
-def median(xs: Sequence[float]) -> float:
-    xs = [float(x) for x in xs if x is not None]
-    return float(statistics.median(xs)) if xs else float("nan")
-
-
-def std(xs: Sequence[float]) -> float:
-    xs = [float(x) for x in xs if x is not None]
-    return float(statistics.stdev(xs)) if len(xs) > 1 else 0.0
-
-
-def mean(xs: Sequence[float]) -> float:
-    xs = [float(x) for x in xs if x is not None]
-    return float(statistics.fmean(xs)) if xs else float("nan")
-
-
-def peak_rss_mb() -> float:
-    """Peak resident memory of this process so far (ru_maxrss is KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def environment() -> dict:
-    import lightning
-    import transformers
-
-    return {
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "transformers": transformers.__version__,
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-    }
-
-
-def f3(x: float) -> str:
-    return "n/a" if x is None or not np.isfinite(x) else f"{x:.3f}"
-
-
-def figure(w: float = 6.4, h: float = 4.2):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(w, h), dpi=110)
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)

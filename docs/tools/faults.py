@@ -2,10 +2,11 @@
 (tiny models, the smoke experiment, planted files in a temporary folder), and the table written
 from what came out, so it stays true.
 
-    python benchmarks/faults.py                 # all cases, writes docs/faults.md (~15 min on 2 busy cores)
-    python benchmarks/faults.py --only lock,ckpt_empty --out /tmp/faults.md
+    python docs/tools/faults.py                 # all cases, writes docs/faults.md (~15 min on 2 busy cores)
+    python docs/tools/faults.py --only lock,ckpt_empty --out /tmp/faults.md
 
-Not a test (tests/test_faults.py and tests/test_torchrun.py assert the same behaviour); a record.
+Not a test (tests/test_faults.py and tests/test_torchrun.py assert the same behaviour) and not a
+measurement; a record, generated as docs/configuration.md is (beside config_reference.py).
 Columns: the case, the exit status, what the user sees (the command's own lines on stderr, paths
 shortened to RUN/DATA), and what is kept in the run directory afterwards.
 """
@@ -25,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, set_locations  # noqa: E402
-from moco_retrieval.training.checkpoints import last_checkpoint  # noqa: E402
+from moco_retrieval.training.checkpoints import last_checkpoint
 
+ROOT = Path(__file__).resolve().parents[2]
+SHARED_DEBIAN = ROOT.parent / "shared" / "data" / "debian-bookworm"  # the apt lists, when next to the repository
 PY = sys.executable
 SMOKE = ["+experiment=smoke", "data.max_train_examples=128", "data.max_eval_queries=16", "data.max_eval_docs=32",
          "trainer.val_check_interval=3", "trainer.log_every_n_steps=1"]
@@ -244,7 +245,7 @@ INPUT_CASES = [
     Case("devices", "trainer.devices=abc", train("trainer.devices=abc")),
     Case("queue_dtype", "objective.queue_dtype=int8", train("objective.queue_dtype=int8")),
     Case("schedule", "optim.schedule=bogus", train("optim.schedule=bogus")),
-    Case("momentum_schedule", "objective.momentum_schedule=bogus", train("objective.momentum_schedule=bogus")),
+    Case("pooling", "model.pooling=max", train("model.pooling=max")),
     Case("queue_size", "objective.queue_size=1000000000000 (estimated before it is allocated)",
          train("objective.queue_size=1000000000000")),
     Case("plus_typo", "a typo added with a + (Hydra's hint): +trainer.max_step=10", train("+trainer.max_step=10")),
@@ -270,7 +271,9 @@ INPUT_CASES = [
 ]
 ALL_CASES = CASES + INPUT_CASES
 
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1")
+# the children's environment: offline, one thread (the caller's TRANSFORMERS_OFFLINE and TOKENIZERS_PARALLELISM win)
+ENV = {"TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+       **dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1")}
 OURS = re.compile(r"^(\w+: error:|  |\[moco_retrieval\]|Error |Could not|Key '|final validation|Restoring states)")
 
 
@@ -338,7 +341,7 @@ def write_table(rows: list[dict], out: Path) -> None:
     lines = [
         "# Fault table",
         "",
-        "What a user sees when something goes wrong, and what is kept. Written by `python benchmarks/faults.py`,",
+        "What a user sees when something goes wrong, and what is kept. Written by `python docs/tools/faults.py`,",
         "which runs every case below as a subprocess (tiny models, the smoke experiment, planted files); rerun",
         "it after changing any of this. Paths: RUN is the run directory, DATA the folder of planted files.",
         "Status 2: a known error (data, config, checkpoint, model, run directory, disk), one message and no",
@@ -377,7 +380,8 @@ def main() -> None:
     ap.add_argument("--only", help="comma-separated case keys: " + ",".join(c.key for c in ALL_CASES))
     ap.add_argument("--out", default=str(ROOT / "docs" / "faults.md"))
     args = ap.parse_args()
-    set_locations()
+    if not os.environ.get("MOCO_RETRIEVAL_DEBIAN_DIR") and SHARED_DEBIAN.is_dir():
+        os.environ["MOCO_RETRIEVAL_DEBIAN_DIR"] = str(SHARED_DEBIAN)
     ENV.update({k: os.environ[k] for k in ("MOCO_RETRIEVAL_DEBIAN_DIR", "MOCO_RETRIEVAL_CACHE") if k in os.environ})
     cases = [c for c in ALL_CASES if not args.only or c.key in args.only.split(",")]
     rows = []

@@ -1,31 +1,21 @@
 """The benchmarks' harness (benchmarks/harness/): one training step in the module's order, one peer
-trainer whose weights score through our encoder, the run cache, and the shared options."""
+trainer whose weights score through our encoder, the run cache, the shared options, and retired
+options refused with one message."""
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-from harness import cli, runs, step_memory  # noqa: E402
-from harness.steps import OurStep, PeerTrainer  # noqa: E402
+from benchmarks.harness import cli, runs, step_memory
+from benchmarks.harness.steps import OurStep, PeerTrainer
 
-from moco_retrieval.config import ModelConfig, OptimConfig  # noqa: E402
+from moco_retrieval.config import ModelConfig, OptimConfig
+from moco_retrieval.model.encoder import build_encoder
 from moco_retrieval.objectives.moco import MoCoConfig
-from moco_retrieval.training.module import RetrievalModule  # noqa: E402
-from moco_retrieval.model.encoder import build_encoder  # noqa: E402
-from moco_retrieval.model.tiny import build_tiny_bert  # noqa: E402
-from synthetic import SyntheticData  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return str(build_tiny_bert(tmp_path_factory.mktemp("tiny") / "bert"))
+from moco_retrieval.training.module import RetrievalModule
 
 
 def moco_module(tiny_dir, momentum=0.9):
@@ -38,7 +28,7 @@ def moco_module(tiny_dir, momentum=0.9):
 # ----------------------------------------------------------------------------------- our step
 
 
-def test_our_step_runs_in_the_modules_order(tiny_dir, one_thread, monkeypatch):
+def test_our_step_runs_in_the_modules_order(tiny_dir, one_thread, monkeypatch, synthetic_data):
     """forward, backward, on_after_backward (enqueue), clip, optimizer, EMA: the order Lightning
     gives the module (core_step_time.py and speed.py used to enqueue after the optimizer and EMA)."""
     m = moco_module(tiny_dir)
@@ -54,13 +44,14 @@ def test_our_step_runs_in_the_modules_order(tiny_dir, one_thread, monkeypatch):
     spy(torch.nn.utils, "clip_grad_norm_", "clip")
     spy(opt, "step", "optimizer")
     spy(m.key_encoder, "update", "ema")
-    batch = next(iter(SyntheticData(m.encoder.tokenize, batch_size=4).train_dataloader()))
+    batch = next(iter(synthetic_data(m.encoder.tokenize, batch_size=4).train_dataloader()))
     OurStep(m, opt, clip=1.0)(batch)
     assert calls == ["forward", "after_backward", "clip", "optimizer", "ema"]
     assert m.objective.docs.queue.fill == 4  # this step's keys are queued
 
 
-def test_our_step_clips_before_the_optimizer_and_moves_the_key_encoder_by_the_modules_momentum(tiny_dir, one_thread, monkeypatch):
+def test_our_step_clips_before_the_optimizer_and_moves_the_key_encoder_by_the_modules_momentum(tiny_dir, one_thread, monkeypatch,
+                                                                                                  synthetic_data):
     m = moco_module(tiny_dir, momentum=0.5)
     opt = torch.optim.SGD([p for p in m.encoder.parameters() if p.requires_grad], lr=0.0)  # lr 0: the encoder stays
     norms: list[float] = []
@@ -71,7 +62,7 @@ def test_our_step_clips_before_the_optimizer_and_moves_the_key_encoder_by_the_mo
         for p in m.key_encoder.parameters():
             p.add_(1.0)
     key_before = [p.clone() for p in m.key_encoder.parameters()]
-    batch = next(iter(SyntheticData(m.encoder.tokenize, batch_size=4).train_dataloader()))
+    batch = next(iter(synthetic_data(m.encoder.tokenize, batch_size=4).train_dataloader()))
     OurStep(m, opt, clip=1e-3)(batch)
     assert norms and norms[0] <= 1e-3 * 1.001
     # m 0.5: halfway between the old key weights and the query weights
@@ -174,10 +165,10 @@ def test_shared_options_parse_the_same_everywhere_and_unknown_runs_exit(tmp_path
         cli.names("a,x", ["a", "b"])
 
 
-def test_step_clock_times_every_lightning_step_between_its_hooks(tiny_dir, tmp_path, one_thread):
+def test_step_clock_times_every_lightning_step_between_its_hooks(tiny_dir, tmp_path, one_thread, synthetic_data):
     import lightning as L
 
-    from harness.steps import step_clock
+    from benchmarks.harness.steps import step_clock
 
     m = moco_module(tiny_dir)
     events: list[str] = []
@@ -186,7 +177,7 @@ def test_step_clock_times_every_lightning_step_between_its_hooks(tiny_dir, tmp_p
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
                         callbacks=[clock], num_sanity_val_steps=0, limit_val_batches=0)
-    trainer.fit(m, datamodule=SyntheticData(m.encoder.tokenize, batch_size=4))
+    trainer.fit(m, datamodule=synthetic_data(m.encoder.tokenize, batch_size=4))
     assert events == ["start", "end 1 True", "start", "end 2 True", "start", "end 3 True"]
     assert len(clock.times) == 3 and all(t > 0 for t in clock.times)
 
@@ -240,3 +231,24 @@ def test_a_steps_peak_is_its_own_and_resident_memory_counts_shared_storage_once(
     base(torch.randn(2, 512)).sum().backward()
     opt.step()
     assert step_memory.resident_mib([base], [opt]) == pytest.approx(4 * (512 * 512 + 512) * 4 / 2**20, rel=1e-3)
+
+
+def test_run_selected_reads_a_retired_run_from_the_cache_and_refuses_to_run_it_before_anything_loads(tmp_path):
+    from types import SimpleNamespace
+
+    cache = tmp_path / "x_runs.jsonl"
+    runs.append_jsonl(cache, {"key": "old|seed=0"})
+    args = SimpleNamespace(report=False, only="old,new", seeds="0", deadline=None)
+    loads = []
+
+    def make_run():
+        loads.append(True)
+        return lambda name, seed: {"key": f"{name}|seed={seed}"}
+
+    retired = {"old": "objective=x is retired (issue 43): below its twin"}
+    assert runs.run_selected(cache, args, ["old", "new"], lambda n, s: f"{n}|seed={s}", make_run, retired) == []
+    assert loads == [True] and [r["key"] for r in runs.read_jsonl(cache)] == ["old|seed=0", "new|seed=0"]  # old: read
+    args.seeds = "1"
+    with pytest.raises(SystemExit, match=r"^old: objective=x is retired .* cannot be run again"):
+        runs.run_selected(cache, args, ["old", "new"], lambda n, s: f"{n}|seed={s}", make_run, retired)
+    assert loads == [True]  # refused before make_run loaded anything

@@ -1,0 +1,4 @@
+"""Export: a trained encoder as a sentence-transformers model directory with its model card.
+
+``python -m moco_retrieval.export``: __main__.py; the files: writer.py; out_dir's rules: folder.py;
+the card: card.py."""
