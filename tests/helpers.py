@@ -130,7 +130,7 @@ def train_checkpoint(model, objective, folder: Path, steps: int = 2, **module_op
 def last_and_previous(run_dir: Path) -> Path:
     """``run_dir/checkpoints/last.ckpt`` of step 4 and its predecessor last.prev.ckpt of step 2, as
     atomic saves write them (with a checksum of their 250,000 weights); the path of last.ckpt."""
-    from moco_retrieval.training.checkpoints import atomic_torch_save
+    from moco_retrieval.files import atomic_torch_save
 
     last = run_dir / "checkpoints" / "last.ckpt"
     for step in (2, 4):

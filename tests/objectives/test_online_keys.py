@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import Given, labels, ref_direction, train_steps, unit
+from helpers import Given, labels, momentum_steps, ref_direction, train_steps, unit
 
 from moco_retrieval.config import ConfigError
 from moco_retrieval.objectives.moco import MoCoConfig, MoCoObjective
@@ -81,11 +81,6 @@ def test_key_encoder_dropout_with_online_keys_is_refused():
 W, STEPS = 2, 3
 
 
-def make_steps():
-    return [dict(q=unit(W * 3, D, seed=10 + s), d=unit(W * 3, D, seed=30 + s), ids=torch.arange(W * 3) + 100 * s,
-                 groups=torch.tensor([7, -1, 7, -1, -1, 8])) for s in range(STEPS)]
-
-
 def run(steps, rank, world):
     """Online keys: the steps' "k" and "q_key" are their own "d" and "q" (train_steps serves them)."""
     for st in steps:
@@ -97,7 +92,7 @@ def run(steps, rank, world):
 def test_two_gloo_ranks_hold_identical_queues_equal_to_one_process(tmp_path):
     from helpers import on_ranks
 
-    steps = make_steps()
+    steps = momentum_steps(STEPS, W * 3, D, torch.tensor([7, -1, 7, -1, -1, 8]))
     ranks = on_ranks(run, (steps,), W, tmp_path)
     single = run(steps, 0, 1)
     for key, v in single["state"].items():
@@ -109,22 +104,10 @@ def test_two_gloo_ranks_hold_identical_queues_equal_to_one_process(tmp_path):
 
 # ------------------------------------------------------------------ the module
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from moco_retrieval.model.tiny import build_tiny_bert
-
-    return str(build_tiny_bert(tmp_path_factory.mktemp("tiny") / "bert"))
-
-
 def test_the_module_builds_no_key_encoder_and_saves_none(tiny_dir):
-    from helpers import SyntheticData
+    from helpers import SyntheticData, make_module
 
-    from moco_retrieval.config import ModelConfig, OptimConfig
-    from moco_retrieval.training.module import RetrievalModule
-
-    m = RetrievalModule(ModelConfig(backbone="tiny", path=tiny_dir),
-                        TwoQueueConfig(queue_size=16, temperature=0.1, keys="online"),
-                        OptimConfig(lr=1e-3, warmup_steps=0, warmup_ratio=0.0, schedule="constant")).train()
+    m = make_module(tiny_dir, TwoQueueConfig(queue_size=16, temperature=0.1, keys="online")).train()
     assert m.key_encoder is None and not any(k.startswith("key_encoder.") for k in m.state_dict())
     batch = next(iter(SyntheticData(m.encoder.tokenize, batch_size=4).train_dataloader()))
     calls = []
