@@ -2,9 +2,9 @@
 and the fixtures many test files share; the functions they share are in helpers.py.
 
 The folders mirror the package (tests/objectives/ for moco_retrieval/objectives/, ...); the tests of
-the commands at the top and of the ground floor stay here. No folder is a package: pytest puts each
-test file's folder and this one on sys.path, so any test file imports ``from helpers import ...``
-(never from another test file), and a test file's name is unique across the folders."""
+the commands, of the ground floor and of the docs stay here. tests/ and each folder are packages:
+a test file imports ``from tests.helpers import ...``, never from another test file, and gloo ranks
+import a test module by its full name (tests.objectives.test_two_queue)."""
 import os
 import random
 
@@ -17,7 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from helpers import SHARED_DEBIAN, train_checkpoint  # noqa: E402
+from tests.helpers import SHARED_DEBIAN, train_checkpoint  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

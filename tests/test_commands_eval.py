@@ -16,7 +16,7 @@ from moco_retrieval.data.formats import EvalSet, read_beir, write_beir
 from moco_retrieval.evaluate import run_evaluate
 from moco_retrieval.evaluation.metrics import METRIC_NAMES, evaluate_run, read_trec_run
 from moco_retrieval.search import run_search
-from helpers import compose_cfg, tiny_overrides
+from tests.helpers import compose_cfg, tiny_overrides
 
 # --------------------------------------------------------------------------- evaluate
 

@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from moco_retrieval.config import COMMAND_SCHEMAS, EvalConfig, ExportConfig, ModelConfig, to_config
-from helpers import REPO, compose_cfg
+from tests.helpers import REPO, compose_cfg
 
 
 # --------------------------------------------------------------------------- to_config

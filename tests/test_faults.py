@@ -24,7 +24,7 @@ from moco_retrieval.data.formats import DataError, EvalSet, read_beir, read_pair
 from moco_retrieval.errors import (USER_ERROR_STATUS, CheckpointError, ConfigError, UserError,
                                    reports_user_errors)
 from moco_retrieval.training.run_lock import LOCK_NAME, RunDirLocked, RunLock
-from helpers import REPO, compose_cfg, last_and_previous
+from tests.helpers import REPO, compose_cfg, last_and_previous
 
 
 # ---- the run directory's lock -------------------------------------------------------------------

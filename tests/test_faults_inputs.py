@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from moco_retrieval.config import PRECISIONS, TrainerConfig
 from moco_retrieval.errors import USER_ERROR_STATUS, ConfigError, OutputExistsError
-from helpers import compose_cfg
+from tests.helpers import compose_cfg
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, compose_cfg
+from tests.helpers import REPO, compose_cfg
 
 WORDS = ("image audio video text editor library python tool command line package manager compress archive "
          "backup font color terminal shell mail web browser chess game network server file system").split()

@@ -10,7 +10,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import REPO, compose_cfg
+from tests.helpers import REPO, compose_cfg
 
 
 def test_smoke_experiment_end_to_end(tmp_path, debian_dir, capsys):

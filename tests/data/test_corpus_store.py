@@ -14,7 +14,7 @@ from moco_retrieval.data import corpus_store as cs
 from moco_retrieval.data.formats import DataError, EvalSet, read_corpus, write_beir
 from moco_retrieval.data.ids import stable_id
 from moco_retrieval.data.prompts import Prompts
-from helpers import compose_cfg, tiny_overrides
+from tests.helpers import compose_cfg, tiny_overrides
 
 WORDS = ("file system network server image audio video text editor library python tool command line "
          "package manager compress archive backup font color terminal shell mail web browser").split()

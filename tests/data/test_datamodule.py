@@ -11,7 +11,7 @@ from moco_retrieval.data.datamodule import RetrievalDataModule
 from moco_retrieval.data.formats import DataError, Negative, Pair
 from moco_retrieval.data.ids import doc_id_for_text, stable_id
 from moco_retrieval.data.sampler import RetrievalBatchSampler
-from helpers import epoch_indices, fake_tokenize, make_cfg, write_eval
+from tests.helpers import epoch_indices, fake_tokenize, make_cfg, write_eval
 
 
 # ---------------------------------------------------------------------------------- batch layout

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from moco_retrieval.data.datamodule import RetrievalDataModule
 from moco_retrieval.data.formats import DataError
-from helpers import compose_cfg, fake_tokenize, make_cfg, two_sources
+from tests.helpers import compose_cfg, fake_tokenize, make_cfg, two_sources
 
 
 def test_batches_of_one_source_with_its_prompts(tmp_path):

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from moco_retrieval.data import convert
 from moco_retrieval.training.preemption import Preempted
-from helpers import REPO, compose_cfg, write_eval, write_jsonl
+from tests.helpers import REPO, compose_cfg, write_eval, write_jsonl
 
 BATCH = 8
 N_WEB, N_DOCS = 40, 24  # 5 + 3 batches a pass; weights 3:1 -> 6 + 2 of the epoch's 8 batches

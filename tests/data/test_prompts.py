@@ -22,7 +22,7 @@ from moco_retrieval.evaluation.encode import encode_texts
 from moco_retrieval.export.__main__ import run_export
 from moco_retrieval.model.loading import load_checkpoint_encoder, load_encoder, load_model_dir
 from moco_retrieval.search import run_search
-from helpers import compose_cfg, fake_tokenize, make_cfg, tiny_overrides, train_checkpoint
+from tests.helpers import compose_cfg, fake_tokenize, make_cfg, tiny_overrides, train_checkpoint
 
 E5 = Prompts(query="query: ", doc="passage: ")
 TEXTS = ["resize images from the command line", "a shell for the terminal", "backup archive tool " * 12]

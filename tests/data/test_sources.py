@@ -16,7 +16,7 @@ from moco_retrieval.data.sources import (
     load_training_pairs,
     subset,
 )
-from helpers import epoch_indices, fake_tokenize, make_cfg, write_eval
+from tests.helpers import epoch_indices, fake_tokenize, make_cfg, write_eval
 
 
 def test_caps_and_order_are_pinned_for_a_fixed_seed(tmp_path):

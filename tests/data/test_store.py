@@ -14,7 +14,7 @@ from moco_retrieval.data.datamodule import RetrievalDataModule
 from moco_retrieval.data.formats import DataError, read_pairs_jsonl
 from moco_retrieval.data.sources import load, load_training_pairs, pair_spec, prepare_store, store_root
 from moco_retrieval.objectives.infonce import false_negative_pairs
-from helpers import PAIR_ROWS, compose_cfg, fake_tokenize, write_csv, write_eval, write_jsonl, write_parquet
+from tests.helpers import PAIR_ROWS, compose_cfg, fake_tokenize, write_csv, write_eval, write_jsonl, write_parquet
 
 
 def rich_rows(n):
@@ -182,7 +182,7 @@ def _convert_on_rank(cfg, rank, world):
 
 
 def test_one_process_converts_the_others_open_it(tmp_path):
-    from helpers import on_ranks
+    from tests.helpers import on_ranks
 
     cfg = cfg_for(tmp_path, rich_rows(3000))
     out = on_ranks(_convert_on_rank, (cfg,), 2, tmp_path)

@@ -8,7 +8,7 @@ from moco_retrieval.config import ColumnsConfig, DataConfig
 from moco_retrieval.data.formats import DataError, read_pairs_jsonl, write_jsonl
 from moco_retrieval.data.sources import load, load_documents
 from moco_retrieval.data.tabular import read_pairs_csv_located, read_pairs_parquet_located
-from helpers import PAIR_ROWS, compose_cfg, write_csv, write_eval, write_parquet
+from tests.helpers import PAIR_ROWS, compose_cfg, write_csv, write_eval, write_parquet
 
 
 def jsonl_pairs(tmp_path, rows):

@@ -82,7 +82,7 @@ def _rank(tiny_dir, folder, rank, world):
 
 
 def test_two_gloo_ranks_encode_half_each_and_gather_what_one_process_encodes(tiny_dir, tmp_path, one_thread):
-    from helpers import on_ranks
+    from tests.helpers import on_ranks
 
     ranks = on_ranks(_rank, (tiny_dir, str(tmp_path)), W, tmp_path, weights_only=False)
     enc = _encoder(tiny_dir)

@@ -16,7 +16,7 @@ from moco_retrieval.export.__main__ import run_export
 from moco_retrieval.export.writer import export_encoder
 from moco_retrieval.model.encoder import build_encoder
 from moco_retrieval.model.loading import load_checkpoint_encoder, load_model_dir
-from helpers import compose_cfg, tiny_overrides
+from tests.helpers import compose_cfg, tiny_overrides
 
 
 def test_export_reloads_with_identical_embeddings(tiny_dir, moco_checkpoint, tmp_path):

@@ -25,7 +25,7 @@ from moco_retrieval.mining import (
     stats_path_for,
     write_mined,
 )
-from helpers import compose_cfg
+from tests.helpers import compose_cfg
 
 # ---------------------------------------------------------------- planted score table (one query)
 # corpus position -> (score, group); the positive is doc 0 (group 7), doc 3 shares its group.

@@ -21,7 +21,7 @@ from moco_retrieval.model.decoder import last_token
 from moco_retrieval.model.encoder import build_encoder
 from moco_retrieval.model.lora import ADAPTER_MARK
 from moco_retrieval.model.tiny import EOS, build_tiny_decoder
-from helpers import compose_cfg, fit_to_last_ckpt, make_module
+from tests.helpers import compose_cfg, fit_to_last_ckpt, make_module
 
 TEXTS = ["resize images from the command line", "a shell", "backup archive tool for the terminal " * 6]
 PROMPTS = PromptsConfig(query="Instruct: find the package\nQuery: ", doc="")

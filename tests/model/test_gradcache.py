@@ -13,7 +13,7 @@ from moco_retrieval.config import ModelConfig
 from moco_retrieval.objectives.inbatch import InBatchConfig
 from moco_retrieval.objectives.moco import MoCoConfig
 from moco_retrieval.model.gradcache import GradCache, split_side
-from helpers import WORDS, fit, make_module
+from tests.helpers import WORDS, fit, make_module
 
 B, N_NEG, CHUNK = 8, 2, 3  # 3 does not divide 8 or 16: a short last chunk
 

@@ -24,7 +24,7 @@ from moco_retrieval.model.encoder import build_encoder
 from moco_retrieval.model.lora import ADAPTER_MARK, adapter_bytes, base_weight_keys
 from moco_retrieval.model.momentum import MomentumEncoder
 from moco_retrieval.model.tiny import build_tiny_bert
-from helpers import compose_cfg, fit_to_last_ckpt, make_module
+from tests.helpers import compose_cfg, fit_to_last_ckpt, make_module
 
 TEXTS = ["a python library for parsing json files", "graphical text editor", "the linux kernel firmware"]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import on_ranks
+from tests.helpers import on_ranks
 
 W, B, N, D, DIN = 2, 3, 2, 8, 6  # ranks, rows per rank, hard negatives per row, dim, input dim
 TAU = 0.1
@@ -59,7 +59,7 @@ def rows(t, rank, per):
 def run(data, rank, symmetric, world, ddp=False):
     """Loss, gradients w.r.t. q, k, h (as leaves) and the tower's parameter gradient on this process's
     rows (all rows when world == 1)."""
-    from helpers import Given
+    from tests.helpers import Given
 
     from moco_retrieval.objectives.inbatch import InBatchConfig, InBatchObjective
 
@@ -143,7 +143,7 @@ GC_B, GC_CHUNK = 4, 3  # rows per rank; chunk (does not divide 4: a short last c
 def _gc_texts():
     import random
 
-    from helpers import WORDS
+    from tests.helpers import WORDS
 
     rng = random.Random(0)
     docs = [" ".join(rng.choices(WORDS, k=rng.randint(3, 10))) for _ in range(W * GC_B)]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from moco_retrieval.config import ModelConfig
 from moco_retrieval.objectives.feature_memory import FeatureMemoryConfig
 from moco_retrieval.training.module import RetrievalModule
-from helpers import SyntheticData, fit, make_module
+from tests.helpers import SyntheticData, fit, make_module
 
 TAU = 0.1
 

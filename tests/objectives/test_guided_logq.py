@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import Given, excluded, labels, momentum_step, unit
+from tests.helpers import Given, excluded, labels, momentum_step, unit
 
 from moco_retrieval.config import ConfigError
 from moco_retrieval.objectives.guided import GuidedMask
@@ -291,7 +291,7 @@ def run(steps, rank, world):
 
 
 def test_two_gloo_ranks_equal_one_process_with_guide_and_logq(tmp_path):
-    from helpers import on_ranks
+    from tests.helpers import on_ranks
 
     steps = make_steps()
     ranks = on_ranks(run, (steps,), W, tmp_path)
@@ -310,7 +310,7 @@ def test_two_gloo_ranks_equal_one_process_with_guide_and_logq(tmp_path):
 
 
 def test_module_builds_a_frozen_guide_outside_the_checkpoint(tiny_dir):
-    from helpers import SyntheticData, make_module
+    from tests.helpers import SyntheticData, make_module
 
     m = make_module(tiny_dir, MoCoConfig(queue_size=16, temperature=0.1, momentum=0.9, guide="base",
                                          guide_threshold=0.99, logq_correction=True))

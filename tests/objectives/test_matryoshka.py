@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import compose_cfg, encoder_stub, momentum_step, ref_direction, unit
+from tests.helpers import compose_cfg, encoder_stub, momentum_step, ref_direction, unit
 
 from moco_retrieval.config import ConfigError
 from moco_retrieval.objectives.inbatch import InBatchConfig

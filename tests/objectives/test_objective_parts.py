@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import REPO, encoder_stub, momentum_step, unit
+from tests.helpers import REPO, encoder_stub, momentum_step, unit
 
 from moco_retrieval.config import ConfigError
 from moco_retrieval.objectives.base import Objective, ObjectiveConfig

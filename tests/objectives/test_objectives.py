@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import Given, excluded, labels, unit
+from tests.helpers import Given, excluded, labels, unit
 
 from moco_retrieval.config import ConfigError
 from moco_retrieval.objectives.inbatch import InBatchConfig, InBatchObjective

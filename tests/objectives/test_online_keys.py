@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import Given, labels, momentum_steps, ref_direction, train_steps, unit
+from tests.helpers import Given, labels, momentum_steps, ref_direction, train_steps, unit
 
 from moco_retrieval.config import ConfigError
 from moco_retrieval.objectives.moco import MoCoConfig, MoCoObjective
@@ -90,7 +90,7 @@ def run(steps, rank, world):
 
 
 def test_two_gloo_ranks_hold_identical_queues_equal_to_one_process(tmp_path):
-    from helpers import on_ranks
+    from tests.helpers import on_ranks
 
     steps = momentum_steps(STEPS, W * 3, D, torch.tensor([7, -1, 7, -1, -1, 8]))
     ranks = on_ranks(run, (steps,), W, tmp_path)
@@ -105,7 +105,7 @@ def test_two_gloo_ranks_hold_identical_queues_equal_to_one_process(tmp_path):
 # ------------------------------------------------------------------ the module
 
 def test_the_module_builds_no_key_encoder_and_saves_none(tiny_dir):
-    from helpers import SyntheticData, make_module
+    from tests.helpers import SyntheticData, make_module
 
     m = make_module(tiny_dir, TwoQueueConfig(queue_size=16, temperature=0.1, keys="online")).train()
     assert m.key_encoder is None and not any(k.startswith("key_encoder.") for k in m.state_dict())

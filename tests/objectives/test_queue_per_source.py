@@ -18,7 +18,7 @@ from moco_retrieval.errors import ConfigError
 from moco_retrieval.objectives.memory import KeyMemory, PerSourceMemory
 from moco_retrieval.objectives.moco import MoCoObjective
 from moco_retrieval.objectives.two_queue import TwoQueueObjective
-from helpers import compose_cfg, momentum_step, momentum_steps, ref_direction, train_losses, train_steps, unit
+from tests.helpers import compose_cfg, momentum_step, momentum_steps, ref_direction, train_losses, train_steps, unit
 
 TAU, D, B, SIZE = 0.07, 8, 4, 12
 
@@ -231,7 +231,7 @@ def run_disagreeing(rank, world):
 
 
 def test_two_gloo_ranks_hold_identical_per_source_queues_equal_to_one_process(tmp_path):
-    from helpers import on_ranks
+    from tests.helpers import on_ranks
 
     steps = momentum_steps(len(STEPS_SOURCES), W * B, D, torch.tensor([7, -1, 7, -1, -1, 8, -1, -1]),
                            source=lambda s: STEPS_SOURCES[s])
@@ -261,7 +261,7 @@ def test_resumed_run_with_per_source_queues_equals_the_uninterrupted_one(tmp_pat
     import os
     import signal
 
-    from helpers import two_sources
+    from tests.helpers import two_sources
 
     from moco_retrieval.training.module import RetrievalModule
     from moco_retrieval.training.preemption import Preempted

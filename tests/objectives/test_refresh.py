@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import Given, compose_cfg, labels, momentum_steps
+from tests.helpers import Given, compose_cfg, labels, momentum_steps
 
 from moco_retrieval.objectives.memory import NegativeQueue
 from moco_retrieval.objectives.refresh import QueueRefresh, side_of, token_rows
@@ -92,7 +92,7 @@ def test_write_replaces_only_the_drawn_keys_and_keeps_ids_groups_steps():
 
 
 def test_module_refreshes_with_the_key_encoder_before_the_logits(tiny_dir):
-    from helpers import SyntheticData, make_module
+    from tests.helpers import SyntheticData, make_module
 
     m = make_module(tiny_dir, TwoQueueConfig(queue_size=16, temperature=0.1, momentum=0.5, queue_refresh=3))
     m.train()
@@ -161,7 +161,7 @@ def run(steps, rank, world):
 
 
 def test_two_gloo_ranks_refresh_identically_to_one_process(tmp_path):
-    from helpers import on_ranks
+    from tests.helpers import on_ranks
 
     steps = momentum_steps(STEPS, W * B, D, torch.tensor([7, -1, 7, -1, -1, 8]),
                            doc=lambda s: fake_side(W * B, seed=50 + s), query=lambda s: fake_side(W * B, seed=70 + s))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import excluded, momentum_step, momentum_steps, ref_direction, train_steps, unit
+from tests.helpers import excluded, momentum_step, momentum_steps, ref_direction, train_steps, unit
 
 from moco_retrieval.objectives.two_queue import TwoQueueConfig, TwoQueueObjective
 
@@ -198,7 +198,7 @@ def test_max_age_equals_a_queue_of_that_many_steps_keys():
 
 
 def test_module_serves_both_sides_from_both_encoders(tiny_dir):
-    from helpers import SyntheticData, make_module
+    from tests.helpers import SyntheticData, make_module
 
     m = make_module(tiny_dir, TwoQueueConfig(queue_size=16, temperature=0.1, momentum=0.9))
     m.train()
@@ -228,7 +228,7 @@ def run(steps, inbatch, rank, world):
 @pytest.mark.parametrize("inbatch", [0.0, 1.0])
 def test_two_gloo_ranks_hold_identical_queues_equal_to_one_process(tmp_path, inbatch):
     """With the in-batch term too: its documents are gathered with gradient, as in-batch negatives' are."""
-    from helpers import on_ranks
+    from tests.helpers import on_ranks
 
     steps = momentum_steps(STEPS, W * B, D, torch.tensor([7, -1, 7, -1, -1, 8]))
     ranks = on_ranks(run, (steps, inbatch), W, tmp_path)

@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import Callback
 
 from moco_retrieval.errors import reports_user_errors
 from moco_retrieval.training.preemption import Preempted, PreemptionCheckpoint
-from helpers import SMALL_RUN, SignalAt, fit, make_module, train_command
+from tests.helpers import SMALL_RUN, SignalAt, fit, make_module, train_command
 
 PROGRESS = re.compile(r"\bstep (\d+)/(\d+)\b")
 

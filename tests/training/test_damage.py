@@ -18,7 +18,7 @@ from moco_retrieval import files as checkpoint_file
 from moco_retrieval.files import atomic_torch_save, previous_of, read_checkpoint
 from moco_retrieval.training.checkpoints import resolve_ckpt_path
 from moco_retrieval.errors import USER_ERROR_STATUS, CheckpointError
-from helpers import SHARED_DEBIAN, SMALL_RESUMABLE, compose_cfg, fit, last_and_previous, make_module
+from tests.helpers import SHARED_DEBIAN, SMALL_RESUMABLE, compose_cfg, fit, last_and_previous, make_module
 
 
 # ---- flipped bytes -----------------------------------------------------------------------------

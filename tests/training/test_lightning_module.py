@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from moco_retrieval.objectives.inbatch import InBatchConfig
 from moco_retrieval.objectives.moco import MoCoConfig
 from moco_retrieval.training.module import RetrievalModule
-from helpers import SyntheticData, fit, make_module, quiet_trainer
+from tests.helpers import SyntheticData, fit, make_module, quiet_trainer
 
 
 class RecordLosses(Callback):

@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from moco_retrieval.training.preemption import Preempted, PreemptionCheckpoint
 from moco_retrieval.progress import log_line
 from moco_retrieval.training.report import ResumableBar
-from helpers import SignalAt, fit, make_module
+from tests.helpers import SignalAt, fit, make_module
 
 
 class BarProbe(Callback):

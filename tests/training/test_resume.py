@@ -25,7 +25,7 @@ from moco_retrieval.training import cluster as launcher
 from moco_retrieval.training import preemption as requeue
 from moco_retrieval.training import preemption as stop_signals
 from moco_retrieval.training.preemption import Preempted, PreemptionCheckpoint
-from helpers import SMALL_RUN, SignalAt, compose_cfg, fit, make_module, train_command, train_losses
+from tests.helpers import SMALL_RUN, SignalAt, compose_cfg, fit, make_module, train_command, train_losses
 
 STEPS = 8  # SMALL_RUN's
 PROGRESS = re.compile(r"\bstep (\d+)/(\d+)\b")  # moco_retrieval/progress.py's log lines

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from moco_retrieval.files import atomic_torch_save, read_checkpoint
 from moco_retrieval.errors import CheckpointError
-from helpers import SHARED_DEBIAN, SMALL_RESUMABLE, compose_cfg
+from tests.helpers import SHARED_DEBIAN, SMALL_RESUMABLE, compose_cfg
 
 
 def config(*overrides: str):

@@ -22,7 +22,7 @@ from moco_retrieval.data.builders.debian import (
 )
 from moco_retrieval.data.formats import DataError, read_beir, read_pairs_jsonl
 from moco_retrieval.data.ids import stable_id
-from helpers import SHARED_DEBIAN
+from tests.helpers import SHARED_DEBIAN
 
 
 # (package, Source field or None, Description-en, in Packages?)
