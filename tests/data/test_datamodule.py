@@ -224,8 +224,36 @@ def test_hard_negatives_layout(tmp_path):
     assert batch["neg_id"][9:12].tolist() == [doc_id_for_text(t) for t in texts[9:12]]
 
 
-# A row's padding drawn in a fresh interpreter whose global generators and string hash are set apart
-# from this process's, as another DDP rank's, a loader worker's or a resumed run's are.
+PADDING_TEXTS = ["a", "b", "c"]
+PADDING_CASES = [(seed, index) for seed in (0, 1, 12345) for index in (0, 7, 8, 999_983)]
+
+
+def padding_reference() -> list[list[str]]:
+    """A row of 3 negatives padded to 9, for each (seed, row index) of PADDING_CASES, written from
+    select_negatives' rule: its own negatives in order, then 6 drawn with replacement by numpy's
+    generator seeded by (seed, row index)."""
+    import numpy as np
+
+    return [PADDING_TEXTS + [PADDING_TEXTS[j] for j in np.random.default_rng([seed, index]).integers(0, 3, size=6)]
+            for seed, index in PADDING_CASES]
+
+
+def test_padding_negatives_is_the_seeded_draw_of_the_row():
+    """The padding is the reference's, whatever else has drawn random numbers before: the same
+    wherever the row is collated (a rank, a loader worker, a resumed run)."""
+    import numpy as np
+
+    pair = Pair("q", "d", 1, negatives=[Negative(i + 1, t) for i, t in enumerate(PADDING_TEXTS)])
+    want = padding_reference()
+    assert len({tuple(w) for w in want}) == len(PADDING_CASES)  # each (seed, row) draws its own padding
+    np.random.seed(99)  # the global generators play no part
+    torch.manual_seed(99)
+    assert [[n.text for n in select_negatives(pair, index, 9, seed)] for seed, index in PADDING_CASES] == want
+    assert [n.text for n in select_negatives(pair, 7, 2, seed=0)] == ["a", "b"]  # enough: the first n, no draw
+
+
+# The padding drawn in a fresh interpreter whose global generators and string hash are set apart
+# from the test process's, as another DDP rank's, a loader worker's or a resumed run's are.
 PADDING_IN_A_PROCESS = """
 import json, random, sys
 import numpy as np
@@ -237,38 +265,24 @@ salt = int(sys.argv[1])
 random.seed(salt)
 np.random.seed(salt)
 torch.manual_seed(salt)
-pair = Pair("q", "d", 1, negatives=[Negative(1, "a"), Negative(2, "b"), Negative(3, "c")])
-print(json.dumps([[n.text for n in select_negatives(pair, index, 9, seed)] for seed, index in json.loads(sys.argv[2])]))
+pair = Pair("q", "d", 1, negatives=[Negative(i + 1, t) for i, t in enumerate(json.loads(sys.argv[2]))])
+print(json.dumps([[n.text for n in select_negatives(pair, index, 9, seed)] for seed, index in json.loads(sys.argv[3])]))
 """
 
 
-def test_padding_negatives_is_the_seeded_draw_of_the_row_in_every_process():
-    """A row with fewer negatives than asked keeps its own, in order, then samples them with replacement
-    from numpy's generator seeded by (seed, row index) (the reference, written here from that rule):
-    the same padding wherever the row is collated, whatever else has drawn random numbers before."""
+@pytest.mark.slow  # an interpreter with torch starting (~3 s on a busy machine)
+def test_padding_negatives_is_the_same_in_another_interpreter():
+    """Another interpreter, its string hash and global generators set apart, pads as the reference does."""
     import json
     import os
     import subprocess
     import sys
 
-    import numpy as np
-
-    texts = ["a", "b", "c"]
-    pair = Pair("q", "d", 1, negatives=[Negative(i + 1, t) for i, t in enumerate(texts)])
-    cases = [(seed, index) for seed in (0, 1, 12345) for index in (0, 7, 8, 999_983)]
-    want = [texts + [texts[j] for j in np.random.default_rng([seed, index]).integers(0, 3, size=6)]
-            for seed, index in cases]
-    assert len({tuple(w) for w in want}) == len(cases)  # each (seed, row) draws its own padding
-    np.random.seed(99)  # the global generators play no part
-    torch.manual_seed(99)
-    here = [[n.text for n in select_negatives(pair, index, 9, seed)] for seed, index in cases]
-    assert here == want
-    assert [n.text for n in select_negatives(pair, 7, 2, seed=0)] == ["a", "b"]  # enough: the first n, no draw
-    # another interpreter, its string hash and global generators set apart from this one's: the same padding
-    other = subprocess.run([sys.executable, "-c", PADDING_IN_A_PROCESS, "1", json.dumps(cases)], capture_output=True,
-                           text=True, timeout=120, env={**os.environ, "PYTHONHASHSEED": "1", "OMP_NUM_THREADS": "1"})
+    other = subprocess.run([sys.executable, "-c", PADDING_IN_A_PROCESS, "1", json.dumps(PADDING_TEXTS),
+                            json.dumps(PADDING_CASES)], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONHASHSEED": "1", "OMP_NUM_THREADS": "1"})
     assert other.returncode == 0, other.stderr[-2000:]
-    assert json.loads(other.stdout) == want
+    assert json.loads(other.stdout) == padding_reference()
 
 
 def test_row_without_negatives_is_named(tmp_path):
