@@ -14,26 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from moco_retrieval import files as checkpoint_file
 from moco_retrieval.training.checkpoints import AtomicCheckpointIO
 from moco_retrieval.files import atomic_torch_save, previous_of, read_checkpoint
 from moco_retrieval.training.checkpoints import resolve_ckpt_path
-from moco_retrieval.command import register_configs
 from moco_retrieval.data.formats import DataError, EvalSet, read_beir, read_pairs_jsonl, write_beir, write_jsonl
 from moco_retrieval.errors import (USER_ERROR_STATUS, CheckpointError, ConfigError, UserError,
                                    reports_user_errors)
 from moco_retrieval.training.run_lock import LOCK_NAME, RunDirLocked, RunLock
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def compose_cfg(command: str, overrides: list[str]):
-    register_configs()
-    with initialize_config_module("moco_retrieval.conf", version_base="1.3"):
-        return compose(command, overrides=overrides)
+from tests.helpers import REPO, compose_cfg, last_and_previous
 
 
 # ---- the run directory's lock -------------------------------------------------------------------
@@ -143,15 +134,8 @@ def test_unreadable_ckpt_path_is_one_error_naming_the_file(tmp_path, kind, says)
     assert "weights_only" not in str(err.value) and err.value.__cause__ is None
 
 
-def _last_and_previous(run_dir: Path) -> Path:
-    last = run_dir / "checkpoints" / "last.ckpt"
-    atomic_torch_save({"global_step": 2}, last, keep_previous=True)
-    atomic_torch_save({"global_step": 4}, last, keep_previous=True)
-    return last
-
-
 def test_last_keeps_its_predecessor(tmp_path):
-    last = _last_and_previous(tmp_path)
+    last = last_and_previous(tmp_path)
     assert read_checkpoint(last)["global_step"] == 4 and read_checkpoint(previous_of(last))["global_step"] == 2
     assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt", "last.prev.ckpt"]
     AtomicCheckpointIO().save_checkpoint({"global_step": 1}, tmp_path / "best-1.ckpt")
@@ -161,7 +145,7 @@ def test_last_keeps_its_predecessor(tmp_path):
 
 
 def test_ckpt_path_last_falls_back_to_the_previous_checkpoint(tmp_path, capsys):
-    last = _last_and_previous(tmp_path)
+    last = last_and_previous(tmp_path)
     last.write_bytes(last.read_bytes()[:100])  # truncated
     assert resolve_ckpt_path("last", tmp_path) == str(previous_of(last))
     err = capsys.readouterr().err
@@ -238,7 +222,7 @@ def test_ckpt_path_last_after_a_run_lost_before_its_first_checkpoint_says_so(tmp
 def test_temporaries_of_killed_writes_are_removed_at_the_next_start(tmp_path, capsys):
     from moco_retrieval.train import prepare_run_dir
 
-    last = _last_and_previous(tmp_path)
+    last = last_and_previous(tmp_path)
     for i in range(3):
         (last.parent / f".last.ckpt.{i}abc.tmp").write_bytes(b"x" * 1000)
     cfg = OmegaConf.to_object(compose_cfg("train", ["+experiment=smoke", "ckpt_path=last"]))
@@ -248,7 +232,7 @@ def test_temporaries_of_killed_writes_are_removed_at_the_next_start(tmp_path, ca
 
 
 def test_disk_full_while_writing_is_one_message_and_the_previous_checkpoint_stays(tmp_path, monkeypatch):
-    last = _last_and_previous(tmp_path)
+    last = last_and_previous(tmp_path)
     before = last.read_bytes()
     real_open = os.open
     # every write of this save goes to /dev/full, which fails as a full disk does (ENOSPC)

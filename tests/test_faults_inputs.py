@@ -13,20 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from moco_retrieval.command import register_configs
 from moco_retrieval.config import PRECISIONS, TrainerConfig
 from moco_retrieval.errors import USER_ERROR_STATUS, ConfigError, OutputExistsError
+from tests.helpers import compose_cfg
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def compose_cfg(command: str, overrides: list[str]):
-    register_configs()
-    with initialize_config_module("moco_retrieval.conf", version_base="1.3"):
-        return compose(command, overrides=overrides)
 
 
 def cli(command: str, args: list[str], cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -325,23 +318,21 @@ def test_export_onto_an_existing_folder_is_one_message(tmp_path):
     assert [p.name for p in out_dir.iterdir()] == ["notes.txt"] and not (tmp_path / "tiny").exists()  # no model loaded
 
 
-def test_export_overwrite_replaces_only_what_an_export_wrote(tmp_path):
+def test_export_overwrite_replaces_only_what_an_export_wrote(tiny_dir, tmp_path):
     from moco_retrieval.config import ModelConfig
     from moco_retrieval.export.writer import export_encoder
     from moco_retrieval.model.encoder import build_encoder
     from moco_retrieval.model.loading import META_FILE
-    from moco_retrieval.model.tiny import build_tiny_bert
 
-    tiny = str(build_tiny_bert(tmp_path / "tiny"))
     out = tmp_path / "model"
-    export_encoder(build_encoder(ModelConfig(backbone="tiny", path=tiny)), out)  # Pooling, Normalize
+    export_encoder(build_encoder(ModelConfig(backbone="tiny", path=tiny_dir)), out)  # Pooling, Normalize
     first = set(json.loads((out / META_FILE).read_text())["files"])
     assert first == {p.name for p in out.iterdir()} and "2_Normalize" in first
     (out / "notes.txt").write_text("the user's")
     (out / "eval").mkdir()
     with pytest.raises(OutputExistsError, match="exists and is not empty"):
-        export_encoder(build_encoder(ModelConfig(backbone="tiny", path=tiny)), out)
-    mlp = build_encoder(ModelConfig(backbone="tiny", path=tiny, head="mlp", head_dim=8, normalize=False))
+        export_encoder(build_encoder(ModelConfig(backbone="tiny", path=tiny_dir)), out)
+    mlp = build_encoder(ModelConfig(backbone="tiny", path=tiny_dir, head="mlp", head_dim=8, normalize=False))
     export_encoder(mlp, out, overwrite=True)  # Pooling, Dense, Dense: no Normalize any more
     second = set(json.loads((out / META_FILE).read_text())["files"])
     assert {p.name for p in out.iterdir()} == second | {"notes.txt", "eval"}

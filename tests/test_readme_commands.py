@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO, compose_cfg
+
 WORDS = ("image audio video text editor library python tool command line package manager compress archive "
          "backup font color terminal shell mail web browser chess game network server file system").split()
 
@@ -44,17 +45,14 @@ def documented_commands() -> list[tuple[str, str]]:
 def test_every_documented_command_composes_as_a_strict_config():
     """Each train / evaluate / export / search / mine line of the docs names keys and values the
     schema accepts (a renamed key or a preset that no longer exists fails here, in seconds)."""
-    from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
     from moco_retrieval.config import COMMAND_SCHEMAS, check_known_keys
-    from moco_retrieval.command import register_configs
 
     commands = documented_commands()
     names = {c.split()[2].removeprefix("moco_retrieval.") for _, c in commands}
     assert {"train", "evaluate", "export", "search", "mine"} <= names
-    register_configs()
     checked = 0
     for where, command in commands:
         name, *overrides = shlex.split(command)[2:]
@@ -62,13 +60,12 @@ def test_every_documented_command_composes_as_a_strict_config():
         if name not in COMMAND_SCHEMAS or any(o.startswith("--") for o in overrides):
             continue
         GlobalHydra.instance().clear()
-        with initialize_config_module("moco_retrieval.conf", version_base="1.3"):
-            try:
-                cfg = compose(name, overrides=overrides)
-                check_known_keys(cfg)
-                OmegaConf.to_object(cfg)
-            except Exception as e:  # (the message names the file and the line)
-                raise AssertionError(f"{where}: {command}\n{type(e).__name__}: {e}") from e
+        try:
+            cfg = compose_cfg(name, overrides)
+            check_known_keys(cfg)
+            OmegaConf.to_object(cfg)
+        except Exception as e:  # (the message names the file and the line)
+            raise AssertionError(f"{where}: {command}\n{type(e).__name__}: {e}") from e
         checked += 1
     GlobalHydra.instance().clear()
     assert checked >= 20

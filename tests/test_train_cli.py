@@ -3,23 +3,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from moco_retrieval.command import register_configs
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def compose_train(overrides):
-    register_configs()
-    with initialize_config_module("moco_retrieval.conf", version_base="1.3"):
-        return compose("train", overrides=overrides)
+from tests.helpers import REPO, compose_cfg
 
 
 def test_smoke_experiment_end_to_end(tmp_path, debian_dir, capsys):
@@ -29,7 +20,7 @@ def test_smoke_experiment_end_to_end(tmp_path, debian_dir, capsys):
     from moco_retrieval.train import train
 
     # W&B offline (conftest sets WANDB_MODE=offline): it must neither hang nor need a network
-    cfg = OmegaConf.to_object(compose_train(["+experiment=smoke", "data.max_train_examples=160", "logger=wandb"]))
+    cfg = OmegaConf.to_object(compose_cfg("train", ["+experiment=smoke", "data.max_train_examples=160", "logger=wandb"]))
     metrics = train(cfg, tmp_path)
     assert (tmp_path / "checkpoints" / "last.ckpt").exists()
     assert list((tmp_path / "checkpoints").glob("best-*.ckpt"))
@@ -68,29 +59,29 @@ def test_smoke_experiment_end_to_end(tmp_path, debian_dir, capsys):
 
 
 def test_experiment_presets_compose():
-    q = compose_train(["+experiment=queue65k"])
+    q = compose_cfg("train", ["+experiment=queue65k"])
     assert (q.objective.name, q.objective.queue_size, q.data.batch_size, q.objective.momentum) == ("two_queue", 65536, 64, 0.995)
     assert q.objective.queue_max_age == 128  # B6: the queue's span inside m 0.995's 200-step time constant
     assert q.optim.lr == pytest.approx(2e-5) and q.objective.temperature == pytest.approx(0.05)
     # the main job with another objective: only the objective changes (B6's comparisons, the README's)
     for name in ("moco", "inbatch"):
-        other = compose_train(["+experiment=queue65k", f"objective={name}"])
+        other = compose_cfg("train", ["+experiment=queue65k", f"objective={name}"])
         assert other.objective.name == name and other.objective.temperature == pytest.approx(0.05)
         assert (other.data.batch_size, other.optim.lr, other.trainer.max_epochs) == (64, q.optim.lr, 1)
         if name == "moco":  # the main job before B6, exactly
             assert (other.objective.queue_size, other.objective.momentum) == (65536, 0.999)
-    b = compose_train(["+experiment=inbatch256"])
+    b = compose_cfg("train", ["+experiment=inbatch256"])
     assert (b.objective.name, b.data.batch_size) == ("inbatch", 256)
 
 
-@pytest.mark.parametrize("preset", sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "experiment").glob("*.yaml")))
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml")))
 def test_every_preset_builds_its_module(preset, tmp_path, monkeypatch):
     """A preset whose options contradict each other (e.g. a feature memory on a fine-tuned backbone) fails here,
     not an hour into a user's job."""
     from moco_retrieval.training.module import RetrievalModule
 
     monkeypatch.setenv("MOCO_RETRIEVAL_CACHE", str(tmp_path))
-    cfg = OmegaConf.to_object(compose_train([f"+experiment={preset}"]))
+    cfg = OmegaConf.to_object(compose_cfg("train", [f"+experiment={preset}"]))
     module = RetrievalModule.from_config(cfg)
     assert module.objective_cfg.name == cfg.objective.name
     if preset == "frozen_queue":  # the B1 winner: re-projected feature queue, keys with gradient
@@ -100,7 +91,7 @@ def test_every_preset_builds_its_module(preset, tmp_path, monkeypatch):
 @pytest.mark.parametrize("override", ["objective.queue_sise=10", "model.pooling_mode=cls", "data=xlsx"])
 def test_typo_in_override_is_an_error(override):
     with pytest.raises(Exception) as err:
-        compose_train([override])
+        compose_cfg("train", [override])
     assert override.split("=")[0].split(".")[-1] in str(err.value)
 
 
@@ -112,13 +103,13 @@ def test_typo_in_override_is_an_error(override):
 ])
 def test_option_the_objective_does_not_use_is_an_error(overrides):
     with pytest.raises(Exception) as err:
-        compose_train(overrides)
+        compose_cfg("train", overrides)
     assert overrides[-1].split("=")[0].split(".")[-1] in str(err.value)
 
 
 def test_wrong_type_is_an_error():
     with pytest.raises(Exception, match="queue_size"):
-        compose_train(["objective.queue_size=lots"])
+        compose_cfg("train", ["objective.queue_size=lots"])
 
 
 def _cli(args, cwd, env=None):
@@ -136,10 +127,17 @@ def test_cli_rejects_typo_and_missing_values(tmp_path):
 
 
 def test_configs_found_from_a_plain_install(tmp_path):
-    """`pip install .` (not editable) ships conf/ as package data; Hydra finds it from any cwd."""
+    """`pip install .` (not editable) ships conf/ as package data; Hydra finds it from any cwd. The
+    install builds from a copy of what the build reads, so its build/ folder is not left in the
+    repository (where stale copies of removed files would reach the next such install)."""
+    source = tmp_path / "source"
+    for name in ("moco_retrieval", "conf"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, source / name)
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(REPO)], check=True, capture_output=True, timeout=240)
+                    "--target", str(target), str(source)], check=True, capture_output=True, timeout=240)
     assert (target / "moco_retrieval" / "conf" / "experiment" / "queue65k.yaml").exists()
     work = tmp_path / "elsewhere"
     work.mkdir()
@@ -226,9 +224,9 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path, debian_dir, capsys):
              "data.max_eval_docs=32", "trainer.val_check_interval=2", "trainer.log_every_n_steps=1",
              "ckpt_path=last"]
     run = tmp_path / "run"
-    train(OmegaConf.to_object(compose_train(small + ["trainer.max_steps=2"])), run)
+    train(OmegaConf.to_object(compose_cfg("train", small + ["trainer.max_steps=2"])), run)
     run_id = (run / "wandb" / RUN_ID_FILE).read_text().strip()
-    train(OmegaConf.to_object(compose_train(small + ["trainer.max_steps=4"])), run)
+    train(OmegaConf.to_object(compose_cfg("train", small + ["trainer.max_steps=4"])), run)
     assert (run / "wandb" / RUN_ID_FILE).read_text().strip() == run_id
     attempts = sorted(p.name for p in (run / "wandb").glob("offline-run-*"))
     # offline-run-DATE_TIME-ID; W&B adds "-1" when both attempts start within the same second
