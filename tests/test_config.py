@@ -54,3 +54,26 @@ def test_every_command_has_a_yaml_on_its_schema_and_ships_it(command):
     schema = COMMAND_SCHEMAS[command]
     assert OmegaConf.get_type(cfg) is schema  # strict: composed on the structured schema
     assert set(cfg) == {f.name for f in dataclasses.fields(schema)}  # (not its ClassVars: RANGES, ...)
+
+
+def test_every_choice_list_pickles_by_name_for_spawned_ranks():
+    """DDP's spawned ranks unpickle the config: an Enum made by choices() must be found again
+    under the module and name it claims (KeySource once claimed moco_retrieval.config)."""
+    import enum
+    import importlib
+    import pickle
+    import pkgutil
+
+    import moco_retrieval
+
+    found = []
+    for info in pkgutil.walk_packages(moco_retrieval.__path__, "moco_retrieval."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        for value in vars(module).values():
+            if isinstance(value, type) and issubclass(value, enum.StrEnum) and value is not enum.StrEnum:
+                member = next(iter(value))
+                assert pickle.loads(pickle.dumps(member)) is member, f"{info.name}.{value.__name__}"
+                found.append(value.__name__)
+    assert {"Dtype", "KeySource", "Pooling"} <= set(found)
