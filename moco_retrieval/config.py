@@ -92,7 +92,8 @@ Head = choices("Head", "none linear mlp")
 HeadInit = choices("HeadInit", "random identity")  # identity: linear head only, head_dim == hidden
 BackboneKind = choices("BackboneKind", "transformer bag_of_wordpieces")  # the latter: input embeddings alone
 LrSchedule = choices("LrSchedule", "linear cosine constant")
-DataKind = choices("DataKind", "debian jsonl parquet csv hf beir")
+DataKind = choices("DataKind", "debian jsonl parquet csv hf beir documents")  # documents: texts alone (data/documents.py)
+ViewPairs = choices("ViewPairs", "crops title first_sentence")  # how a document becomes a pair (data/documents.py)
 SourceMode = choices("SourceMode", "weighted round_robin")  # weighted: by weight, else by size
 IndexKind = choices("IndexKind", "flat ivf ivfpq hnsw")
 Which = choices("Which", "query key")  # a checkpoint's trained (query) encoder, or a MoCo checkpoint's EMA one
@@ -275,6 +276,31 @@ class ColumnsConfig:
     group: str = "group"  # optional: documents of one group never negatives of each other
     negatives: str = "negatives"  # optional: hard negatives (a list of texts or {doc_id, text})
     positive_score: str = "positive_score"  # optional: a score of the positive (written by mine)
+    text: str = "text"  # data=documents (data/documents.py): the document's text
+    title: str = "title"  # optional: its title (data.views.pairs=title)
+    id: str = "id"  # optional: its id (default: a hash of its text); the two views of a document share it
+
+    PAIR_FIELDS: ClassVar[tuple[str, ...]] = ("query", "positive", "query_id", "doc_id", "group", "negatives", "positive_score")
+    DOCUMENT_FIELDS: ClassVar[tuple[str, ...]] = ("text", "title", "id")
+
+
+@dataclass
+class ViewsConfig(RangeChecked):
+    """``data=documents``: how each document becomes a (query, document) pair every time it is drawn
+    (data/documents.py), with Contriever's defaults (Izacard et al. 2021): two independent random
+    spans of 10-50% of the document's words, each word then deleted with probability 0.1."""
+
+    pairs: ViewPairs = ViewPairs.crops  # crops: two random spans; title: title -> body; first_sentence: -> the rest
+    crop_min: float = setting(0.1, Range(0, 1, lo_open=True))  # a span's shortest share of the document's words
+    crop_max: float = setting(0.5, Range(0, 1, lo_open=True))  # and its longest
+    deletion: float = setting(0.1, PROPER_FRACTION)  # each word of a view dropped with this probability
+
+    SECTION: ClassVar[str] = "data.views"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.crop_min > self.crop_max:
+            raise ConfigError(f"data.views.crop_min={self.crop_min} is above data.views.crop_max={self.crop_max}")
 
 
 @dataclass
@@ -286,6 +312,21 @@ class PromptsConfig:
     doc: str = ""  # put before every document text
 
 
+
+def check_kind_options(section: str, kind: Any, columns: Any, views: Any) -> None:
+    """Columns and views that ``kind`` does not read are an error: a document's columns and
+    ``views`` belong to ``documents``, a pair's columns to the pair kinds."""
+    documents = kind == DataKind.documents
+    unused = ColumnsConfig.PAIR_FIELDS if documents else ColumnsConfig.DOCUMENT_FIELDS
+    for name in unused:
+        if getattr(columns, name) != name:
+            raise ConfigError(f"{section}.columns.{name}={getattr(columns, name)!r} is not read with "
+                              f"{section}.kind={kind} (its columns: "
+                              f"{', '.join(ColumnsConfig.DOCUMENT_FIELDS if documents else ColumnsConfig.PAIR_FIELDS)})")
+    if not documents and views is not None and views != ViewsConfig():
+        raise ConfigError(f"{section}.views is read with {section}.kind=documents only, not {kind}")
+
+
 @dataclass
 class SourceConfig(RangeChecked):
     """One training source of ``data.sources`` (data/multisource.py): its own file, columns, prompts
@@ -294,27 +335,38 @@ class SourceConfig(RangeChecked):
     name: Optional[str] = None  # in messages and the checkpoint (default: its position, "0", "1", ...)
     kind: DataKind = DataKind.jsonl  # the input's format (as data.kind)
     train_path: Optional[str] = None  # jsonl / parquet / csv
-    path: Optional[str] = None  # hf: a `save_to_disk` folder or a folder of Parquet shards
+    path: Optional[str] = None  # hf: a `save_to_disk` folder or a folder of Parquet shards; documents: as data.path
     split: Optional[str] = None  # hf: the split (unset: data.split)
     dir: Optional[str] = None  # beir: its qrels/<train_split>.tsv
     train_split: str = "train"  # beir: the qrels split to train on
     columns: ColumnsConfig = field(default_factory=ColumnsConfig)
     prompts: Optional[PromptsConfig] = None  # this source's prefixes (unset: data.prompts)
+    views: Optional[ViewsConfig] = None  # kind=documents: how its documents become pairs (unset: data.views)
     weight: Optional[float] = setting(None, NON_NEGATIVE)  # share of the batches (give every source one, or none: by size)
     max_train_examples: Optional[int] = setting(None, AT_LEAST_ONE)  # cap on this source's pairs (a seeded subset)
 
     SECTION: ClassVar[str] = "data.sources[]"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_kind_options(f"data.sources[{self.name}]" if self.name else "data.sources[]", self.kind, self.columns,
+                           self.views)
 
 
 @dataclass
 class DataConfig(RangeChecked):
     kind: DataKind = DataKind.debian  # the input's format: the built-in Debian set, your files, or a BEIR folder
     train_path: Optional[str] = None  # jsonl / parquet / csv: training pairs
-    eval_dir: Optional[str] = None  # jsonl / parquet / csv / hf: BEIR-layout evaluation directory
+    # jsonl / parquet / csv / hf / documents: BEIR-layout evaluation directory (documents: optional,
+    # else documents held out of training validate, data/documents.py)
+    eval_dir: Optional[str] = None
     columns: ColumnsConfig = field(default_factory=ColumnsConfig)  # parquet / csv / hf column names
-    path: Optional[str] = None  # hf: a `save_to_disk` folder (Dataset or DatasetDict) or a folder of Parquet shards
+    # hf: a `save_to_disk` folder (Dataset or DatasetDict) or a folder of Parquet shards; documents: that,
+    # a JSONL / Parquet / CSV file or a folder of .txt / .md files
+    path: Optional[str] = None
     split: str = "train"  # hf: the split of a DatasetDict (or the subfolder of Parquet shards)
     prompts: PromptsConfig = field(default_factory=PromptsConfig)  # query / document prefixes
+    views: ViewsConfig = field(default_factory=ViewsConfig)  # documents: how a document becomes a pair
     # several training sources (data/multisource.py): they replace train_path; validation stays on
     # this config's pool (eval_dir, or the kind's)
     sources: list[SourceConfig] = field(default_factory=list)
@@ -340,6 +392,10 @@ class DataConfig(RangeChecked):
     n_negatives: Optional[int] = setting(None, AT_LEAST_ONE)
 
     SECTION: ClassVar[str] = "data"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_kind_options("data", self.kind, self.columns, self.views)
 
 
 @dataclass
@@ -630,8 +686,8 @@ def register_command_schemas() -> None:
 __all__ = [
     "ConfigError", "Range", "setting", "RangeChecked", "POSITIVE", "NON_NEGATIVE", "AT_LEAST_ONE", "FRACTION",
     "PROPER_FRACTION", "PRECISIONS", "Dtype", "Pooling", "Head", "HeadInit", "BackboneKind", "LrSchedule", "DataKind",
-    "SourceMode", "IndexKind", "Which", "Sampling", "Format", "LoraConfig", "ModelConfig", "OptimConfig",
-    "ColumnsConfig", "PromptsConfig", "SourceConfig", "DataConfig", "TrainerConfig", "LoggerConfig", "EvalConfig",
+    "SourceMode", "ViewPairs", "IndexKind", "Which", "Sampling", "Format", "LoraConfig", "ModelConfig", "OptimConfig",
+    "ColumnsConfig", "ViewsConfig", "check_kind_options", "PromptsConfig", "SourceConfig", "DataConfig", "TrainerConfig", "LoggerConfig", "EvalConfig",
     "TrainConfig", "MineConfig", "EvaluateConfig", "ExportConfig", "SearchConfig", "COMMAND_SCHEMAS", "MISSING",
     "register_command_schemas", "to_config", "check_known_keys", "unknown_key", "cache_root",
 ]

@@ -38,7 +38,8 @@ REGENERATE = "python docs/tools/config_reference.py"
 # train's sections: (key, schema); objective has one schema per objective and its own table
 TRAIN_SECTIONS: list[tuple[str, type]] = [
     ("model", C.ModelConfig), ("model.lora", C.LoraConfig), ("optim", C.OptimConfig), ("data", C.DataConfig),
-    ("data.columns", C.ColumnsConfig), ("data.prompts", C.PromptsConfig), ("data.sources[]", C.SourceConfig),
+    ("data.columns", C.ColumnsConfig), ("data.prompts", C.PromptsConfig), ("data.views", C.ViewsConfig),
+    ("data.sources[]", C.SourceConfig),
     ("trainer", C.TrainerConfig), ("logger", C.LoggerConfig), ("eval", C.EvalConfig),
 ]
 COMMANDS = ("evaluate", "export", "search", "mine")  # besides train: their own top-level keys

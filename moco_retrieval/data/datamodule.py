@@ -35,8 +35,9 @@ from moco_retrieval.distributed import rank_and_world
 
 from moco_retrieval.data.collate import Collator, EvalCollator, EvalItems, Tokenize, select_negatives
 from moco_retrieval.data.formats import DataError, EvalSet, Pair
+from moco_retrieval.data.documents import DocumentViews
 from moco_retrieval.data.multisource import (check_same_schedule, has_sources, load_source_rows, schedule_record, source_names,
-                          source_prompts, source_weights)
+                          source_prompts, source_views, source_weights)
 from moco_retrieval.data.prompts import to_prompts
 from moco_retrieval.data.sampler import MultiSourceBatchSampler, ResumableDataLoader, RetrievalBatchSampler
 from moco_retrieval.data.sources import check_paths, debian_folder, load_eval_pool, load_training_rows
@@ -195,7 +196,7 @@ class RetrievalDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         self.train_rows.open()  # mapped before the workers fork: they share the maps
         return ResumableDataLoader(
-            PairRowsDataset(self.train_rows),
+            self._dataset(),
             batch_sampler=self.batch_sampler,
             collate_fn=Collator(self.tokenize, self.n_negatives, self.cfg.seed, self.source_offsets, self.prompts,
                                 source_prompts(self.cfg) if self.source_offsets is not None else None),
@@ -203,6 +204,17 @@ class RetrievalDataModule(L.LightningDataModule):
             state_fn=self.state_dict,
             load_fn=self.load_state_dict,
         )
+
+    def _dataset(self) -> PairRowsDataset:
+        """The training rows as items; a source of documents makes each row's pair as it is drawn."""
+        if self.source_offsets is None:
+            views = [self.cfg.views if str(self.cfg.kind) == "documents" else None]
+            offsets = [0, len(self.train_rows)]
+        else:
+            views, offsets = source_views(self.cfg), self.source_offsets
+        if all(v is None for v in views):
+            return PairRowsDataset(self.train_rows)
+        return DocumentViews(self.train_rows, views, offsets, self.cfg.seed)
 
     @property
     def prompts(self):

@@ -81,7 +81,7 @@ def _dataset_tables(folder: Path, split: str) -> list[HFTable]:
     return [HFTable(where, list(ds.column_names), len(ds), batches)]
 
 
-def _parquet_tables(shards: list[Path]) -> list[HFTable]:
+def parquet_tables(shards: list[Path]) -> list[HFTable]:
     import pyarrow.parquet as pq
 
     out = []
@@ -109,7 +109,7 @@ def hf_tables(folder: Path, split: str) -> list[HFTable]:
     if not shards:
         raise DataError(f"data.path={folder}: no dataset_dict.json / dataset_info.json and no *.parquet "
                         f"(nor {split}/*.parquet) in it; expected {_WHAT}")
-    return _parquet_tables(shards)
+    return parquet_tables(shards)
 
 
 def hf_input_files(folder: Path, tables: list[HFTable]) -> list[Path]:
@@ -151,5 +151,5 @@ def read_hf_pairs_located(folder: Path, split: str, columns: Optional[Any] = Non
     return [(t.where, row, p) for t in hf_tables(folder, split) for row, p in iter_table_pairs(t, columns)]
 
 
-__all__ = ["ST_QUERY", "HFColumns", "HFTable", "st_negative_columns", "hf_columns", "hf_tables", "hf_input_files",
+__all__ = ["ST_QUERY", "HFColumns", "HFTable", "st_negative_columns", "hf_columns", "hf_tables", "parquet_tables", "hf_input_files",
            "iter_table_pairs", "read_hf_pairs_located"]

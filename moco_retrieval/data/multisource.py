@@ -24,7 +24,7 @@ from moco_retrieval.data.sources import check_train_paths, load_training_rows, p
 from moco_retrieval.data.store import ConcatStores, PairRows
 
 # what a source sets for itself; everything else (seed, caps of the pool, cache_dir, ...) is the data config's
-SOURCE_KEYS = ("kind", "train_path", "path", "split", "dir", "train_split", "columns", "max_train_examples")
+SOURCE_KEYS = ("kind", "train_path", "path", "split", "dir", "train_split", "columns", "views", "max_train_examples")
 
 
 def has_sources(cfg: Any) -> bool:
@@ -81,6 +81,11 @@ def prepare_sources(cfg: Any) -> list[Optional[Path]]:
     return _each_source(cfg, lambda c: None if c.kind == "beir" else prepare_store(c))
 
 
+def source_views(cfg: Any) -> list[Any]:
+    """Each source's ``views`` (documents.py) when it is a source of documents, else None."""
+    return [source_config(cfg, i).views if str(s.kind) == "documents" else None for i, s in enumerate(cfg.sources)]
+
+
 def source_weights(cfg: Any) -> Optional[list[float]]:
     """The sources' weights, or None (by size)."""
     weights = [s.weight for s in cfg.sources]
@@ -122,4 +127,4 @@ def check_same_schedule(trained: Optional[dict], now: Optional[dict]) -> None:
 
 __all__ = ["SOURCE_KEYS", "check_same_schedule", "check_sources", "has_sources", "load_source_rows", "prepare_sources",
            "schedule_record",
-           "source_config", "source_names", "source_prompts", "source_weights"]
+           "source_config", "source_names", "source_prompts", "source_views", "source_weights"]

@@ -19,6 +19,17 @@ from moco_retrieval.data.ids import NO_GROUP
 _ROWS_CHUNK = 1 << 16  # rows whose ids and groups the duplicate-free plan holds as Python ints at once
 
 
+class Draw(list):
+    """One batch's rows as the samplers yield them, with the epoch and the step of the epoch it is
+    drawn at: what a dataset needs to make the batch's items as a function of the draw
+    (documents.DocumentViews), resumed or not. (A list subclass pickles with its attributes, so
+    DataLoader workers receive them.)"""
+
+    def __init__(self, rows: Sequence[int], epoch: int, step: int):
+        super().__init__(rows)
+        self.epoch, self.step = int(epoch), int(step)
+
+
 class EpochPosition:
     """A batch sampler's resumable position: the epoch and the batches of it already trained.
     ``state_dict()`` is ``{"epoch", "batches_done"}``; ``set_epoch(e)`` with a new epoch restarts
@@ -186,8 +197,8 @@ class RetrievalBatchSampler(EpochPosition, Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         # a generator: epoch and position are read at the first next(), i.e. after set_epoch
         epoch, start = self.epoch, self.batches_done
-        for batch in self.epoch_batches(epoch)[start:]:
-            yield batch.tolist()
+        for step, batch in enumerate(self.epoch_batches(epoch)[start:], start):
+            yield Draw(batch.tolist(), epoch, step)
 
 
 _PASS_STRIDE = 1 << 32  # a source's pass p of epoch e is its sampler's "epoch" e + p * _PASS_STRIDE
@@ -358,8 +369,8 @@ class MultiSourceBatchSampler(EpochPosition, Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch, start = self.epoch, self.batches_done
-        for s, g in self.global_plan(epoch)[start:]:  # each batch's rows made when it is drawn
-            yield self._rank_rows(s, g).tolist()
+        for step, (s, g) in enumerate(self.global_plan(epoch)[start:], start):  # each batch's rows made when it is drawn
+            yield Draw(self._rank_rows(s, g).tolist(), epoch, step)
 
 
 class _EpochSetter:
@@ -385,6 +396,7 @@ class ResumableDataLoader(DataLoader):
 
 
 __all__ = [
+    "Draw",
     "MultiSourceBatchSampler",
     "RetrievalBatchSampler",
     "ResumableDataLoader",

@@ -160,6 +160,7 @@ _TRAIN_FILE = "a {} file of training pairs"
 _EVAL_DIR = "a BEIR-layout folder for validation"
 _BEIR_DIR = "a BEIR folder with corpus.jsonl, queries.jsonl, qrels/"
 _HF_DIR = "a datasets save_to_disk folder or a folder of Parquet shards"
+_DOCUMENTS = "documents: a JSONL, Parquet or CSV file, a datasets folder or a folder of .txt / .md files"
 
 
 def debian_folder(cfg: Any) -> Path:
@@ -173,7 +174,7 @@ def _eval_location(cfg: Any, kind: str, folder: Optional[Path] = None) -> tuple[
     """``(BEIR folder, split)`` of the evaluation pool."""
     if kind == "debian":
         return (folder or debian_folder(cfg)) / "eval", "test"
-    if kind in PAIR_KINDS:
+    if kind in PAIR_KINDS or kind == "documents":
         return _need(cfg, "eval_dir", kind, _EVAL_DIR, file=False), cfg.eval_split
     return _need(cfg, "dir", kind, _BEIR_DIR, file=False), cfg.eval_split
 
@@ -201,7 +202,15 @@ def _hf_pairs(cfg: Any, folder: Path) -> TrainingPairs:
 
 
 def _train_input(cfg: Any, kind: str) -> Path:
-    """``data.path`` (hf: a folder) or ``data.train_path`` (a file) of a pair kind."""
+    """``data.path`` (hf: a folder; documents: a file or a folder) or ``data.train_path`` (a file) of a pair kind."""
+    if kind == "documents":
+        value = _value(cfg, "path")
+        if not value:
+            raise DataError(f"data.path is required with data=documents ({_DOCUMENTS})")
+        p = Path(value).expanduser()
+        if not p.exists():
+            raise DataError(f"data.path={value}: no such file or directory ({_DOCUMENTS})")
+        return p
     if kind == "hf":
         return _need(cfg, "path", kind, _HF_DIR, file=False)
     return _need(cfg, "train_path", kind, _TRAIN_FILE.format(kind.upper() if kind != "parquet" else "Parquet"), file=True)
@@ -245,6 +254,9 @@ def load_training_pairs(cfg: Any) -> TrainingPairs:
     """The training pairs of a DataConfig, capped by ``max_train_examples``, without reading the
     evaluation pool (``kind=jsonl`` needs only ``train_path``)."""
     kind = _check_kind(cfg)
+    if kind == "documents":
+        raise DataError("data=documents has no queries: its pairs are made as they are drawn in training "
+                        "(data/documents.py); this command needs pairs")
     if kind == "debian":
         d = debian_folder(cfg)
         data = _located_pairs(d / "train.jsonl", d)
@@ -311,11 +323,17 @@ def _hf_spec(folder: Path, split: str, columns: Any) -> PairSpec:
 
 
 def pair_spec(cfg: Any, data_folder: Optional[Path] = None) -> PairSpec:
-    """What to convert for a data config's training pairs (every kind but ``beir``); ``data_folder``:
-    the built Debian folder, when known."""
+    """What to convert for a data config's training pairs (every kind but ``beir``; documents: one
+    row each, documents.py); ``data_folder``: the built Debian folder, when known."""
     kind = _check_kind(cfg)
     if kind == "debian":
         return _jsonl_spec((data_folder or debian_folder(cfg)) / "train.jsonl")
+    if kind == "documents":
+        from moco_retrieval.data.documents import document_source
+
+        path = _train_input(cfg, kind)
+        inputs, options, files, location, rows, count = document_source(path, _value(cfg, "columns"), cfg.split)
+        return PairSpec(str(path), inputs, {"kind": "documents", **options}, files, location, rows, count)
     if kind not in PAIR_KINDS:
         raise DataError(f"data={kind}: its training pairs are not read from a file")
     path = _train_input(cfg, kind)
@@ -354,8 +372,30 @@ def load_training_rows(cfg: Any) -> TrainingRows:
     folder = debian_folder(cfg) if kind == "debian" else None
     store = prepare_store(cfg, folder)
     source = PairStore(store)
-    keep = subset(len(source), cfg.max_train_examples, [cfg.seed, 1])
-    return TrainingRows(PairRows(source, None if keep is None else np.array(keep)), folder, store)
+    rows = np.arange(len(source))
+    if _holds_out(cfg):  # documents without eval_dir: validation's documents never train
+        from moco_retrieval.data.documents import held_out
+
+        rows = np.setdiff1d(rows, held_out(len(source), cfg.seed))
+    keep = subset(len(rows), cfg.max_train_examples, [cfg.seed, 1])
+    rows = rows if keep is None else rows[keep]
+    return TrainingRows(PairRows(source, None if len(rows) == len(source) else rows), folder, store)
+
+
+def _holds_out(cfg: Any) -> bool:
+    """Documents without ``data.eval_dir`` validate on documents held out of training (documents.py)."""
+    return _check_kind(cfg) == "documents" and not _value(cfg, "eval_dir")
+
+
+def _held_out_pool(cfg: Any) -> EvalPool:
+    from moco_retrieval.data.documents import held_out, held_out_pool
+
+    source = PairStore(prepare_store(cfg))
+    keep = held_out(len(source), cfg.seed)
+    full = held_out_pool(PairRows(source), keep, cfg.views, cfg.seed)
+    pool = _finish_pool(cfg, "documents", Path(cfg.path), "held out", full)
+    pool.description["held_out"] = "a fixed crop of each held-out document against those documents"
+    return pool
 
 
 def load_eval_pool(cfg: Any, data_folder: Optional[Path] = None) -> EvalPool:
@@ -363,6 +403,8 @@ def load_eval_pool(cfg: Any, data_folder: Optional[Path] = None) -> EvalPool:
     without reading training data (``kind=jsonl`` needs only ``eval_dir``; ``kind=beir`` reads only
     ``qrels/<eval_split>.tsv``). ``data_folder``: the built Debian folder, when known."""
     kind = _check_kind(cfg)
+    if _holds_out(cfg):
+        return _held_out_pool(cfg)
     folder, split = _eval_location(cfg, kind, data_folder)
     return _finish_pool(cfg, kind, folder, split, read_beir(folder, split))
 
@@ -374,6 +416,8 @@ def load_eval_pool_mapped(cfg: Any, data_folder: Optional[Path] = None) -> EvalP
     from moco_retrieval.data.corpus_store import store_reader
 
     kind = _check_kind(cfg)
+    if _holds_out(cfg):
+        return _held_out_pool(cfg)
     folder, split = _eval_location(cfg, kind, data_folder)
     return _finish_pool(cfg, kind, folder, split, read_beir(folder, split, store_reader(corpus_root(cfg))))
 
@@ -381,7 +425,7 @@ def load_eval_pool_mapped(cfg: Any, data_folder: Optional[Path] = None) -> EvalP
 def check_paths(cfg: Any) -> str:
     """The kind of a data config, after checking that the paths both sides need are given and exist."""
     kind = check_train_paths(cfg)
-    if kind in PAIR_KINDS:
+    if kind in PAIR_KINDS or (kind == "documents" and _value(cfg, "eval_dir")):
         _need(cfg, "eval_dir", kind, _EVAL_DIR, file=False)
     return kind
 
@@ -390,7 +434,7 @@ def check_train_paths(cfg: Any) -> str:
     """The kind of a data config, after checking that its training input is given and exists
     (``data.sources``: every source's, before the first one is converted)."""
     kind = _check_kind(cfg)
-    if kind in PAIR_KINDS:
+    if kind in PAIR_KINDS or kind == "documents":
         _train_input(cfg, kind)
     elif kind == "beir":
         _need(cfg, "dir", kind, _BEIR_DIR, file=False)
@@ -401,6 +445,8 @@ def load(cfg: Any) -> tuple[TrainingPairs, EvalPool]:
     """Both sides (what training needs): :func:`load_training_pairs` and :func:`load_eval_pool`,
     checking every required path before reading anything, and reading a BEIR folder's corpus once."""
     kind = check_paths(cfg)
+    if kind == "documents":
+        raise DataError("data=documents: its pairs are made as they are drawn (read them with load_training_rows)")
     if kind != "beir":
         train = load_training_pairs(cfg)
         folder, split = _eval_location(cfg, kind, train.folder)
@@ -446,6 +492,11 @@ def load_documents(cfg: Any) -> tuple[dict[str, str], str]:
         add_pairs(read_pairs_jsonl(d / "train.jsonl"))
         add_corpus(d / "eval" / "corpus.jsonl")
         return docs, f"Debian package descriptions ({d})"
+    if kind == "documents":
+        source = PairStore(prepare_store(cfg))
+        for i, pair in enumerate(source.take(range(len(source)))):
+            docs.setdefault(pair.query_id or str(pair.doc_id), pair.positive)
+        return docs, f"documents of data.path ({cfg.path})"
     if kind == "beir":
         if not _value(cfg, "dir"):
             raise DataError("data.dir is required with data=beir (or give corpus=PATH)")

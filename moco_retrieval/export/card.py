@@ -75,6 +75,11 @@ def _data_line(data: dict) -> str:
         what = f"JSONL pairs `{data.get('train_path')}`, validated on `{data.get('eval_dir')}`"
     elif kind == "beir":
         what = f"the BEIR folder `{data.get('dir')}` (qrels/{data.get('train_split')}.tsv, validated on qrels/{data.get('eval_split')}.tsv)"
+    elif kind == "documents":
+        views = data.get("views") or {}
+        what = (f"the documents of `{data.get('path')}` alone, each drawn as a pair of views "
+                f"({views.get('pairs', 'crops')}: spans of {views.get('crop_min')}-{views.get('crop_max')} of its words, "
+                f"word deletion {views.get('deletion')})")
     else:
         what = f"data kind {kind!r}"
     cap = data.get("max_train_examples")

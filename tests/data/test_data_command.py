@@ -60,7 +60,7 @@ def test_prepare_help_lists_the_data_kinds(capsys):
     assert stop.value.code == 0
     out = capsys.readouterr().out
     kinds = next(line for line in out.splitlines() if line.strip().startswith("data: "))
-    assert set(kinds.split(":", 1)[1].replace(",", " ").split()) == {"beir", "csv", "debian", "hf", "jsonl", "parquet"}
+    assert set(kinds.split(":", 1)[1].replace(",", " ").split()) == {"beir", "csv", "debian", "documents", "hf", "jsonl", "parquet"}
     assert "A key that does not exist is an error." in out
 
 

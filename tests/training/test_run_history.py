@@ -114,7 +114,7 @@ def test_help_says_what_the_command_does_without_the_schemas(tmp_path, name):
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout
     assert "_schema" not in text and "powered by Hydra" not in text
-    assert f"python -m moco_retrieval.{name}" in text and "data: beir, csv, debian, hf, jsonl, parquet" in text
+    assert f"python -m moco_retrieval.{name}" in text and "data: beir, csv, debian, documents, hf, jsonl, parquet" in text
     if name == "train":
         assert "objective: feature_memory, inbatch, moco, two_queue" in text
         assert "+experiment=NAME" in text and "smoke" in text and "ckpt_path=null" in text
