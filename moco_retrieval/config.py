@@ -502,6 +502,11 @@ class TrainConfig:
                 "re-encodes queued texts by the key encoder, which a frozen backbone never changes; use "
                 "objective=feature_memory (its queue is re-projected every step) or objective.queue_refresh=0"
             )
+        kinds = [self.data.kind] + [s.kind for s in self.data.sources]
+        if self.model.frozen_backbone and DataKind.documents in kinds[1 if self.data.sources else 0:]:
+            raise ConfigError("model.frozen_backbone=true with documents (data/documents.py): a frozen backbone "
+                              "caches one feature per text, and a document is drawn as new views every time; "
+                              "train the backbone (or LoRA adapters) on documents")
 
 
 @dataclass

@@ -112,6 +112,11 @@ def test_options_of_another_kind_are_config_errors():
         DataConfig(kind="jsonl", views=ViewsConfig(deletion=0.0))
     with pytest.raises(ConfigError, match=r"data\.views\.crop_min=0\.6 is above data\.views\.crop_max=0\.5"):
         ViewsConfig(crop_min=0.6)
+    from tests.helpers import compose_cfg
+
+    with pytest.raises(ConfigError, match=r"model\.frozen_backbone=true with documents"):
+        compose_cfg("train", ["data=documents", "data.path=x.jsonl", "model=frozen_head", "objective=feature_memory"],
+                    to_object=True)
 
 
 # ------------------------------------------------------------------------------------------ views
