@@ -27,8 +27,8 @@ from moco_retrieval.data.prompts import to_prompts
 from moco_retrieval.errors import CheckpointError
 
 TRAINED_WITH = "trained_with"  # the checkpoint key RecordTraining writes
-DATA_OPTIONS = ("kind", "train_path", "dir", "train_split", "debian_dir", "columns", "batch_size", "seed", "shuffle",
-                "unique_in_batch", "max_train_examples", "n_negatives")
+DATA_OPTIONS = ("kind", "train_path", "path", "split", "dir", "train_split", "debian_dir", "columns", "views", "batch_size",
+                "seed", "shuffle", "unique_in_batch", "max_train_examples", "n_negatives")
 TRAINER_OPTIONS = ("accumulate_grad_batches", "gradient_clip_val")
 MODEL_FREE = ("path", "feature_cache_dir", "grad_cache_chunk")  # where things are, or memory; not what is trained
 # objective options added since checkpoints were first written: the value a checkpoint without

@@ -274,3 +274,19 @@ def test_without_eval_dir_held_out_documents_validate_and_never_train(tmp_path):
     (tmp_path / "few").mkdir()
     with pytest.raises(DataError, match="give at least 10 documents, or data.eval_dir"):
         RetrievalDataModule(_cfg(tmp_path / "few", _docs(5))).setup("fit")
+
+
+def test_a_resume_that_changes_the_documents_or_their_views_is_refused(tmp_path):
+    from moco_retrieval.errors import CheckpointError
+    from moco_retrieval.training.resume_check import TRAINED_WITH, check_resumable, recorded_options
+    from tests.helpers import compose_cfg
+
+    docs = write_jsonl(tmp_path / "docs.jsonl", _docs(20))
+    cfg = lambda *o: compose_cfg("train", ["data=documents", f"data.path={docs}", *o], to_object=True)  # noqa: E731
+    ckpt = {"hyper_parameters": {}, TRAINED_WITH: recorded_options(cfg())}
+    check_resumable(ckpt, "last.ckpt", cfg())  # as trained: accepted
+    with pytest.raises(CheckpointError, match=r"trained with data\.views\.deletion=0\.1, but this run's config has "
+                                              r"data\.views\.deletion=0\.2"):
+        check_resumable(ckpt, "last.ckpt", cfg("data.views.deletion=0.2"))
+    with pytest.raises(CheckpointError, match=r"trained with data\.path="):
+        check_resumable(ckpt, "last.ckpt", cfg(f"data.path={tmp_path / 'other.jsonl'}"))

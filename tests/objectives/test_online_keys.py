@@ -126,3 +126,19 @@ def test_the_module_builds_no_key_encoder_and_saves_none(tiny_dir):
     passes = {kind: out for _, kind, out in calls}  # the queued keys are that pass's embeddings, detached
     torch.testing.assert_close(m.objective.docs.queue.keys(), passes["doc"].detach())
     torch.testing.assert_close(m.objective.queries.queue.keys(), passes["query"].detach())
+
+
+def test_a_resume_that_switches_the_keys_is_refused():
+    from moco_retrieval.errors import CheckpointError
+    from moco_retrieval.training.resume_check import check_resumable
+    from tests.helpers import compose_cfg
+
+    from omegaconf import OmegaConf
+
+    trained = compose_cfg("train", ["objective.keys=momentum"], to_object=True)
+    objective = OmegaConf.to_container(OmegaConf.structured(trained.objective), enum_to_str=True)
+    ckpt = {"hyper_parameters": {"objective": objective}}
+    check_resumable(ckpt, "last.ckpt", trained)
+    with pytest.raises(CheckpointError, match=r"trained with objective\.keys=momentum, but this run's config has "
+                                              r"objective\.keys=online"):
+        check_resumable(ckpt, "last.ckpt", compose_cfg("train", ["objective.keys=online"], to_object=True))

@@ -50,10 +50,21 @@ def reference_run(run_dir: Path, env: dict, extra: tuple = ()) -> None:
                 os.environ[k] = v
 
 
-@pytest.mark.parametrize("objective,refresh", [("moco", 0), ("two_queue", 0), ("two_queue", 2)])
-def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_env, objective, refresh):
+@pytest.mark.parametrize("objective,refresh,variant", [("moco", 0, ""), ("two_queue", 0, ""), ("two_queue", 2, ""),
+                                                       ("two_queue", 0, "online"), ("moco", 0, "documents")])
+def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_env, objective, refresh, variant):
+    """``variant``: online keys (objective.keys=online: no key encoder, the queues alone carry the
+    keys), or documents drawn as crops (data=documents: the views of the resumed batches too)."""
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "run"
     extra = (f"objective={objective}",)
+    if variant == "online":
+        extra += ("objective.keys=online",)
+    if variant == "documents":
+        words = "amber birch cedar dune ember fjord grove heath islet jade kelp loch moor nook oak pine".split()
+        docs = tmp_path / "docs.jsonl"
+        docs.write_text("".join(json.dumps({"text": " ".join(words[(i * 7 + j) % 16] for j in range(30 + i % 20)) + f" n{i}"})
+                                + "\n" for i in range(160)))
+        extra += ("data=documents", f"data.path={docs}")
     if objective == "two_queue":  # an age bound that bites on both sides of the stop: its window is restored too
         extra += ("objective.queue_max_age=2",)
     if refresh:  # queued texts re-encoded each step: the stored tokens and the draws resume too
@@ -113,7 +124,7 @@ def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_e
     assert a["global_step"] == b["global_step"] == STEPS
     assert a["state_dict"].keys() == b["state_dict"].keys()
     assert any("queue_keys" in k for k in a["state_dict"])
-    assert any(k.startswith("key_encoder.") for k in a["state_dict"])
+    assert any(k.startswith("key_encoder.") for k in a["state_dict"]) == (variant != "online")
     if objective == "two_queue":  # both queues are carried
         assert "objective.queries.queue.queue_keys" in a["state_dict"]
     if refresh:  # and the texts of both, and when each key was last encoded
