@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -222,8 +221,7 @@ def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str]
 
 def main(argv=None) -> int:
     ap = cli.parser(__doc__)
-    ap.add_argument("--dry-run", action="store_true",
-                    help="the tiny random model, 512 pairs, a 50 / 100 pool: checks the harness (results to --out or a temp folder)")
+    equal_data.add_dry_run(ap)
     ap.add_argument("--cost", action="store_true", help="time one step of each run and reference side by side, then report")
     ap.add_argument("--ema", action="store_true", help="take the main job's step apart at 32 and 8 (no training), then report")
     ap.add_argument("--rounds", type=int, default=5, help="--cost, --ema: timed rounds")
@@ -231,15 +229,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cli.apply(args)
     d = args.dry_run
-    args.model = "tiny" if d else "minilm"
-    equal_data.use_model("tiny" if d else None)
-    args.pairs = args.pairs or (512 if d else 18240)
-    args.eval_every = args.eval_every or (256 if d else 6080)
-    args.max_queries = args.max_queries if args.max_queries is not None else (50 if d else 1000)
-    args.max_docs = args.max_docs if args.max_docs is not None else (100 if d else 2400)
-    out_dir = cli.out_dir(args, Path(tempfile.mkdtemp(prefix="b14-dry-")) if d else RESULTS)
-    prefix = f"{NAME}_dry_run" if d else (NAME if args.pairs == 18240 else f"{NAME}_{args.pairs}pairs")
-    cache = out_dir / f"{prefix}_runs.jsonl"
+    out_dir, prefix, cache = equal_data.settle(args, NAME)
     names = cli.names(args.only, list(RUNS))  # before anything loads: a typo exits at once
     cost_path, ema_path = out_dir / f"{prefix}_cost.json", out_dir / f"{prefix}_ema.json"
     if (args.cost or args.ema) and d:
@@ -250,8 +240,7 @@ def main(argv=None) -> int:
         measure_ema(args.rounds, ema_path)
     cut = [] if args.cost or args.ema else run_selected(cache, args, list(RUNS), lambda name, seed: run_key(name, seed, args),
                                             lambda: runner(args, do_run))
-    suffix = f"|model={args.model}|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}"
-    records = cached_records(cache, suffix) + references(args)
+    records = cached_records(cache, equal_data.protocol_suffix(args)) + references(args)
     cost, ema = (json.loads(p.read_text()) if p.exists() else None for p in (cost_path, ema_path))
     report(records, args, out_dir, prefix, cut, cost, ema)
     return 0

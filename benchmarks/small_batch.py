@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -322,8 +321,7 @@ def plot(by: dict, cost: Optional[dict], memory: Optional[dict], path: Path) -> 
 
 def main(argv=None) -> int:
     ap = cli.parser(__doc__)
-    ap.add_argument("--dry-run", action="store_true",
-                    help="the tiny random model, 512 pairs, a 50 / 100 pool: checks the harness (results to --out or a temp folder)")
+    equal_data.add_dry_run(ap)
     ap.add_argument("--cost", action="store_true", help="time one step of each --only run side by side (no training), then report")
     ap.add_argument("--rounds", type=int, default=5, help="--cost: timed rounds")
     ap.add_argument("--memory", action="store_true",
@@ -332,15 +330,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cli.apply(args)
     d = args.dry_run
-    args.model = "tiny" if d else "minilm"
-    equal_data.use_model("tiny" if d else None)  # a dry run: every config of B6's protocol on the tiny random encoder
-    args.pairs = args.pairs or (512 if d else 18240)
-    args.eval_every = args.eval_every or (256 if d else 6080)
-    args.max_queries = args.max_queries if args.max_queries is not None else (50 if d else 1000)
-    args.max_docs = args.max_docs if args.max_docs is not None else (100 if d else 2400)
-    out_dir = cli.out_dir(args, Path(tempfile.mkdtemp(prefix="b11-dry-")) if d else RESULTS)
-    prefix = f"{NAME}_dry_run" if d else (NAME if args.pairs == 18240 else f"{NAME}_{args.pairs}pairs")
-    cache = out_dir / f"{prefix}_runs.jsonl"
+    out_dir, prefix, cache = equal_data.settle(args, NAME)
     names = cli.names(args.only, list(RUNS))  # before anything loads: a typo exits at once, even with --report
     if (args.cost or args.memory) and d:
         raise SystemExit("--cost and --memory measure MiniLM's real steps; they have no --dry-run (run them without)")
@@ -351,8 +341,7 @@ def main(argv=None) -> int:
         measure_memory(names, memory_path)
     cut = [] if args.cost or args.memory else run_selected(cache, args, list(RUNS), lambda name, seed: run_key(name, seed, args),
                                             lambda: runner(args, do_run))
-    suffix = f"|model={args.model}|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}"
-    records = cached_records(cache, suffix) + references(args)
+    records = cached_records(cache, equal_data.protocol_suffix(args)) + references(args)
     cost, memory = (json.loads(p.read_text()) if p.exists() else None for p in (cost_path, memory_path))
     report(records, args, out_dir, prefix, cut, cost, memory)
     return 0

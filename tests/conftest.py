@@ -1,5 +1,5 @@
-"""Test-wide settings (never reach the network, keep CPU threads modest, one data cache per session)
-and the fixtures many test files share; the functions they share are in helpers.py.
+"""The fixtures many test files share (the settings and fixtures this tree shares with
+benchmarks/tests/ are in the repository's conftest.py); the functions they share are in helpers.py.
 
 The folders mirror the package (tests/objectives/ for moco_retrieval/objectives/, ...); the tests of
 the commands, of the ground floor and of the docs stay here. tests/ and each folder are packages:
@@ -8,53 +8,9 @@ import a test module by its full name (tests.objectives.test_two_queue)."""
 import os
 import random
 
-os.environ.setdefault("WANDB_MODE", "offline")
-os.environ.setdefault("WANDB_SILENT", "true")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import pytest
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from tests.helpers import SHARED_DEBIAN, train_checkpoint  # noqa: E402
-
-torch.set_num_threads(min(2, torch.get_num_threads()))
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _session_cache(tmp_path_factory):
-    """Built data sets and tiny models go to one cache per test session (the Debian set is built
-    once, in seconds, from ../shared/data when it is there)."""
-    os.environ.setdefault("MOCO_RETRIEVAL_CACHE", str(tmp_path_factory.mktemp("moco_cache")))
-    if SHARED_DEBIAN.exists():
-        os.environ.setdefault("MOCO_RETRIEVAL_DEBIAN_DIR", str(SHARED_DEBIAN))
-    yield
-
-
-@pytest.fixture
-def debian_dir():
-    if not SHARED_DEBIAN.exists():
-        pytest.skip(f"the shared Debian snapshot is not at {SHARED_DEBIAN}")
-    return SHARED_DEBIAN
-
-
-@pytest.fixture
-def one_thread():
-    """Tiny models on a shared machine: one intra-op thread is many times faster than two busy ones."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> str:
-    """The tiny random BERT (model/tiny.py; the same files for the same arguments), built once: tests
-    read it, none writes into it."""
-    from moco_retrieval.model.tiny import build_tiny_bert
-
-    return str(build_tiny_bert(tmp_path_factory.mktemp("tiny") / "bert"))
+from tests.helpers import SHARED_DEBIAN, train_checkpoint
 
 
 @pytest.fixture(scope="session")

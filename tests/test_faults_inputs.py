@@ -69,7 +69,7 @@ def test_unknown_text_options_are_refused_with_the_allowed_values(override, key,
     ("objective.queue_dtype=int8", "objective.queue_dtype='int8': expected one of float32, bfloat16, float16"),
     ("optim.schedule=bogus", "optim.schedule='bogus': expected one of linear, cosine, constant"),
     ("model.pooling=max", "model.pooling='max': expected one of mean, cls, last"),
-    ("data.kind=xml", "data.kind='xml': expected one of debian, jsonl, parquet, csv, hf, beir"),
+    ("data.kind=xml", "data.kind='xml': expected one of debian, jsonl, parquet, csv, hf, beir, documents"),
     ("format=xml", "format='xml': expected one of text, json"),
 ])
 def test_an_option_not_among_its_choices_is_one_message_naming_them(override, says):

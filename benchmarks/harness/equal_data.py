@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -312,6 +314,31 @@ def add_run_args(ap: argparse.ArgumentParser, *, default: str, runs: list[str], 
     cli.add_report(ap)
     cli.add_deadline(ap)
     cli.add_common(ap)
+
+
+def add_dry_run(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--dry-run", action="store_true",
+                    help="the tiny random model, 512 pairs, a 50 / 100 pool: checks the harness (results to --out or a temp folder)")
+
+
+def settle(args, name: str) -> tuple[Path, str, Path]:
+    """The protocol's sizes on ``args`` (B6's, or ``--dry-run``'s on the tiny model), and where the
+    results go: ``(results folder, file prefix, run cache)``."""
+    d = args.dry_run
+    args.model = "tiny" if d else "minilm"
+    use_model("tiny" if d else None)  # a dry run: every config of B6's protocol on the tiny random encoder
+    args.pairs = args.pairs or (512 if d else 18240)
+    args.eval_every = args.eval_every or (256 if d else 6080)
+    args.max_queries = args.max_queries if args.max_queries is not None else (50 if d else 1000)
+    args.max_docs = args.max_docs if args.max_docs is not None else (100 if d else 2400)
+    out_dir = cli.out_dir(args, Path(tempfile.mkdtemp(prefix=f"{name}-dry-")) if d else cli.RESULTS)
+    prefix = f"{name}_dry_run" if d else (name if args.pairs == 18240 else f"{name}_{args.pairs}pairs")
+    return out_dir, prefix, out_dir / f"{prefix}_runs.jsonl"
+
+
+def protocol_suffix(args) -> str:
+    """The end of every run key of one protocol (model, pairs, pool): records of others are not mixed in."""
+    return f"|model={args.model}|pairs={args.pairs}|pool={args.max_queries}x{args.max_docs}"
 
 
 def runner(args, make):

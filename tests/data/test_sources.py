@@ -64,7 +64,7 @@ def test_each_side_reads_only_its_files(tmp_path):
         load_eval_pool(DataConfig(kind="jsonl", eval_dir=str(tmp_path / "nope")))
     with pytest.raises(DataError, match=re.escape("data.dir is required with data=beir")):
         load_eval_pool(DataConfig(kind="beir"))
-    with pytest.raises(ConfigError, match="data.kind='xml': expected one of debian, jsonl, parquet, csv, hf, beir"):
+    with pytest.raises(ConfigError, match="data.kind='xml': expected one of debian, jsonl, parquet, csv, hf, beir, documents"):
         DataConfig(kind="xml")
     # both sides: every required path is checked before any file is read
     with pytest.raises(DataError, match=re.escape("data.eval_dir is required with data=jsonl")):
