@@ -35,6 +35,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
+from moco_retrieval.data.convert import PairSpec
 from moco_retrieval.data.formats import DataError, EvalSet, Pair, iter_jsonl
 from moco_retrieval.data.ids import NO_GROUP, doc_id_for_text, stable_id
 from moco_retrieval.data.store import PairRowsDataset
@@ -116,9 +117,15 @@ def _need_columns(where: str, header: Sequence[str], names: dict[str, str]) -> N
         raise DataError(f"{where}: no column {c!r} (data.columns.{f}); its columns: {', '.join(header) or '(none)'}")
 
 
-def document_source(path: Path, columns: Any, split: str) -> tuple[list[Path], dict, list[str], str, Any, Any]:
-    """What convert.py needs of a documents input: ``(files keying the store, how they are read,
-    location names, location template, rows(), count())``; rows yield ``(file index, line, Pair)``."""
+def document_spec(path: Path, columns: Any, split: str) -> PairSpec:
+    """What convert.py converts of a documents input (one stored row per document)."""
+    inputs, options, files, location, rows, count = _document_source(path, columns, split)
+    return PairSpec(str(path), inputs, {"kind": "documents", **options}, files, location, rows, count)
+
+
+def _document_source(path: Path, columns: Any, split: str) -> tuple[list[Path], dict, list[str], str, Any, Any]:
+    """``(files keying the store, how they are read, location names, location template, rows(),
+    count())``; rows yield ``(file index, line, Pair)``."""
     names = _names(columns)
     if path.is_dir():
         files = text_files(path)
@@ -260,4 +267,4 @@ def held_out_pool(rows: Any, keep: np.ndarray, views: Any, seed: int) -> EvalSet
 
 
 __all__ = ["HELD_OUT_MAX", "HELD_OUT_SHARE", "TEXT_SUFFIXES", "DocumentViews", "as_pair", "crop", "delete",
-           "document_pair", "document_source", "held_out", "held_out_pool", "make_views", "text_files", "view_rng"]
+           "document_pair", "document_spec", "held_out", "held_out_pool", "make_views", "text_files", "view_rng"]

@@ -329,11 +329,9 @@ def pair_spec(cfg: Any, data_folder: Optional[Path] = None) -> PairSpec:
     if kind == "debian":
         return _jsonl_spec((data_folder or debian_folder(cfg)) / "train.jsonl")
     if kind == "documents":
-        from moco_retrieval.data.documents import document_source
+        from moco_retrieval.data.documents import document_spec
 
-        path = _train_input(cfg, kind)
-        inputs, options, files, location, rows, count = document_source(path, _value(cfg, "columns"), cfg.split)
-        return PairSpec(str(path), inputs, {"kind": "documents", **options}, files, location, rows, count)
+        return document_spec(_train_input(cfg, kind), _value(cfg, "columns"), cfg.split)
     if kind not in PAIR_KINDS:
         raise DataError(f"data={kind}: its training pairs are not read from a file")
     path = _train_input(cfg, kind)
