@@ -203,7 +203,8 @@ def do_adapt(name: str, seed: int, args) -> dict:
     docs, eval_dir = one_corpus(cli.bench_cache(NAME), which)
     cfg = compose_cfg(["model=minilm", "trainer=cpu", "logger=none", "data=documents", f"data.path={docs}",
                        f"data.eval_dir={eval_dir}", "data.batch_size=32", "data.max_eval_queries=1000",
-                       "data.max_eval_docs=2400", f"trainer.max_steps={args.adapt_steps}", "optim.lr=2e-5",
+                       "data.max_eval_docs=2400", f"trainer.max_steps={args.adapt_steps}", "trainer.max_epochs=1000",
+                       "optim.lr=2e-5",
                        f"seed={seed}", f"data.seed={seed}", *overrides])
     L.seed_everything(seed, workers=False, verbose=False)
     module = RetrievalModule.from_config(cfg)
@@ -221,7 +222,11 @@ def do_adapt(name: str, seed: int, args) -> dict:
 
     class Along(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.global_step % args.adapt_every == 0 or trainer.global_step == args.adapt_steps:
+            if trainer.global_step % args.adapt_every == 0:
+                score(trainer.global_step)
+
+        def on_train_end(self, trainer, pl_module):
+            if curve[-1]["step"] != trainer.global_step:
                 score(trainer.global_step)
 
     score(0)
@@ -229,11 +234,11 @@ def do_adapt(name: str, seed: int, args) -> dict:
     quiet_trainer(cfg, callbacks=[Along()]).fit(module, datamodule=dm)
     best = max(curve, key=lambda p: p["recall@1"])
     rec = {"key": adapt_key(name, seed, args), "part": "b", "name": name, "seed": seed, "what": what, "corpus": which,
-           "overrides": overrides, "steps": args.adapt_steps, "wall_s": round(time.perf_counter() - t0, 1),
+           "overrides": overrides, "steps": curve[-1]["step"], "wall_s": round(time.perf_counter() - t0, 1),
            "curve": curve, "before": curve[0]["recall@1"], "final": curve[-1]["recall@1"],
            "peak": best["recall@1"], "peak_step": best["step"], "documents": sum(1 for _ in docs.open()),
            "pool_queries": len(dm.eval_set.queries), "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
-    log(f"B15 {name} seed {seed}: recall@1 {rec['before']:.3f} before, {rec['final']:.3f} after {args.adapt_steps} "
+    log(f"B15 {name} seed {seed}: recall@1 {rec['before']:.3f} before, {rec['final']:.3f} after {rec['steps']} "
         f"steps, peak {rec['peak']:.3f} at step {rec['peak_step']}")
     return rec
 
