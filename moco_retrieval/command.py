@@ -81,10 +81,8 @@ def command(name: str) -> Callable[[Task], Callable[..., Any]]:
                 guard.task_starts()
                 try:
                     return run_task(cfg)
-                except SystemExit as stop:
-                    if stop.code == USER_ERROR_STATUS:
-                        remove_unused_output_dir()
-                    raise
+                finally:  # a refused start, or a run whose files went to run_dir / out_dir elsewhere
+                    remove_unused_output_dir()
 
             try:
                 with guard:
@@ -102,9 +100,10 @@ def command(name: str) -> Callable[[Task], Callable[..., Any]]:
 
 
 def remove_unused_output_dir() -> Optional[Path]:
-    """After a start refused for bad input: Hydra's new folder (``outputs/DATE/TIME``), when it holds
-    nothing but Hydra's own ``.hydra/`` record (and empty log files), and its date folder when that
-    was its only run. A folder holding anything else, or the working directory, is kept."""
+    """After a command: Hydra's new folder (``outputs/DATE/TIME``), when it holds nothing but Hydra's
+    own ``.hydra/`` record (and empty log files): a start refused for bad input, or a run that wrote
+    into its ``run_dir`` / ``out_dir``; and its date folder and ``outputs/`` when they hold nothing else. A folder
+    holding anything else (a run without ``run_dir``), or the working directory, is kept."""
     try:
         folder = Path(HydraConfig.get().runtime.output_dir).resolve()
     except ValueError:  # not started by Hydra
@@ -115,10 +114,13 @@ def remove_unused_output_dir() -> Optional[Path]:
                for p in folder.iterdir()):
         return None
     shutil.rmtree(folder, ignore_errors=True)
-    try:
-        folder.parent.rmdir()  # (only when empty)
-    except OSError:
-        pass
+    for parent in (folder.parent, folder.parent.parent):  # outputs/DATE, then outputs (only when empty)
+        if parent == Path.cwd().resolve():
+            break
+        try:
+            parent.rmdir()
+        except OSError:
+            break
     return folder
 
 

@@ -242,3 +242,13 @@ def test_wandb_run_id_is_kept_only_when_resuming(tmp_path):
     assert wandb_run_id(tmp_path / "other", resume=True) != first  # nothing stored there: a new run
     fresh = wandb_run_id(tmp_path / "run", resume=False)  # a fresh start over the old run directory
     assert fresh != first and wandb_run_id(tmp_path / "run", resume=True) == fresh
+
+
+def test_a_run_with_run_dir_leaves_no_hydra_folder_beside_it(tmp_path, cli_env):
+    out = subprocess.run([sys.executable, "-m", "moco_retrieval.train", "+experiment=smoke", "data.max_train_examples=32",
+                          "data.max_eval_queries=8", "data.max_eval_docs=16", "trainer.max_steps=1", "logger=none",
+                          f"run_dir={tmp_path / 'run'}"], cwd=tmp_path, env=cli_env, capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "run" / "metrics.json").is_file()
+    assert not (tmp_path / "outputs").exists()  # Hydra's outputs/DATE/TIME/.hydra, empty but for its record
