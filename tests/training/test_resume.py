@@ -50,8 +50,10 @@ def reference_run(run_dir: Path, env: dict, extra: tuple = ()) -> None:
                 os.environ[k] = v
 
 
-@pytest.mark.parametrize("objective,refresh,variant", [("moco", 0, ""), ("two_queue", 0, ""), ("two_queue", 2, ""),
-                                                       ("two_queue", 0, "online"), ("moco", 0, "documents")])
+@pytest.mark.parametrize("objective,refresh,variant", [
+    ("moco", 0, ""), ("two_queue", 0, ""), ("two_queue", 2, ""),
+    pytest.param("two_queue", 0, "online", marks=pytest.mark.slow),  # (each half a minute: the slow suite)
+    pytest.param("moco", 0, "documents", marks=pytest.mark.slow)])
 def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_env, objective, refresh, variant):
     """``variant``: online keys (objective.keys=online: no key encoder, the queues alone carry the
     keys), or documents drawn as crops (data=documents: the views of the resumed batches too)."""
