@@ -255,7 +255,7 @@ find_torch_wheel() {
   for d in $(python3 -m pip config list 2>/dev/null | sed -n "s/.*find-links='\\([^']*\\)'.*/\\1/p"); do
     dirs+=("${d#file://}")
   done
-  dirs+=(/opt/wheels "$HOME/.cache/pip" /root/.cache/pip "$SMOKE_CACHE/torch")
+  dirs+=("$HOME/.cache/pip" "$SMOKE_CACHE/torch")  # after the find-links pip is configured with
   for d in "${dirs[@]}"; do
     [[ -d "$d" ]] || continue
     f="$(find "$d" -maxdepth 6 -name "$name" -print -quit 2>/dev/null)"
