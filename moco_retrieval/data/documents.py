@@ -101,13 +101,11 @@ def text_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.suffix.lower() in TEXT_SUFFIXES and p.is_file())
 
 
-def _file_records(folder: Path, files: list[Path]) -> Iterator[tuple[int, dict]]:
-    for p in files:
-        try:
-            text = p.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{p}: not UTF-8 text (byte {e.start})") from None
-        yield 1, {"text": text, "id": str(p.relative_to(folder))}
+def _file_record(folder: Path, p: Path) -> dict:
+    try:
+        return {"text": p.read_text(encoding="utf-8"), "id": str(p.relative_to(folder))}
+    except UnicodeDecodeError as e:
+        raise DataError(f"{p}: not UTF-8 text (byte {e.start})") from None
 
 
 def _need_columns(where: str, header: Sequence[str], names: dict[str, str]) -> None:
@@ -118,22 +116,20 @@ def _need_columns(where: str, header: Sequence[str], names: dict[str, str]) -> N
 
 
 def document_spec(path: Path, columns: Any, split: str) -> PairSpec:
-    """What convert.py converts of a documents input (one stored row per document)."""
-    inputs, options, files, location, rows, count = _document_source(path, columns, split)
-    return PairSpec(str(path), inputs, {"kind": "documents", **options}, files, location, rows, count)
-
-
-def _document_source(path: Path, columns: Any, split: str) -> tuple[list[Path], dict, list[str], str, Any, Any]:
-    """``(files keying the store, how they are read, location names, location template, rows(),
-    count())``; rows yield ``(file index, line, Pair)``."""
+    """What convert.py converts of a documents input: one stored row per document (rows yield
+    ``(file index, line, Pair)``), keyed by the files and how they are read."""
     names = _names(columns)
+
+    def spec(inputs: list[Path], options: dict, files: list[str], location: str, rows: Any, count: Any) -> PairSpec:
+        return PairSpec(str(path), inputs, {"kind": "documents", **options}, files, location, rows, count)
+
     if path.is_dir():
         files = text_files(path)
         if files:
             names = {"text": "text", "title": "title", "id": "id"}
-            rows = lambda: ((i, line, document_pair(r, str(files[i]), names))  # noqa: E731
-                            for i, f in enumerate(files) for line, r in _file_records(path, [f]))
-            return files, {"form": "text_files"}, [str(f) for f in files], "{file}", rows, lambda: len(files)
+            rows = lambda: ((i, 1, document_pair(_file_record(path, f), str(f), names))  # noqa: E731
+                            for i, f in enumerate(files))
+            return spec(files, {"form": "text_files"}, [str(f) for f in files], "{file}", rows, lambda: len(files))
         from moco_retrieval.data.hf_folder import hf_input_files, hf_tables
 
         try:
@@ -148,19 +144,19 @@ def _document_source(path: Path, columns: Any, split: str) -> tuple[list[Path], 
                 for row, r in _table_records(t, names):
                     yield i, row, document_pair(r, f"{t.where}: row {row}", names)
 
-        return (hf_input_files(path, tables), {"form": "hf", "split": split, "columns": names},
-                [t.where for t in tables], "{file}: row {line}", table_rows, lambda: sum(t.rows for t in tables))
+        return spec(hf_input_files(path, tables), {"form": "hf", "split": split, "columns": names},
+                    [t.where for t in tables], "{file}: row {line}", table_rows, lambda: sum(t.rows for t in tables))
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
         rows = lambda: ((0, line, document_pair(r, f"{path}:{line}", names))  # noqa: E731
                         for line, r in iter_jsonl(path, "documents"))
-        return [path], {"form": "jsonl", "columns": names}, [str(path)], "{file}:{line}", rows, lambda: 0
+        return spec([path], {"form": "jsonl", "columns": names}, [str(path)], "{file}:{line}", rows, lambda: 0)
     if suffix == ".csv":
         with open(path, newline="", encoding="utf-8", errors="replace") as f:
             _need_columns(str(path), next(csv.reader(f), []), names)
         rows = lambda: ((0, line, document_pair(r, f"{path}: row {line}", names))  # noqa: E731
                         for line, r in _csv_records(path))
-        return [path], {"form": "csv", "columns": names}, [str(path)], "{file}: row {line}", rows, lambda: 0
+        return spec([path], {"form": "csv", "columns": names}, [str(path)], "{file}: row {line}", rows, lambda: 0)
     if suffix == ".parquet":
         from moco_retrieval.data.hf_folder import parquet_tables
 
@@ -168,7 +164,8 @@ def _document_source(path: Path, columns: Any, split: str) -> tuple[list[Path], 
         _need_columns(table.where, table.header, names)
         rows = lambda: ((0, row, document_pair(r, f"{path}: row {row}", names))  # noqa: E731
                         for row, r in _table_records(table, names))
-        return [path], {"form": "parquet", "columns": names}, [str(path)], "{file}: row {line}", rows, lambda: table.rows
+        return spec([path], {"form": "parquet", "columns": names}, [str(path)], "{file}: row {line}", rows,
+                    lambda: table.rows)
     raise DataError(f"data.path={path}: expected {_FORMS} (by its suffix: .jsonl, .parquet, .csv)")
 
 
