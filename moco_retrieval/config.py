@@ -493,6 +493,7 @@ class TrainConfig:
     seed: int = 0  # Lightning's seed_everything: initialisation (heads, tiny models), dropout
     ckpt_path: Optional[str] = None  # "last" resumes from this run directory's last.ckpt
     run_dir: Optional[str] = None  # default: Hydra's run directory
+    overwrite: bool = False  # a new start in a run_dir holding an earlier run replaces it (a folder of other files: refused)
 
     def __post_init__(self) -> None:
         # checked here, with the config, so the run stops before data and model load
@@ -555,6 +556,7 @@ class EvaluateConfig:
     compare: list[str] = field(default_factory=list)  # more models: base | CKPT | DIR
     name: Optional[str] = None  # report name of the main model
     out_dir: Optional[str] = None  # default: Hydra's run folder
+    overwrite: bool = False  # replace an earlier evaluation in out_dir (only its files; a folder that is not one: refused)
     batch_size: Optional[int] = None  # default: data.eval_batch_size
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     plots: bool = True  # write the PNG plots

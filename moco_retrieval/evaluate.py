@@ -9,7 +9,8 @@ several side by side.
 
 The pool is the data group's evaluation split (Debian held-out pool by default; ``data=beir`` reads
 only ``qrels/<data.eval_split>.tsv``), capped by ``data.max_eval_queries`` / ``data.max_eval_docs``.
-Writes into ``out_dir`` (default: Hydra's run folder): ``eval.json``, ``run.trec`` (one model) or
+Writes into ``out_dir`` (default: Hydra's run folder; a folder with other content is refused, an
+earlier evaluation there is replaced with ``overwrite=true``): ``eval.json``, ``run.trec`` (one model) or
 ``run.<name>.trec``, ``report.md``, ``cosine_hist.png`` and ``recall_at_k.png``; see
 ``moco_retrieval/evaluation/report.py``. Index and top-k come from ``eval.*`` (EvalConfig).
 
@@ -19,7 +20,7 @@ model directory; the report's columns are the main model then ``compare`` in ord
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -29,6 +30,8 @@ from moco_retrieval.command import command
 from moco_retrieval.config import EvalConfig, ModelConfig, to_config
 from moco_retrieval.model.devices import pick_device
 from moco_retrieval.errors import ConfigError
+from moco_retrieval.evaluation.report import earlier_report
+from moco_retrieval.files import claim_output_dir, remove_entries
 from moco_retrieval.model.loading import describe_spec, load_encoder
 
 
@@ -72,8 +75,9 @@ def _unique(name: str, taken: set[str]) -> str:
 # --------------------------------------------------------------------------- command
 
 
-def run_evaluate(cfg: Any, out_dir: str | Path) -> dict[str, Path]:
-    """Evaluate the configured model(s) on the pool and write the report files into ``out_dir``."""
+def run_evaluate(cfg: Any, out_dir: str | Path, replace: Sequence[str] = ()) -> dict[str, Path]:
+    """Evaluate the configured model(s) on the pool and write the report files into ``out_dir``, first
+    removing ``replace`` there (an earlier evaluation's files: main()), so a failed run keeps them."""
     from moco_retrieval.evaluation.encode import evaluate_encoder
     from moco_retrieval.data.corpus_store import as_corpus
     from moco_retrieval.evaluation.forecast import announce_corpus
@@ -115,6 +119,7 @@ def run_evaluate(cfg: Any, out_dir: str | Path) -> dict[str, Path]:
         del enc
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    remove_entries(Path(out_dir), replace)
     files = write_report(out_dir, results, models=models, dataset=dataset, plots=bool(cfg.plots))
     print(f"report: {files['report_md']}")
     return files
@@ -125,8 +130,10 @@ def main(cfg: DictConfig) -> None:
     missing = sorted(k for k in OmegaConf.missing_keys(cfg) if k != "data.train_path")  # not read here
     if missing:
         raise ConfigError("missing required config values: " + ", ".join(missing))
-    out_dir = cfg.out_dir or HydraConfig.get().runtime.output_dir
-    run_evaluate(cfg, out_dir)
+    out_dir = Path(cfg.out_dir or HydraConfig.get().runtime.output_dir).expanduser()
+    # export's rule (files.py): an empty or new folder, or an earlier evaluation that overwrite=true replaces
+    replace = claim_output_dir(out_dir, "out_dir", bool(cfg.overwrite), earlier_report, "evaluation")
+    run_evaluate(cfg, out_dir, replace)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,10 @@ ordinary permissions; checkpoint files too, read back checked.
 
 :func:`check_output` refuses, before the command reads data or loads a model: a directory given as a
 file; a file that is there already, unless ``overwrite``; and, even with ``overwrite``, a file that
-is one of the command's inputs (the same path, a link to it or a hard link). :func:`atomic_write`
+is one of the command's inputs (the same path, a link to it or a hard link). :func:`claim_output_dir`
+is the same rule for a folder (a training's run directory, an evaluation's or an export's out_dir):
+missing or empty, or holding an earlier output of the same command that ``overwrite`` replaces; a
+folder of anything else is never written into. :func:`atomic_write`
 writes into a temporary file beside the target and renames it over the target only when the
 writing ended without an error, so an interrupted command leaves the old file (or none), never a
 half-written one. :func:`ordinary_mode`: 0666 / 0777 less the process's umask, as ``open`` and
@@ -11,8 +14,9 @@ half-written one. :func:`ordinary_mode`: 0666 / 0777 less the process's umask, a
 serving container cannot read).
 
 A checkpoint file (:func:`atomic_torch_save`, :func:`read_checkpoint`) is written the same way, with a
-sha256 of its tensors (:func:`tensors_sha256`) checked when it is read: bytes changed on disk or in a
-copy make it unreadable instead of training on damaged weights; ``keep_previous`` keeps the file it
+sha256 of its tensors (:func:`tensors_sha256`) checked when it is read, with the zip's CRC of each
+entry (the pickled rest: learning rates, steps, options): bytes changed on disk or in a copy make it
+unreadable instead of training on damaged weights or settings; ``keep_previous`` keeps the file it
 replaces as ``<name>.prev.ckpt`` (a hard link made just before the rename). Every error names the
 file (``CheckpointError``); a full disk says what is kept and how to resume.
 """
@@ -24,9 +28,10 @@ import os
 import shutil
 import tempfile
 import uuid
+import zipfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 
@@ -65,6 +70,43 @@ def check_output(path: Path, key: str, overwrite: bool, inputs: Mapping[str, Ite
                     f"input, overwrite=true or not; give {key} another file")
     if path.exists() and not overwrite:
         raise OutputExistsError(f"{key}={path} exists; overwrite=true replaces it (or give {key} another file)")
+
+
+# Hydra's record of the command and a training's lock: made by the command itself, not content
+NOT_CONTENT = (".hydra", ".lock")
+
+
+def claim_output_dir(out: Path, key: str, overwrite: bool, earlier: Callable[[Path], Optional[list[str]]],
+                     what: str, advice: str = "") -> list[str]:
+    """The entries of the folder ``out`` (given as ``key=...``) that a command writing ``what`` must
+    replace: none when it is missing or empty (:data:`NOT_CONTENT` aside). Refused, before any work
+    (:class:`OutputExistsError` naming the key): a file; a folder with content, without ``overwrite``
+    (``advice``: what else the user may mean); with ``overwrite``, a folder holding no earlier ``what``
+    (``earlier(out)``: the entries one wrote there, None when there is none), so that nothing of the
+    user's is ever deleted."""
+    if out.exists() and not out.is_dir():
+        raise OutputExistsError(f"{key}={out}: a file; expected a folder for {what}")
+    if not out.is_dir() or not any(p.name not in NOT_CONTENT for p in out.iterdir()):
+        return []
+    if not overwrite:
+        raise OutputExistsError(f"{key}={out} exists and is not empty: {advice or ''}overwrite=true replaces an "
+                                f"earlier {what} there; or choose another {key}")
+    ours = earlier(out)
+    if ours is None:
+        raise OutputExistsError(
+            f"{key}={out} holds files but no {what} of this project, so overwrite=true does not touch it (it "
+            f"replaces only what an earlier {what} wrote). Choose another {key}, or empty this one")
+    return [name for name in ours if (out / name).exists() or (out / name).is_symlink()]
+
+
+def remove_entries(folder: Path, names: Iterable[str]) -> None:
+    """Delete ``folder/name`` for each name (a folder with what it holds)."""
+    for name in names:
+        path = folder / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -242,6 +284,14 @@ def read_checkpoint(path: str | os.PathLike, what: str = "checkpoint", verify: b
     if verify and isinstance(ckpt, dict) and CHECKSUM in ckpt and tensor_checksum(ckpt) != ckpt[CHECKSUM]:
         raise CheckpointError(f"{what}={path}: damaged: its tensors do not match the checksum written with them "
                               f"({p.stat().st_size:,} bytes; changed on disk or in a copy)")
+    if verify:  # the zip's own CRCs cover what the tensor checksum does not: the pickled rest (lr, steps, options)
+        try:
+            bad = zipfile.ZipFile(p).testzip() if zipfile.is_zipfile(p) else None
+        except (zipfile.BadZipFile, OSError, ValueError) as e:
+            bad = f"({type(e).__name__})"
+        if bad is not None:
+            raise CheckpointError(f"{what}={path}: damaged: {bad} does not match the CRC the zip holds for it "
+                                  f"({p.stat().st_size:,} bytes; changed on disk or in a copy)")
     return ckpt
 
 
@@ -249,6 +299,6 @@ def checkpoint_step(ckpt: dict) -> int:
     return int(ckpt.get("global_step", 0))
 
 
-__all__ = ['current_umask', 'ordinary_mode', 'check_output', 'files_under', 'atomic_write', 'CHECKSUM', 'named_tensors',
+__all__ = ['current_umask', 'ordinary_mode', 'check_output', 'NOT_CONTENT', 'claim_output_dir', 'remove_entries', 'files_under', 'atomic_write', 'CHECKSUM', 'named_tensors',
            'tensors_sha256', 'tensor_checksum', 'previous_of', 'human_size', 'atomic_torch_save', 'read_checkpoint',
            'checkpoint_step']

@@ -58,8 +58,8 @@ from moco_retrieval.training.preemption import (
 )
 from moco_retrieval.training.records import RecordAttempt, RunClock, flush_and_merge
 from moco_retrieval.training.report import ValidationReport, progress_callback
-from moco_retrieval.training.resume_check import RecordTraining, check_resumable
-from moco_retrieval.training.run_lock import RunLock, writable_run_dir
+from moco_retrieval.training.resume_check import RecordTraining, adopt_data_location, check_resumable, check_same_data
+from moco_retrieval.training.run_lock import RunLock, claim_run_dir, writable_run_dir
 
 # (the eval-mode and FAISS notices every command shares are silenced in command.py)
 # validation metrics are computed on the whole pool by every rank, identical: nothing to sync
@@ -72,6 +72,8 @@ logging.getLogger("lightning.pytorch.trainer.connectors.checkpoint_connector").a
     lambda r: "`weights_only` was not set" not in r.getMessage())
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
 warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+# a checkpoint before the first validation (a preemption, a short run) has no val/recall@1 to rank by yet
+warnings.filterwarnings("ignore", message=r"`ModelCheckpoint\(monitor='val/recall@1'\)` could not find the monitored key")
 
 
 def trainer_kwargs(cfg: TrainerConfig) -> dict:
@@ -96,6 +98,7 @@ def trainer_kwargs(cfg: TrainerConfig) -> dict:
         enable_progress_bar=cfg.enable_progress_bar,
         deterministic=cfg.deterministic,
         num_sanity_val_steps=0,
+        enable_model_summary=False,  # (its table shows FLOPs 0; the parameters are one line: parameter_line)
         # the data module shards and orders batches itself (resumable mid-epoch)
         use_distributed_sampler=False,
     )
@@ -112,6 +115,18 @@ def ddp_strategy(timeout_s: int = 1800, **options) -> DDPStrategy:
     ``timeout_s``: how long a collective waits for the other ranks (trainer.process_group_timeout).
     ``options``: more DDPStrategy arguments (e.g. ``start_method``)."""
     return DDPStrategy(forward_sync_buffers=False, timeout=timedelta(seconds=timeout_s), **options)
+
+
+class ValidateLastStep(L.Callback):
+    """The last step of training validates inside ``fit`` (Lightning validates within fit when the run
+    is to stop), not after it, so that its checkpoints (best-STEP.ckpt, last.ckpt) see that validation."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        loop = trainer.fit_loop
+        by_steps = trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps
+        last_epoch = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1
+        if by_steps or (last_epoch and loop.epoch_loop.batch_progress.is_last_batch):
+            trainer.should_stop = True
 
 
 def build(cfg: TrainConfig, run_dir: Path, dm: Optional[RetrievalDataModule] = None,
@@ -139,7 +154,7 @@ def build(cfg: TrainConfig, run_dir: Path, dm: Optional[RetrievalDataModule] = N
                              enable_version_counter=False)
     callbacks = [checkpoints, latest] + ([progress_callback(cfg.trainer.log_every_n_steps)] if cfg.trainer.enable_progress_bar else [])
     callbacks.append(ValidationReport(run_dir / "plots", cfg.eval.sample_queries, cfg.logger.log_tables))
-    callbacks += [RunClock(), RecordAttempt()]
+    callbacks += [RunClock(), RecordAttempt(), ValidateLastStep()]
     # what the checkpoint trains with (a resume that changes it is refused), its paths after a move
     callbacks += [RecordTraining(cfg), RebaseCheckpointPaths(checkpoints_dir(run_dir))]
     loggers = build_loggers(cfg.logger, run_dir, resume=resuming)
@@ -173,7 +188,10 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> Optional[str]:
     resume from (CheckpointError naming it when it cannot be read, or when this config changes
     what it trained); return its path."""
     folder = checkpoints_dir(run_dir)
+    continues = cfg.ckpt_path == "last" or (
+        cfg.ckpt_path is not None and Path(cfg.ckpt_path).expanduser().resolve().parent == folder.resolve())
     if is_rank_zero():  # (rank 0 holds the run directory's lock: no write of this run is under way)
+        claim_run_dir(run_dir, continues, cfg.overwrite)  # a fresh start never overwrites a run (or the user's files)
         remove_stale_temporaries(folder)
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
     last = last_checkpoint(run_dir)
@@ -181,12 +199,13 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> Optional[str]:
         set_aside_unreadable(last)
     if ckpt_path is not None:
         ckpt = read_checkpoint(ckpt_path, "ckpt_path", verify=False)  # (resolve_ckpt_path verified it)
+        adopted = adopt_data_location(ckpt, cfg)
+        if adopted and is_rank_zero():
+            print(f"[moco_retrieval] resuming with the checkpoint's data location: {' '.join(adopted)}",
+                  file=sys.stderr, flush=True)
         check_resumable(ckpt, ckpt_path, cfg)
         if is_rank_zero() and Path(ckpt_path).resolve().parent == folder.resolve():
             remove_best_after(folder, checkpoint_step(ckpt))
-    if cfg.ckpt_path is None and last.exists() and is_rank_zero():
-        print(f"[moco_retrieval] warning: {last} exists but ckpt_path is not set: "
-              "training starts from scratch and overwrites it (ckpt_path=last resumes)", file=sys.stderr)
     return ckpt_path
 
 
@@ -207,14 +226,40 @@ def _train(cfg: TrainConfig, run_dir: Path) -> dict:
     # the data is read and checked first: bad input stops the run before the model and the loggers start
     dm = RetrievalDataModule(cfg.data, n_negatives=cfg.data.n_negatives)
     dm.setup("fit")
+    if ckpt_path is not None:  # the same rows as it trained on, not only the same options
+        check_same_data(read_checkpoint(ckpt_path, "ckpt_path", verify=False), ckpt_path, dm.data_keys())
+    if is_rank_zero():
+        announce_negatives(dm.train_rows.negative_counts, cfg.data.n_negatives)
     L.seed_everything(cfg.seed, workers=True)
     module, dm, trainer = build(cfg, run_dir, dm, resuming=ckpt_path is not None)
+    if is_rank_zero():
+        print(parameter_line(module), file=sys.stderr, flush=True)
     if module.encoder.frozen:  # every frozen feature computed (or loaded) once, up front
         warm_frozen_features(module.encoder, dm)
     if trainer.is_global_zero:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     with distributed.exit_when_peers_stall(cfg.trainer.process_group_timeout, lambda: trainer.global_step):
         return _fit(module, dm, trainer, ckpt_path, run_dir)
+
+
+def parameter_line(module: RetrievalModule) -> str:
+    """The model's parameters in one line: trained, and in the objective's other parts (EMA key encoder)."""
+    trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in module.parameters())
+    return (f"[moco_retrieval] model: {trained:,} trained parameters ({type(module.encoder).__name__}), "
+            f"{total - trained:,} not trained (frozen, or a momentum copy)")
+
+
+def announce_negatives(counts, n_negatives: Optional[int]) -> None:
+    """Say how many hard negatives each row trains with, above all when the rows carry some that
+    ``data.n_negatives`` (unset) leaves out."""
+    have = int((counts > 0).sum())
+    if n_negatives:
+        print(f"[moco_retrieval] each row trains with {n_negatives} of its hard negatives (data.n_negatives)",
+              file=sys.stderr, flush=True)
+    elif have:
+        print(f"[moco_retrieval] {have:,} of {len(counts):,} training rows carry hard negatives (up to {int(counts.max())}), "
+              f"not used: data.n_negatives=N trains each row with N of them", file=sys.stderr, flush=True)
 
 
 def warm_frozen_features(encoder, dm: RetrievalDataModule) -> int:
@@ -258,14 +303,14 @@ def _fit(module: RetrievalModule, dm: RetrievalDataModule, trainer: L.Trainer, c
 
 
 def resume_command(run_dir: Path) -> str:
-    """The command that resumes this run: its own overrides with ``ckpt_path=last`` and, when it
+    """The command that resumes this run: its own overrides (less ``overwrite``) with ``ckpt_path=last`` and, when it
     had none, ``run_dir=`` the directory it used (Hydra's default is a new folder per start)."""
     try:
         overrides = HydraConfig.get().overrides
         given = list(overrides.task) + [o for o in overrides.hydra if not o.startswith("hydra.mode=")]
     except ValueError:  # not started by Hydra (train() called from Python)
         return f"the same command with run_dir={shlex.quote(str(run_dir.resolve()))} ckpt_path=last"
-    keep = [o for o in given if o.split("=", 1)[0].lstrip("+~") != "ckpt_path"]
+    keep = [o for o in given if o.split("=", 1)[0].lstrip("+~") not in ("ckpt_path", "overwrite")]
     if not any(o.split("=", 1)[0].lstrip("+~") == "run_dir" for o in keep):
         keep.append(f"run_dir={run_dir.resolve()}")
     args = shlex.join([*keep, "ckpt_path=last"])

@@ -314,7 +314,7 @@ def test_export_onto_an_existing_folder_is_one_message(tmp_path):
     (out_dir / "notes.txt").write_text("mine")
     err = one_message(cli("export", ["model=tiny", f"model.path={tmp_path / 'tiny'}", f"out_dir={out_dir}"], tmp_path),
                       "export")
-    assert f"out_dir={out_dir} exists and is not empty (overwrite=true replaces an earlier export there" in err
+    assert f"out_dir={out_dir} exists and is not empty: overwrite=true replaces an earlier export there" in err
     assert [p.name for p in out_dir.iterdir()] == ["notes.txt"] and not (tmp_path / "tiny").exists()  # no model loaded
 
 
@@ -341,7 +341,7 @@ def test_export_overwrite_replaces_only_what_an_export_wrote(tiny_dir, tmp_path)
     other = tmp_path / "not-an-export"
     other.mkdir()
     (other / "data.jsonl").write_text("x\n")
-    with pytest.raises(OutputExistsError, match="not an export of this project, so overwrite=true does not touch it"):
+    with pytest.raises(OutputExistsError, match="holds files but no export of this project, so overwrite=true does not touch it"):
         export_encoder(mlp, other, overwrite=True)
     assert [p.name for p in other.iterdir()] == ["data.jsonl"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".moco-export-")]  # no staging folder left

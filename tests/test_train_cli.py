@@ -215,6 +215,30 @@ def test_eta_counts_the_validations_still_to_come():
     assert p.eta_seconds(trainer, 200, 570, rate) == pytest.approx(370 * 6.3 + 4 * 120.0)
 
 
+def test_the_first_step_is_said_at_once_and_the_rate_leaves_its_warm_up_out(monkeypatch, capsys):
+    """Issue 46, point 16: the main job on a CPU printed nothing for minutes (the first line came after
+    log_every_n_steps steps) and its rate counted the first step's warm-up."""
+    from types import SimpleNamespace
+
+    from moco_retrieval.training import report
+
+    now = [0.0]
+    monkeypatch.setattr(report.time, "monotonic", lambda: now[0])
+    trainer = SimpleNamespace(global_step=0, is_global_zero=True, estimated_stepping_batches=570, current_epoch=0,
+                              val_check_interval=100, check_val_every_n_epoch=None, accumulate_grad_batches=1,
+                              num_training_batches=570, datamodule=None, progress_bar_metrics={})
+    p = report.LogLineProgress(every=10)
+    p.on_train_start(trainer, None)
+    now[0], trainer.global_step = 30.0, 1  # a first step of 30 s: model warm-up, allocations
+    p.on_train_batch_end(trainer, None, None, None, 0)
+    assert "step 1/570: the first step of this attempt took 30.0 s" in capsys.readouterr().out
+    for step in range(2, 11):  # then 5 s a step
+        now[0], trainer.global_step = 30.0 + 5 * (step - 1), step
+        p.on_train_batch_end(trainer, None, None, None, step - 1)
+    assert p.training_rate(trainer) == pytest.approx(1 / 5)  # not 10 steps / 75 s
+    assert "step 10/570 (2%) 0.20 steps/s" in capsys.readouterr().out
+
+
 def test_a_resumed_run_continues_its_wandb_run(tmp_path, debian_dir, capsys):
     """ckpt_path=last (a requeued job) logs into the same W&B run (offline here), not a new one."""
     from moco_retrieval.training.loggers import RUN_ID_FILE

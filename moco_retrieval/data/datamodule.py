@@ -41,7 +41,7 @@ from moco_retrieval.data.multisource import (check_same_schedule, has_sources, l
 from moco_retrieval.data.prompts import to_prompts
 from moco_retrieval.data.sampler import MultiSourceBatchSampler, ResumableDataLoader, RetrievalBatchSampler
 from moco_retrieval.data.sources import check_paths, debian_folder, load_eval_pool, load_training_rows
-from moco_retrieval.data.store import PairList, PairRows, PairRowsDataset
+from moco_retrieval.data.store import ConcatStores, PairList, PairRows, PairRowsDataset
 
 
 class RetrievalDataModule(L.LightningDataModule):
@@ -144,6 +144,14 @@ class RetrievalDataModule(L.LightningDataModule):
         train = load_training_rows(self.cfg)
         self.data_dir, self.store_dir = train.folder, train.store
         self._set_data(train.rows, load_eval_pool(self.cfg, train.folder).eval_set)
+
+    def data_keys(self) -> dict[str, Optional[str]]:
+        """Each training source's store key (convert.py: a hash of its content and conversion options),
+        by source name ("data": a single source); None for rows read without a store (beir)."""
+        rows = self.train_rows
+        parts = rows.source.sources if isinstance(rows.source, ConcatStores) else [rows]
+        names = source_names(self.cfg) if has_sources(self.cfg) else ["data"]
+        return {n: (Path(p.source.folder).name if hasattr(p.source, "folder") else None) for n, p in zip(names, parts)}
 
     def _set_data(self, rows: PairRows, eval_set: EvalSet) -> None:
         if self.n_negatives:

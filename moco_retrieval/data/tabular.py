@@ -2,7 +2,10 @@
 reader's fields and checks (formats.py) under configurable column names (``data.columns.*``).
 
 Columns: ``query`` and ``positive`` required; ``query_id``, ``doc_id``, ``group``, ``negatives``,
-``positive_score`` optional (read when the file has the configured column). CSV: a header row,
+``positive_score`` optional (read when the file has the configured column). What sentence-transformers
+trains on reads as it is, in every tabular kind (CSV, Parquet, ``datasets`` folders: hf_folder.py):
+``anchor`` is the query when there is no ``query`` column, and ``negative`` / ``negative_1``,
+``negative_2`` ... are the hard negatives when there is no ``negatives`` column (:func:`table_columns`). CSV: a header row,
 every value a string (ids are hashed as strings; ``negatives`` a JSON list; an empty cell is
 absent). Parquet (pyarrow): string columns, integer ids used as is, ``negatives`` a list of
 strings or of ``{text, doc_id, group, score}`` structs, a null is absent.
@@ -14,6 +17,8 @@ from __future__ import annotations
 
 import csv
 import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -39,6 +44,51 @@ def columns_in_file(path: PathLike, header: list[str], names: dict[str, str]) ->
             raise DataError(f"{path}: no column {col!r} (data.columns.{field}; expected the {field} of each pair); "
                             f"the file's columns: {', '.join(header) or '(none)'}")
     return {f: c for f, c in names.items() if c in have}
+
+
+# sentence-transformers' column names, used when the configured (default) column is absent
+ST_QUERY = "anchor"
+_ST_NEGATIVE = re.compile(r"^negative(?:_(\d+))?$")
+
+
+@dataclass
+class TableColumns:
+    """``{field: column}`` to read, and the sentence-transformers negative columns (in order)."""
+
+    read: dict[str, str]
+    negative_columns: list[str]
+
+    def row_object(self, record: dict) -> dict:
+        """A row's fields (a None is absent), the sentence-transformers negatives joined into ``negatives``."""
+        obj = {f: record[c] for f, c in self.read.items() if record[c] is not None}
+        if self.negative_columns:
+            obj["negatives"] = [record[c] for c in self.negative_columns if record[c] is not None]
+        return obj
+
+    def labels(self) -> dict[str, str]:
+        """The columns to name in an error, ``negatives`` as the sentence-transformers ones joined."""
+        if not self.negative_columns:
+            return self.read
+        return dict(self.read, negatives=", ".join(self.negative_columns))
+
+
+def st_negative_columns(header: list[str]) -> list[str]:
+    """``negative``, ``negative_1``, ``negative_2`` ... of a header, in their numeric order."""
+    found = [(int(m.group(1) or 0), c) for c in header if (m := _ST_NEGATIVE.match(c))]
+    return [c for _, c in sorted(found)]
+
+
+def table_columns(where: PathLike, header: list[str], columns: Any) -> TableColumns:
+    """The configured columns (:func:`columns_in_file`'s rules), with the sentence-transformers names
+    standing in for default-named ``query`` and ``negatives`` columns that the table lacks."""
+    names = column_names(columns)
+    have = set(header)
+    if names["query"] == "query" and "query" not in have and ST_QUERY in have:
+        names["query"] = ST_QUERY
+    negs: list[str] = []
+    if names["negatives"] == "negatives" and "negatives" not in have:
+        negs = st_negative_columns(header)
+    return TableColumns(columns_in_file(where, header, names), negs)
 
 
 def pair_from_row(obj: dict, path: PathLike, row: int, read: dict[str, str]) -> Pair:
@@ -80,25 +130,27 @@ def iter_pairs_csv_located(path: PathLike, columns: Any = None) -> Iterator[tupl
     try:
         with open(p, newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
-            read = columns_in_file(p, list(reader.fieldnames or []), column_names(columns))
+            cols = table_columns(p, list(reader.fieldnames or []), columns)
             for record in reader:
                 row = reader.line_num
                 if None in record:
                     raise DataError(f"{p}: row {row}: {len(record) - 1 + len(record[None])} values for "
                                     f"{len(reader.fieldnames)} columns")
-                obj = {f: _csv_value(f, record[c] if record[c] is not None else "", p, row, c) for f, c in read.items()}
-                yield row, pair_from_row(obj, p, row, read)
+                obj = {f: _csv_value(f, record[c] if record[c] is not None else "", p, row, c) for f, c in cols.read.items()}
+                if cols.negative_columns:  # one text per column; an empty cell is absent
+                    obj["negatives"] = [record[c] for c in cols.negative_columns if record[c]]
+                yield row, pair_from_row(obj, p, row, cols.labels())
     except UnicodeDecodeError as e:
         raise DataError(f"{p}: not UTF-8 text (byte {e.start})") from None
     except csv.Error as e:
         raise DataError(f"{p}: row {reader.line_num}: {e}") from None
 
 
-def _parquet_rows(p: Path, read: dict[str, str]) -> Iterator[dict[str, Any]]:
+def _parquet_rows(p: Path, names: list[str]) -> Iterator[dict[str, Any]]:
     import pyarrow.parquet as pq
 
     table = pq.ParquetFile(p)
-    for batch in table.iter_batches(columns=list(read.values()), batch_size=8192):
+    for batch in table.iter_batches(columns=names, batch_size=8192):
         yield from batch.to_pylist()
 
 
@@ -119,10 +171,9 @@ def read_pairs_parquet_located(path: PathLike, columns: Any = None) -> list[tupl
 def iter_pairs_parquet_located(path: PathLike, columns: Any = None) -> Iterator[tuple[int, Pair]]:
     """:func:`read_pairs_parquet_located`, streamed."""
     p = Path(path)
-    read = columns_in_file(p, _parquet_schema(p), column_names(columns))
-    for row, record in enumerate(_parquet_rows(p, read), 1):
-        obj = {f: record[c] for f, c in read.items() if record[c] is not None}
-        yield row, pair_from_row(obj, p, row, read)
+    cols = table_columns(p, _parquet_schema(p), columns)
+    for row, record in enumerate(_parquet_rows(p, [*cols.read.values(), *cols.negative_columns]), 1):
+        yield row, pair_from_row(cols.row_object(record), p, row, cols.labels())
 
 
 READERS = {"csv": read_pairs_csv_located, "parquet": read_pairs_parquet_located}
@@ -134,5 +185,6 @@ def read_pairs_table_located(path: PathLike, kind: str, columns: Optional[Any] =
     return READERS[kind](path, columns)
 
 
-__all__ = ["FIELDS", "READERS", "STREAMS", "column_names", "columns_in_file", "pair_from_row", "read_pairs_csv_located",
+__all__ = ["FIELDS", "READERS", "STREAMS", "ST_QUERY", "TableColumns", "column_names", "columns_in_file", "st_negative_columns",
+           "table_columns", "pair_from_row", "read_pairs_csv_located",
            "read_pairs_parquet_located", "iter_pairs_csv_located", "iter_pairs_parquet_located", "read_pairs_table_located"]

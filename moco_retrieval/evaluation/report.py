@@ -23,7 +23,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -86,6 +86,16 @@ def _json_safe(x: Any) -> Any:
 
 def run_file_name(name: str, single: bool) -> str:
     return "run.trec" if single else f"run.{_slug(name)}.trec"
+
+
+REPORT_FILES = ["eval.json", "report.md", "cosine_hist.png", "recall_at_k.png"]
+
+
+def earlier_report(folder: Path) -> Optional[list[str]]:
+    """What an earlier :func:`write_report` wrote into ``folder`` (its eval.json marks it), else None."""
+    if not (folder / "eval.json").is_file():
+        return None
+    return REPORT_FILES + sorted(p.name for p in folder.glob("run*.trec"))
 
 
 def eval_json_dict(
@@ -418,6 +428,8 @@ def wandb_topk_table(
 
 
 __all__ = [
+    "REPORT_FILES",
+    "earlier_report",
     "eval_json_dict",
     "render_markdown",
     "plot_cosine_histograms",

@@ -41,10 +41,11 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from moco_retrieval.command import command
-from moco_retrieval.errors import ConfigError
+from moco_retrieval.errors import CheckpointError, ConfigError
 from moco_retrieval.export.folder import apply_umask, earlier_export
 from moco_retrieval.export.writer import export_adapter, export_encoder
 from moco_retrieval.model.loading import META_FILE, load_encoder
@@ -72,6 +73,21 @@ def write_model_card(out: Path, desc: dict, checkpoint: Optional[str], side: str
     return card
 
 
+PROBE = ["a probe sentence for the exported model", "x"]
+
+
+def check_finite(encoder: Any, what: str) -> None:
+    """Refuse (CheckpointError) a model whose embeddings of a probe are not finite: weights that overflow
+    the forward pass would export a model that returns NaN for every input."""
+    encoder.eval()
+    with torch.no_grad():
+        bad = [kind for kind in ("query", "doc") if not torch.isfinite(encoder(encoder.tokenize(PROBE, kind), kind)).all()]
+    if bad:
+        raise CheckpointError(
+            f"checkpoint={what}: its {' and '.join(bad)} embeddings of a probe text are not finite (inf or NaN): the "
+            "exported model would return NaN for every input. Export an earlier checkpoint of the run (best-STEP.ckpt)")
+
+
 def run_export(cfg: Any) -> Path:
     """Export the configured encoder (an ``ExportConfig``, or a DictConfig of one); returns the directory."""
     if cfg.encoder not in ENCODERS:
@@ -81,6 +97,7 @@ def run_export(cfg: Any) -> Path:
     earlier_export(Path(cfg.out_dir).expanduser(), bool(cfg.overwrite))  # refused before the model loads
     enc, desc = load_encoder(checkpoint=cfg.checkpoint, model=cfg.model, encoder=cfg.encoder)
     side = "doc" if cfg.encoder == "key" else "query"
+    check_finite(enc, cfg.checkpoint or "the base model")
     if cfg.adapter_only:
         out = export_adapter(enc, cfg.out_dir, side=side, overwrite=bool(cfg.overwrite))
         print(f"exported the {cfg.encoder} encoder's LoRA adapter to {out}")

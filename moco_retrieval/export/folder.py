@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable
 
 from moco_retrieval.errors import OutputExistsError
-from moco_retrieval.files import ordinary_mode
+from moco_retrieval.files import claim_output_dir, ordinary_mode, remove_entries
 from moco_retrieval.model.loading import META_FILE
 
 # what exports wrote before META_FILE listed it: sentence-transformers' files and module folders, ours
@@ -30,8 +29,7 @@ def install_export(out: Path, overwrite: bool, write: Callable[[Path], list[str]
     with tempfile.TemporaryDirectory(prefix=".moco-export-", dir=out.parent) as staging:
         written = write(Path(staging))
         out.mkdir(exist_ok=True)
-        for name in replaced:
-            _remove(out / name)
+        remove_entries(out, replaced)
         for name in written:
             os.replace(Path(staging) / name, out / name)
     apply_umask([out, *(out / name for name in written)])
@@ -39,31 +37,15 @@ def install_export(out: Path, overwrite: bool, write: Callable[[Path], list[str]
 
 
 def earlier_export(out: Path, overwrite: bool) -> list[str]:
-    """The entries of ``out`` an export will replace: none for a missing or empty folder; with
-    ``overwrite``, those an earlier export wrote there (its META_FILE lists them). Refused
-    (OutputExistsError naming out_dir): a non-empty folder without ``overwrite``, a file, and a folder
-    that is not an export (nothing of the user's is deleted)."""
-    if out.exists() and not out.is_dir():
-        raise OutputExistsError(f"out_dir={out}: a file; expected a folder for the exported model")
-    if not out.exists() or not any(out.iterdir()):
-        return []
-    if not overwrite:
-        raise OutputExistsError(f"out_dir={out} exists and is not empty (overwrite=true replaces an earlier export "
-                                "there; or choose another out_dir)")
-    if not (out / META_FILE).is_file():
-        raise OutputExistsError(
-            f"out_dir={out} holds files but no {META_FILE}: not an export of this project, so overwrite=true "
-            "does not touch it (it replaces only what an export wrote). Choose another out_dir, or empty this one")
-    meta = json.loads((out / META_FILE).read_text(encoding="utf-8"))
-    listed = meta.get("files") or EXPORT_ENTRIES  # (an export from before the list: the names exports write)
-    return [name for name in listed if (out / name).exists() or (out / name).is_symlink()]
+    """The entries of ``out`` an export replaces (files.claim_output_dir): with ``overwrite``, those
+    an earlier export wrote there (its META_FILE lists them)."""
+    def listed(folder: Path):
+        if not (folder / META_FILE).is_file():
+            return None
+        meta = json.loads((folder / META_FILE).read_text(encoding="utf-8"))
+        return meta.get("files") or EXPORT_ENTRIES  # (an export from before the list: the names exports write)
 
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink()
+    return claim_output_dir(out, "out_dir", overwrite, listed, "export")
 
 
 def apply_umask(paths: list[Path]) -> None:

@@ -5,8 +5,11 @@ weight; left alone, the run trains NaN to its end and exits 0. :class:`FiniteGua
 device, the first step whose loss was not finite (no host sync per step: a ``torch.where`` on a
 device scalar) and looks at it every ``trainer.log_every_n_steps`` steps (the progress line syncs
 there anyway), before each validation and before every checkpoint write (where the weights are
-checked too). Then the run stops with :class:`NonFiniteError` naming the step; no checkpoint is
-written after it, so ``last.ckpt`` stays the last good state. Under DDP the ranks agree with one
+checked too). Weights can stay finite yet overflow the forward pass (1e29 after one step of a huge
+learning rate): each validation of fit also checks that the pool's embeddings were finite (the
+geometry metrics computed from them), before its checkpoints are written. Then the run stops with
+:class:`NonFiniteError` naming the step; no checkpoint is written after it, so ``last.ckpt`` stays
+the last good state. Under DDP the ranks agree with one
 all-reduce at those points, so they all stop at the same one.
 """
 from __future__ import annotations
@@ -24,6 +27,8 @@ from moco_retrieval.training.checkpoints import LAST
 from moco_retrieval.files import checkpoint_step, read_checkpoint
 
 NONE = 2**62  # "no bad step yet"; the ranks agree with a MIN
+# computed from every validation embedding (evaluation/geometry.py): NaN when any embedding is
+EMBEDDING_METRICS = ("val/anisotropy", "val/positive_cos_mean", "val/uniformity")
 
 
 class NonFiniteError(UserError):
@@ -65,6 +70,20 @@ class FiniteGuard(Callback):
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if trainer.state.fn == "fit" and not trainer.sanity_checking:  # (not the validation after fit)
             self._check(trainer, pl_module, weights=True)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        """Before the checkpoints of this validation (Lightning runs ModelCheckpoint's hooks last);
+        every rank holds the same metrics (the whole pool), so the ranks stop together."""
+        if trainer.state.fn != "fit" or trainer.sanity_checking:
+            return
+        bad = {k: float(trainer.callback_metrics[k]) for k in EMBEDDING_METRICS if k in trainer.callback_metrics
+               and not torch.isfinite(torch.as_tensor(trainer.callback_metrics[k])).all()}
+        if bad:
+            raise NonFiniteError(
+                f"the validation embeddings were not finite (inf or NaN: " + ", ".join(f"{k}={v}" for k, v in bad.items())
+                + f") after step {trainer.global_step}, though the weights are: they overflow the forward pass; "
+                f"training stopped without writing a checkpoint of this step: {_last_good(self.checkpoints)}. "
+                "The usual cause is a learning rate too high (optim.lr); start again with other values.")
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
         self._check(trainer, pl_module, weights=True)  # every rank builds the checkpoint: the all-reduce matches

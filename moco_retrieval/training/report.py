@@ -48,7 +48,7 @@ def validations_left(step: int, total: int, interval: Optional[int]) -> int:
 class LogLineProgress(ProgressBar):
     def __init__(self, every: int = 10):
         super().__init__()
-        self.every, self._enabled, self._t0 = every, True, None
+        self.every, self._enabled, self._t0, self._first = every, True, None, None
         self._val_seconds: list[float] = []  # each validation of this attempt
         self._val_t0: Optional[float] = None
         self._val_in_window = 0.0  # validation seconds since _t0 (excluded from the training rate)
@@ -62,6 +62,7 @@ class LogLineProgress(ProgressBar):
     def _restart_clock(self, trainer) -> None:
         self._end_validation()
         self._t0, self._step0, self._val_in_window = time.monotonic(), trainer.global_step, 0.0
+        self._first: Optional[tuple[float, int, float]] = None  # (time, step, validation s) after the first step
 
     def _end_validation(self) -> None:
         if self._val_t0 is not None:
@@ -101,14 +102,25 @@ class LogLineProgress(ProgressBar):
         return (total - step) / rate + n_val * self.validation_seconds(trainer, 1.0 / rate)
 
     def training_rate(self, trainer) -> float:
-        """Optimizer steps per second of this attempt since the epoch's start, validations left out."""
+        """Optimizer steps per second of this attempt since the epoch's start, validations left out;
+        from the end of the attempt's first step once a second is done (the first one warms up:
+        allocations, kernels, the data loader's start)."""
         if self._t0 is None:
             return 0.0
-        training_time = time.monotonic() - self._t0 - self._val_in_window
-        return (trainer.global_step - self._step0) / max(training_time, 1e-9)
+        t0, step0, val = self._t0, self._step0, self._val_in_window
+        if self._first is not None and trainer.global_step > self._first[1]:
+            t0, step0, val = self._first[0], self._first[1], self._val_in_window - self._first[2]
+        training_time = time.monotonic() - t0 - val
+        return (trainer.global_step - step0) / max(training_time, 1e-9)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
+        if self._first is None and self._t0 is not None and step > self._step0:
+            self._first = (time.monotonic(), step, self._val_in_window)
+            if self._enabled and trainer.is_global_zero and step % self.every:  # at once, not after `every` steps
+                log_line(f"epoch {trainer.current_epoch} step {step}/{trainer.estimated_stepping_batches}: the first "
+                         f"step of this attempt took {self._first[0] - self._t0:.1f} s (warm-up included); a progress "
+                         f"line with an estimate of the time left every {self.every} steps")
         if not self._enabled or not trainer.is_global_zero or step % self.every or self._t0 is None:
             return
         total = trainer.estimated_stepping_batches

@@ -11,18 +11,24 @@ names, in one message, the overrides that resume it as trained.
 
 What the checkpoint was trained with: the module's hyperparameters (``model``, ``objective``,
 ``optim``, ``seed``) and, written by :class:`RecordTraining` into every checkpoint, the data and
-trainer options below and the number of processes. A checkpoint from before a record existed is
+trainer options below (each of ``data.sources`` by name), the number of processes and the key of
+each source's converted store (data/convert.py: a hash of the input's content and conversion
+options), which :func:`check_same_data` compares once the data is read: a file rewritten in place,
+sources swapped or pointed at other files are refused, not trained on. Where the data is, when this
+run does not say (``data.debian_dir``, ``data.train_path``, ``data.path``, ``data.dir`` left unset),
+is taken from the checkpoint (:func:`adopt_data_location`), so the resume command needs no data settings. A checkpoint from before a record existed is
 checked on what it has. Options left out may change between attempts: logging, validation and the
 pool, cache folders, ``model.path`` (where the same backbone sits), memory knobs
 (``model.grad_cache_chunk``, ``data.num_workers``), ``trainer.max_steps`` (to extend a run).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from lightning.pytorch.callbacks import Callback
 from omegaconf import OmegaConf
 
+from moco_retrieval.data.multisource import source_names
 from moco_retrieval.data.prompts import to_prompts
 from moco_retrieval.errors import CheckpointError
 
@@ -30,6 +36,8 @@ TRAINED_WITH = "trained_with"  # the checkpoint key RecordTraining writes
 DATA_OPTIONS = ("kind", "train_path", "path", "split", "dir", "train_split", "debian_dir", "columns", "views", "batch_size",
                 "seed", "shuffle", "unique_in_batch", "max_train_examples", "n_negatives")
 TRAINER_OPTIONS = ("accumulate_grad_batches", "gradient_clip_val")
+LOCATIONS = ("train_path", "path", "dir", "debian_dir")  # where the data is: taken from the checkpoint when unset
+DATA_KEYS = "data_keys"  # each source's store key, in the checkpoint's record
 MODEL_FREE = ("path", "feature_cache_dir", "grad_cache_chunk")  # where things are, or memory; not what is trained
 # objective options added since checkpoints were first written: the value a checkpoint without
 # the option was trained with (the behaviour before the option existed)
@@ -49,9 +57,13 @@ def _flat(prefix: str, d: dict) -> dict[str, Any]:
 
 
 def recorded_options(cfg: Any) -> dict[str, Any]:
-    """This run's data and trainer options that a checkpoint records (flat keys: ``data.seed``)."""
+    """This run's data and trainer options that a checkpoint records (flat keys: ``data.seed``,
+    ``data.sources[NAME].max_train_examples``)."""
     data, trainer = _plain(cfg.data), _plain(cfg.trainer)
-    return {**_flat("data", {k: data[k] for k in DATA_OPTIONS}),
+    sources = {}
+    for name, source in zip(source_names(cfg.data), data["sources"]):
+        sources.update(_flat(f"data.sources[{name}]", {k: v for k, v in source.items() if k != "name"}))
+    return {**_flat("data", {k: data[k] for k in DATA_OPTIONS}), **sources,
             **_flat("trainer", {k: trainer[k] for k in TRAINER_OPTIONS})}
 
 
@@ -64,7 +76,9 @@ class RecordTraining(Callback):
         self.options = recorded_options(cfg)
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
-        checkpoint[TRAINED_WITH] = {**self.options, "world_size": int(trainer.world_size)}
+        keys = getattr(getattr(trainer, "datamodule", None), "data_keys", None)
+        checkpoint[TRAINED_WITH] = {**self.options, "world_size": int(trainer.world_size),
+                                    **({DATA_KEYS: keys()} if keys else {})}
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
         trained = (checkpoint.get(TRAINED_WITH) or {}).get("world_size")
@@ -100,6 +114,35 @@ def _changes(trained: dict, now: dict) -> list[tuple[str, Any, Any]]:
     return [(k, trained[k], now[k]) for k in now if k in trained and trained[k] != now[k]]
 
 
+def adopt_data_location(ckpt: dict, cfg: Any) -> list[str]:
+    """Set each of :data:`LOCATIONS` this run leaves unset (``cfg.data``, changed in place) to the
+    checkpoint's; returns them as overrides (said on stderr by the caller)."""
+    trained = ckpt.get(TRAINED_WITH) or {}
+    adopted = []
+    for key in LOCATIONS:
+        value = trained.get(f"data.{key}")
+        if value is not None and getattr(cfg.data, key) is None:
+            setattr(cfg.data, key, value)
+            adopted.append(f"data.{key}={override(value)}")
+    return adopted
+
+
+def check_same_data(ckpt: dict, ckpt_path: str, keys: dict[str, Optional[str]]) -> None:
+    """:class:`CheckpointError` when a source's store key (``keys``, the data module's) is not the
+    one the checkpoint trained on (a checkpoint without the record is not checked)."""
+    trained = (ckpt.get(TRAINED_WITH) or {}).get(DATA_KEYS)
+    if trained is None:
+        return
+    changed = [n for n in dict.fromkeys([*trained, *keys]) if trained.get(n) != keys.get(n)]
+    if changed:
+        what = ", ".join("the training data" if n == "data" else f"data.sources[{n}]" for n in changed)
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path}: {what} is not the data this run trained on (its content, or the file it names, "
+            f"changed since the checkpoint: store {', '.join(str(trained.get(n))[:12] for n in changed)} then, "
+            f"{', '.join(str(keys.get(n))[:12] for n in changed)} now); a resume must train on the same rows: give "
+            "the files it trained on (or start a new run_dir)")
+
+
 def check_resumable(ckpt: dict, ckpt_path: str, cfg: Any) -> None:
     """:class:`CheckpointError` naming every option this run's config (a ``TrainConfig``) changes
     from the checkpoint's training, with the trained values as overrides; see the module docstring."""
@@ -129,4 +172,5 @@ def check_resumable(ckpt: dict, ckpt_path: str, cfg: Any) -> None:
             "as overrides to resume it as trained (or start a new run_dir)")
 
 
-__all__ = ["RecordTraining", "TRAINED_WITH", "check_resumable", "override", "recorded_options"]
+__all__ = ["RecordTraining", "TRAINED_WITH", "adopt_data_location", "check_resumable", "check_same_data", "override",
+           "recorded_options"]

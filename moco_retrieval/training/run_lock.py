@@ -13,7 +13,11 @@ data or builds a model. What is recognised:
   ended the previous attempt (a holder of the same job alive on this host still refuses it).
 
 :func:`writable_run_dir` comes first: a read-only run directory (a new run or a resume) is one
-message (:class:`RunDirNotWritable`), not a traceback from the lock file's creation.
+message (:class:`RunDirNotWritable`), not a traceback from the lock file's creation. Then
+:func:`claim_run_dir`: a training that does not continue the run directory's own run starts only in
+a missing or empty folder, or replaces an earlier run there with ``overwrite=true`` (files.py's rule
+for every output folder): a forgotten ``ckpt_path=last`` never destroys a run, and a folder of the
+user's files is never written into.
 """
 from __future__ import annotations
 
@@ -28,9 +32,12 @@ from pathlib import Path
 from typing import Optional
 
 from moco_retrieval.errors import UserError
+from moco_retrieval.files import claim_output_dir, remove_entries
 from moco_retrieval.training.cluster import job_id
 
 LOCK_NAME = ".lock"
+# what a training writes into its run directory: an earlier run's, replaced by overwrite=true
+RUN_ENTRIES = ["checkpoints", "csv", "wandb", "plots", "metrics.csv", "metrics.json", "config.yaml"]
 
 
 class RunDirLocked(UserError):
@@ -55,6 +62,25 @@ def writable_run_dir(run_dir: Path) -> None:
             f"run_dir={run_dir}: cannot write there ({os.strerror(e.errno).lower()}); a training writes "
             "its checkpoints, logs and config.yaml into its run directory: give a writable run_dir (to resume a run "
             "from a read-only copy, copy it somewhere writable first)") from None
+
+
+def claim_run_dir(run_dir: Path, continues: bool, overwrite: bool) -> list[str]:
+    """Before a training writes into ``run_dir``: unless it ``continues`` the run there (``ckpt_path=last``,
+    or a checkpoint of that run), the folder must be missing or empty, or (``overwrite``) hold an
+    earlier run, whose entries are removed; returns them (files.claim_output_dir refuses the rest)."""
+    if continues:
+        return []
+
+    def earlier_run(folder: Path):
+        return RUN_ENTRIES if (folder / "checkpoints").is_dir() or (folder / "csv").is_dir() else None
+
+    replaced = claim_output_dir(run_dir, "run_dir", overwrite, earlier_run, "training run",
+                                advice="ckpt_path=last resumes the run there, ")
+    if replaced:
+        remove_entries(run_dir, replaced)
+        print(f"[moco_retrieval] overwrite=true: removed the earlier run's {', '.join(replaced)} from {run_dir}",
+              file=sys.stderr, flush=True)
+    return replaced
 
 
 def _start_time(pid: int) -> Optional[str]:

@@ -30,6 +30,34 @@ def test_parquet_gives_the_pairs_jsonl_gives(tmp_path):
     assert [p for _, p in located] == jsonl_pairs(tmp_path, plain)
 
 
+ST = {"anchor": ["resize images", "play chess"], "positive": ["ImageMagick edits images.", "GNOME chess."],
+      "negative_2": ["Inkscape draws.", ""], "negative": ["GIMP paints.", "Stockfish thinks."]}
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_sentence_transformers_columns_read_as_in_a_datasets_folder(tmp_path, fmt):
+    """anchor / positive / negative, negative_1 ... (issue 46, point 14): one rule for every tabular kind."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / f"st.{fmt}"
+    if fmt == "csv":
+        path.write_text("anchor,positive,negative_2,negative\n" + "".join(
+            ",".join(ST[c][i] for c in ST) + "\n" for i in range(2)))
+        located = read_pairs_csv_located(path)
+    else:
+        pq.write_table(pa.table({c: [v or None for v in vs] for c, vs in ST.items()}), path)
+        located = read_pairs_parquet_located(path)
+    expected = [{"query": ST["anchor"][i], "positive": ST["positive"][i],
+                 "negatives": [n for n in (ST["negative"][i], ST["negative_2"][i]) if n]} for i in range(2)]
+    assert [p for _, p in located] == jsonl_pairs(tmp_path, expected)  # negative before negative_2; empty: absent
+    bad = path.with_name(f"bad.{fmt}")
+    if fmt == "csv":
+        bad.write_text("anchor,positive\n ,text\n")
+        with pytest.raises(DataError, match=re.escape(f"{bad}: row 2, column 'anchor': field 'query' is empty")):
+            read_pairs_csv_located(bad)
+
+
 def test_column_names_are_configurable(tmp_path):
     rename = {"query": "title", "positive": "body", "doc_id": "package"}
     cols = ColumnsConfig(query="title", positive="body", doc_id="package")

@@ -50,6 +50,23 @@ def test_a_checkpoint_with_flipped_bytes_is_refused_by_every_command(tmp_path):
     assert read_checkpoint(previous_of(last))["global_step"] == 2  # an intact one reads
 
 
+def test_a_changed_byte_outside_the_tensors_is_caught_by_the_zips_crc(tmp_path):
+    """The tensor checksum does not cover the pickled rest: a learning rate of 1e-3 turned into 65.5
+    by one changed float (issue 46, point 8) must not resume at that rate."""
+    import struct
+
+    path = tmp_path / "last.ckpt"
+    atomic_torch_save({"global_step": 2, "lr_schedulers": [{"base_lrs": [1e-3]}], "w": torch.ones(4)}, path)
+    data = path.read_bytes()
+    old, new = struct.pack(">d", 1e-3), struct.pack(">d", 65.5)  # a pickled float: 'G' and 8 big-endian bytes
+    assert data.count(old) == 1
+    path.write_bytes(data.replace(old, new))
+    with pytest.raises(CheckpointError, match=r"last.ckpt: damaged: .*data.pkl does not match the CRC the zip holds"):
+        read_checkpoint(path)
+    with pytest.raises(CheckpointError, match="ckpt_path=.*last.ckpt: damaged"):
+        resolve_ckpt_path(str(path), tmp_path)
+
+
 # ---- non-finite loss or weights ------------------------------------------------------------------
 
 class Poison(Callback):
@@ -66,6 +83,35 @@ class Poison(Callback):
                     p.fill_(float("nan"))
         if trainer.global_step == self.save_at:
             trainer.save_checkpoint(self.path)
+
+
+def test_weights_that_overflow_the_forward_pass_are_never_kept_nor_exported(tiny_dir, tmp_path):
+    """Issue 46, point 9: one step at lr 1e29 leaves finite weights (about 1e29) whose embeddings are
+    NaN; the step-1 validation stops the run before its checkpoints, and export refuses such a model."""
+    from moco_retrieval.export.__main__ import check_finite
+    from moco_retrieval.model.loading import load_encoder
+    from moco_retrieval.train import train
+    from moco_retrieval.training.finite_guard import NonFiniteError
+    from tests.helpers import tiny_overrides, write_eval, write_jsonl
+
+    write_jsonl(tmp_path / "train.jsonl", [{"query": f"query {i}", "positive": f"document {i}"} for i in range(32)])
+    write_eval(tmp_path / "eval")
+    run = ["data=jsonl", f"data.train_path={tmp_path / 'train.jsonl'}", f"data.eval_dir={tmp_path / 'eval'}",
+           *tiny_overrides(tiny_dir), "objective=inbatch", "trainer=cpu", "logger=none", "data.batch_size=8",
+           "optim.warmup_steps=0", "trainer.max_steps=3", "trainer.val_check_interval=1"]
+    with pytest.raises(NonFiniteError, match=r"the validation embeddings were not finite .*val/anisotropy=nan.* after step 1"):
+        train(compose_cfg("train", [*run, "optim.lr=1e29"], to_object=True), tmp_path / "run")
+    assert not list((tmp_path / "run" / "checkpoints").glob("*.ckpt"))
+
+    train(compose_cfg("train", [*run, "optim.lr=1e-3", "trainer.max_steps=1"], to_object=True), tmp_path / "good")
+    last = tmp_path / "good" / "checkpoints" / "last.ckpt"
+    enc, _ = load_encoder(checkpoint=str(last), model=compose_cfg("export", ["out_dir=x", *tiny_overrides(tiny_dir)]).model)
+    check_finite(enc, str(last))  # a sound model passes
+    with torch.no_grad():
+        for p in enc.parameters():
+            p.mul_(1e29)
+    with pytest.raises(CheckpointError, match="embeddings of a probe text are not finite"):
+        check_finite(enc, str(last))
 
 
 def test_a_loss_gone_nan_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(tiny_dir, tmp_path):

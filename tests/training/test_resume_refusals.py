@@ -153,14 +153,18 @@ def test_a_copied_run_resumes_with_its_best_tracking_and_no_orphan_best_file(tra
     step-8 writes), with a best-8.ckpt beside it: the resumed copy ends with keep_best_checkpoints
     (1) best file, the best score of all its validations, and its paths in the copy."""
     run_dir, _ = trained
+    # the same run to step 6: its last.prev.ckpt is the step-6 validation's, mid-epoch (the 8-step
+    # run's two last files are both of step 8: its end validates inside fit)
+    six = tmp_path / "six"
+    _train(six, "trainer.max_steps=6")
     copy = tmp_path / "copy"
-    shutil.copytree(run_dir, copy)
+    shutil.copytree(six, copy)
     folder = copy / "checkpoints"
-    shutil.copy(folder / "last.ckpt", folder / "best-8.ckpt")  # (unless the run wrote one: the same step)
+    shutil.copy(run_dir / "checkpoints" / "last.ckpt", folder / "best-8.ckpt")
     (folder / "last.prev.ckpt").replace(folder / "last.ckpt")
-    original = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    original = {p: p.read_bytes() for p in six.rglob("*") if p.is_file()}
     start = _best_state(read_checkpoint(folder / "last.ckpt"))
-    assert Path(start["dirpath"]) == (run_dir / "checkpoints").resolve()
+    assert Path(start["dirpath"]) == (six / "checkpoints").resolve()
     err = _train(copy)
     assert "removed best-8.ckpt" in err and "of step 6 this run resumes from" in err
     bests = sorted(p.name for p in folder.glob("best-*"))
@@ -172,4 +176,4 @@ def test_a_copied_run_resumes_with_its_best_tracking_and_no_orphan_best_file(tra
     assert float(after["best_model_score"]) >= float(start["best_model_score"])
     assert after["best_model_score"] == _best_state(read_checkpoint(run_dir / "checkpoints" / "last.ckpt"))["best_model_score"]
     # the original run is untouched (the copy's paths now point into the copy)
-    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == original
+    assert {p: p.read_bytes() for p in six.rglob("*") if p.is_file()} == original
