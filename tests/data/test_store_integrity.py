@@ -189,6 +189,7 @@ def test_a_damaged_store_is_converted_again_with_one_line(cfg, capsys, case):
     capsys.readouterr()
     assert main(prepare(cfg)) == 0
     out, err = capsys.readouterr()
+    assert err, "nothing said about the damage"
     first = log_lines(err)[0]
     assert first.startswith(f"{store}: the store of {cfg.train_path} cannot be trusted ({reason.format(size=size)}")
     assert first.endswith("); converting it again")
@@ -236,6 +237,19 @@ def test_an_open_reads_the_numbers_not_the_texts(cfg, monkeypatch):
     assert "pairs.arrow" in hashed
 
 
+def test_a_damaged_corpus_store_is_converted_again(tmp_path, capsys):
+    """The corpora of evaluate and search are stores of the same kind, opened through the same check."""
+    path = tmp_path / "corpus.jsonl"
+    write_jsonl(path, [{"_id": f"d{i}", "title": "", "text": f"text {i}"} for i in range(30)])
+    store = corpus_store(path, tmp_path / "corpora")
+    truncate("corpus.arrow", 0.5)(store.folder)
+    capsys.readouterr()
+    again = corpus_store(path, tmp_path / "corpora")
+    assert log_lines(capsys.readouterr().err)[0].startswith(
+        f"{store.folder}: the store of {path} cannot be trusted (corpus.arrow holds ")
+    assert again.folder == store.folder and again.text("d29") == "text 29"
+
+
 # ------------------------------------------------------------------------ point 7: the cache itself
 
 
@@ -266,22 +280,25 @@ def test_a_read_only_cache_still_serves_the_stores_it_holds(cfg, monkeypatch):
         os.chmod(root, 0o755)
 
 
-def test_another_users_fingerprint_is_readable_or_done_without(cfg, monkeypatch):
-    """A shared cache: the fingerprints this process writes are as readable as any file (not mkstemp's
-    0600); one it cannot read (another user's, 0600) is computed again."""
-    store = prepare_store(cfg)
+def test_fingerprints_are_as_readable_as_any_file(cfg):
+    """A shared cache: the fingerprints one user writes, the others read (not mkstemp's 0600)."""
+    from moco_retrieval.files import ordinary_mode
+
+    prepare_store(cfg)
     memos = list((store_root(cfg) / "fingerprints").iterdir())
-    assert memos and all(m.stat().st_mode & 0o777 == 0o666 & ~current_umask() for m in memos)
-    for memo in memos:
+    assert memos and {m.stat().st_mode & 0o777 for m in memos} == {ordinary_mode(is_dir=False)}
+
+
+def test_another_users_unreadable_fingerprint_is_done_without(cfg, monkeypatch):
+    """A fingerprint another user wrote 0600 (before the fix above): the content is hashed again."""
+    store = prepare_store(cfg)
+    for memo in (store_root(cfg) / "fingerprints").iterdir():
         os.chmod(memo, 0o600)
         deny(monkeypatch, memo, reads=True)
-    assert prepare_store(cfg) == store
-
-
-def current_umask() -> int:
-    from moco_retrieval.files import current_umask as umask
-
-    return umask()
+    try:
+        assert prepare_store(cfg) == store
+    finally:
+        monkeypatch.undo()
 
 
 def test_a_full_disk_during_conversion_is_one_message_and_leaves_nothing(cfg, capsys, monkeypatch):

@@ -219,6 +219,36 @@ def test_ensure_debian_dataset_caches(tmp_path, monkeypatch):
     assert ensure_debian_dataset(cfg, verbose=False) != out
 
 
+def test_a_cached_set_cut_short_is_built_again_or_refused(tmp_path, monkeypatch, capsys):
+    """A cached train.jsonl cut short (its manifest's sha256 differs): built again from the apt lists
+    in one line; refused in one message when they are not at hand (the recorded set, no lists)."""
+    from moco_retrieval.data.builders.debian import apt_lists
+
+    monkeypatch.delenv(ENV_DEBIAN_DIR, raising=False)
+    monkeypatch.setattr(apt_lists, "DEFAULT_LISTS_DIR", str(tmp_path / "no-apt-lists"))
+    write_control(tmp_path / "in")
+    cfg = DataConfig(debian_dir=str(tmp_path / "in"), cache_dir=str(tmp_path / "cache"))
+    out = ensure_debian_dataset(cfg, verbose=False)
+    whole = (out / "train.jsonl").read_text()
+
+    def cut() -> None:
+        (out / "train.jsonl").write_text("".join(whole.splitlines(keepends=True)[:10]))
+
+    cut()
+    capsys.readouterr()
+    assert ensure_debian_dataset(cfg, verbose=False) == out
+    assert capsys.readouterr().err == (
+        f"[moco_retrieval] {out}: the cached Debian data set cannot be trusted (train.jsonl differs from its sha256 in "
+        f"manifest.json (changed on disk)); building it again from data.debian_dir={tmp_path / 'in'}\n")
+    assert (out / "train.jsonl").read_text() == whole
+    cut()
+    with pytest.raises(DataError) as refused:
+        ensure_debian_dataset(DataConfig(cache_dir=str(tmp_path / "cache")), verbose=False)
+    assert str(refused.value).startswith(
+        f"{out}: the cached Debian data set cannot be trusted (train.jsonl differs from its sha256 in manifest.json "
+        "(changed on disk)) and cannot be built again: cannot build the Debian data set")
+
+
 def test_the_built_set_is_found_without_pointing_at_the_apt_lists_again(tmp_path, monkeypatch):
     """Train once with the apt lists pointed at; evaluate, search and mine then find the same set."""
     from moco_retrieval.data.builders.debian import apt_lists
