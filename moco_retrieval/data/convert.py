@@ -251,8 +251,10 @@ def _remove_interrupted(root: Path) -> None:
         log_line(f"removed {tmp}, the temporary folder of an interrupted conversion ({size / 1e6:,.1f} MB)", file=sys.stderr)
 
 
-def _cache_error(e: OSError, spec: Any, root: Path, problem: Optional[str]) -> Exception:
-    """The one message for a cache that cannot take the store (full, not writable); else ``e``."""
+def cache_error(e: OSError, what: str, root: Path, problem: Optional[str] = None) -> Exception:
+    """The one message for a cache ``root`` that cannot take what is written into it (``what``: e.g.
+    ``convert FILE``) because it is full or not writable (``problem``: why the one there is
+    replaced); else ``e`` itself (a bug, or an error of another kind)."""
     fix = "give the cache another folder (data.cache_dir=DIR or $MOCO_RETRIEVAL_CACHE=DIR)"
     again = f" again (the one there cannot be trusted: {problem})" if problem else ""
     if out_of_space(e):
@@ -260,12 +262,12 @@ def _cache_error(e: OSError, spec: Any, root: Path, problem: Optional[str]) -> E
             free = f" ({human_size(shutil.disk_usage(root).free)} free)"
         except OSError:
             free = ""
-        return DataError(f"cannot convert {spec.name} into {root}{again}: no space left on the device{free}; "
-                         f"the partial store was removed. Free some space, or {fix}")
+        return DataError(f"cannot {what} into {root}{again}: no space left on the device{free}; "
+                         f"what was partly written was removed. Free some space, or {fix}")
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         if e.filename and not Path(os.path.abspath(e.filename)).is_relative_to(os.path.abspath(root)):
             return DataError(f"{e.filename}: cannot read it ({e.strerror})")
-        return DataError(f"cannot convert {spec.name} into {root}{again}: the cache is not writable "
+        return DataError(f"cannot {what} into {root}{again}: the cache is not writable "
                          f"({e.strerror}: {e.filename or root}); {fix}, or ask its owner to make it writable")
     return e
 
@@ -301,10 +303,11 @@ def ensure_store(spec: Any, root: Path, write: Optional[Callable[[Any, Path], di
     except OSError as e:
         if isinstance(e, UserError):
             raise
-        raise _cache_error(e, spec, root, problem) from None
+        raise cache_error(e, f"convert {spec.name}", root, problem) from None
     log_line(f"converted {spec.name}: {m['rows']:,} rows in {m['converted_s']:.1f}s ({m['rows_per_s']:,} rows/s), "
              f"{folder_bytes(final) / 1e6:,.1f} MB in {final}", file=sys.stderr)
     return final
 
 
-__all__ = ["CHUNK", "CHUNK_CHARS", "PairSpec", "file_hash", "store_key", "file_lock", "write_store", "folder_bytes", "ensure_store"]
+__all__ = ["CHUNK", "CHUNK_CHARS", "PairSpec", "file_hash", "store_key", "file_lock", "write_store", "folder_bytes",
+           "cache_error", "ensure_store"]

@@ -6,12 +6,9 @@ temporary folder is removed on the next start.
 
 Tests run as root here and in CI, and root ignores permissions: a read-only cache and another user's
 0600 file are real chmods when not root, and the failing OS calls (open, os.open, os.mkdir) raise
-PermissionError for those paths when root (:func:`deny`)."""
+PermissionError for those paths when root (tests.helpers.deny)."""
 from __future__ import annotations
 
-import builtins
-import errno
-import io
 import json
 import os
 import re
@@ -31,7 +28,7 @@ from moco_retrieval.data.formats import read_pairs_jsonl
 from moco_retrieval.data.sources import prepare_store, store_root
 from moco_retrieval.data.store import PairStore
 from moco_retrieval.errors import USER_ERROR_STATUS
-from tests.helpers import write_jsonl
+from tests.helpers import deny, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,46 +57,6 @@ def stopped(argv: list[str], capsys) -> tuple[int, str]:
 def log_lines(err: str) -> list[str]:
     """The lines of a call's stderr, without their time stamps."""
     return [re.sub(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", "", line) for line in err.strip().splitlines()]
-
-
-def deny(monkeypatch, under: Path, reads: bool = False) -> None:
-    """``under`` not writable (``reads``: not readable either), as another user's files or a
-    read-only cache are: a real chmod, and when root (who ignores modes) the OS calls that would
-    fail raise PermissionError as they would."""
-    under = under.resolve()
-    if os.geteuid() != 0:
-        os.chmod(under, 0o000 if reads and under.is_file() else 0o555)
-        return
-
-    def denied(path) -> bool:
-        try:
-            return Path(os.path.abspath(os.fspath(path))).is_relative_to(under)
-        except TypeError:  # a file descriptor
-            return False
-
-    def refuse(path):
-        return PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
-
-    real_open, real_os_open, real_mkdir = builtins.open, os.open, os.mkdir
-
-    def fake_open(file, mode="r", *args, **kwargs):
-        if (reads or any(c in mode for c in "wax+")) and denied(file):
-            raise refuse(file)
-        return real_open(file, mode, *args, **kwargs)
-
-    def fake_os_open(path, flags, mode=0o777, *, dir_fd=None):
-        if (reads or flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)) and denied(path):
-            raise refuse(path)
-        return real_os_open(path, flags, mode, dir_fd=dir_fd)
-
-    def fake_mkdir(path, mode=0o777, *, dir_fd=None):
-        if denied(path) and not os.path.isdir(path):
-            raise refuse(path)
-        return real_mkdir(path, mode, dir_fd=dir_fd)
-
-    for module, name, fake in ((builtins, "open", fake_open), (io, "open", fake_open), (os, "open", fake_os_open),
-                               (os, "mkdir", fake_mkdir)):
-        monkeypatch.setattr(module, name, fake)
 
 
 # ------------------------------------------------------------------------------- point 5: the key
@@ -311,7 +268,7 @@ def test_a_full_disk_during_conversion_is_one_message_and_leaves_nothing(cfg, ca
     root = store_root(cfg)
     assert status == USER_ERROR_STATUS
     assert re.fullmatch(rf"data prepare: error: cannot convert {re.escape(cfg.train_path)} into {re.escape(str(root))}: "
-                        r"no space left on the device \([\d.]+ [KMG]?B free\); the partial store was removed\. Free some "
+                        r"no space left on the device \([\d.]+ [KMG]?B free\); what was partly written was removed\. Free some "
                         r"space, or give the cache another folder \(data.cache_dir=DIR or \$MOCO_RETRIEVAL_CACHE=DIR\)",
                         err), err
     assert [p.name for p in root.iterdir() if p.is_dir()] == ["fingerprints"]

@@ -10,14 +10,15 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional
 
 from moco_retrieval.config import cache_root
-from moco_retrieval.files import discard_dir, ordinary_mode
+from moco_retrieval.errors import UserError
+from moco_retrieval.files import atomic_write, discard_dir
 from moco_retrieval.data.builders.folder import check_build, temp_dir_beside
+from moco_retrieval.data.convert import cache_error
 from moco_retrieval.data.formats import DataError
 from moco_retrieval.data.builders.debian.apt_lists import ENV_DEBIAN_DIR, resolve_debian_inputs
 from moco_retrieval.data.builders.debian.build import BUILDER_VERSION, DEFAULT_EVAL_FRACTION, check_options, inputs_manifest, write_debian
@@ -29,7 +30,8 @@ _announced: set[str] = set()
 
 def record_build(cache: Path, out: Path, label: str, options: dict) -> None:
     """Remember ``out`` as the cache's default Debian set, so that later commands without
-    ``data.debian_dir`` / ``$MOCO_RETRIEVAL_DEBIAN_DIR`` find it (written atomically: ranks race)."""
+    ``data.debian_dir`` / ``$MOCO_RETRIEVAL_DEBIAN_DIR`` find it (written atomically: ranks race;
+    not at all in a cache this process cannot write)."""
     record = {"dir": out.name, "source": label, **options}
     path = cache / RECORD_FILE
     try:
@@ -37,11 +39,11 @@ def record_build(cache: Path, out: Path, label: str, options: dict) -> None:
             return
     except (OSError, ValueError):
         pass
-    fd, tmp = tempfile.mkstemp(prefix=f".{RECORD_FILE}.", dir=cache)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    os.chmod(tmp, ordinary_mode(is_dir=False))
-    os.replace(tmp, path)
+    try:
+        with atomic_write(path) as tmp:
+            tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    except OSError:  # a cache this process cannot write (shared, read-only): the set was found without it
+        pass
 
 
 def recorded_build(cache: Path, options: dict) -> Optional[tuple[Path, str]]:
@@ -133,14 +135,20 @@ def ensure_debian_dataset(
         if problem is None:
             record_build(cache, out, label, options)
             return out
-        discard_dir(out)
         damaged = (out, problem)
-    if damaged is not None:
-        print(f"[moco_retrieval] {damaged[0]}: the cached Debian data set cannot be trusted ({damaged[1]}); "
-              f"building it again from {label}", file=sys.stderr)
-    cache.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    manifest = _build_in_cache(out, tr, pk, inputs, eval_fraction, dedup)
+    try:
+        if damaged is not None:
+            if damaged[0] == out:
+                discard_dir(out)
+            print(f"[moco_retrieval] {damaged[0]}: the cached Debian data set cannot be trusted ({damaged[1]}); "
+                  f"building it again from {label}", file=sys.stderr)
+        cache.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        manifest = _build_in_cache(out, tr, pk, inputs, eval_fraction, dedup)
+    except OSError as e:
+        if isinstance(e, UserError):
+            raise
+        raise cache_error(e, f"build the Debian data set from {label}", cache, damaged and damaged[1]) from None
     record_build(cache, out, label, options)
     if verbose:
         c = manifest["counts"]
