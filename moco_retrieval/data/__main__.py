@@ -206,7 +206,7 @@ def _print_store(folder, verified: bool, prefix: str = "") -> None:
         return
     m = read_manifest(folder)
     print(f"{prefix}store {folder}: {m['rows']:,} rows of {m['name']}, {folder_bytes(folder) / 1e6:,.1f} MB"
-          + (", every file as its sha256 in the manifest" if verified else ""))
+          + (", verified: every file matches the sha256 in its manifest" if verified else ""))
 
 
 SUBCOMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {

@@ -290,7 +290,7 @@ def ensure_store(spec: Any, root: Path, write: Optional[Callable[[Any, Path], di
                 if (problem := check_folder(final, full=verify)) is None:
                     return final
                 discard_dir(final)
-                log_line(f"{final}: the store of {spec.name} cannot be trusted ({problem}); converting it again",
+                log_line(f"{final}: the store of {spec.name} cannot be trusted: {problem}; converting it again",
                          file=sys.stderr)
             tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
             os.chmod(tmp, ordinary_mode(is_dir=True))  # mkdtemp's 0700 would keep the store from the node's other users

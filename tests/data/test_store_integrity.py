@@ -148,8 +148,8 @@ def test_a_damaged_store_is_converted_again_with_one_line(cfg, capsys, case):
     out, err = capsys.readouterr()
     assert err, "nothing said about the damage"
     first = log_lines(err)[0]
-    assert first.startswith(f"{store}: the store of {cfg.train_path} cannot be trusted ({reason.format(size=size)}")
-    assert first.endswith("); converting it again")
+    assert first.startswith(f"{store}: the store of {cfg.train_path} cannot be trusted: {reason.format(size=size)}")
+    assert first.endswith("; converting it again")
     assert f"store {store}: 40 rows of {cfg.train_path}" in out
     rebuilt = PairStore(prepare_store(cfg))
     want = read_pairs_jsonl(Path(cfg.train_path))
@@ -170,13 +170,13 @@ def test_prepare_verify_finds_flipped_bytes_in_the_texts(cfg, capsys):
     assert prepare_store(cfg) == store and "cannot be trusted" not in capsys.readouterr().err
     assert main(prepare(cfg, "--verify")) == 0
     out, err = capsys.readouterr()
-    assert log_lines(err)[0] == (f"{store}: the store of {cfg.train_path} cannot be trusted (pairs.arrow differs "
-                                 "from its sha256 in the manifest (changed on disk)); converting it again")
-    assert f"store {store}: 40 rows of {cfg.train_path}" in out and "every file as its sha256 in the manifest" in out
+    assert log_lines(err)[0] == (f"{store}: the store of {cfg.train_path} cannot be trusted: pairs.arrow differs "
+                                 "from its sha256 in the manifest (changed on disk); converting it again")
+    assert f"store {store}: 40 rows of {cfg.train_path}" in out and "verified: every file matches the sha256 in its manifest" in out
     assert PairStore(store).column("query") == [f"query {i:03d}" for i in range(40)]
     assert main(prepare(cfg, "--verify")) == 0
     out, err = capsys.readouterr()
-    assert err == "" and "every file as its sha256 in the manifest" in out
+    assert err == "" and "verified: every file matches the sha256 in its manifest" in out
 
 
 def test_an_open_reads_the_numbers_not_the_texts(cfg, monkeypatch):
@@ -203,7 +203,7 @@ def test_a_damaged_corpus_store_is_converted_again(tmp_path, capsys):
     capsys.readouterr()
     again = corpus_store(path, tmp_path / "corpora")
     assert log_lines(capsys.readouterr().err)[0].startswith(
-        f"{store.folder}: the store of {path} cannot be trusted (corpus.arrow holds ")
+        f"{store.folder}: the store of {path} cannot be trusted: corpus.arrow holds ")
     assert again.folder == store.folder and again.text("d29") == "text 29"
 
 

@@ -238,15 +238,15 @@ def test_a_cached_set_cut_short_is_built_again_or_refused(tmp_path, monkeypatch,
     capsys.readouterr()
     assert ensure_debian_dataset(cfg, verbose=False) == out
     assert capsys.readouterr().err == (
-        f"[moco_retrieval] {out}: the cached Debian data set cannot be trusted (train.jsonl differs from its sha256 in "
-        f"manifest.json (changed on disk)); building it again from data.debian_dir={tmp_path / 'in'}\n")
+        f"[moco_retrieval] {out}: the cached Debian data set cannot be trusted: train.jsonl differs from its sha256 in "
+        f"manifest.json (changed on disk); building it again from data.debian_dir={tmp_path / 'in'}\n")
     assert (out / "train.jsonl").read_text() == whole
     cut()
     with pytest.raises(DataError) as refused:
         ensure_debian_dataset(DataConfig(cache_dir=str(tmp_path / "cache")), verbose=False)
     assert str(refused.value).startswith(
-        f"{out}: the cached Debian data set cannot be trusted (train.jsonl differs from its sha256 in manifest.json "
-        "(changed on disk)) and cannot be built again: cannot build the Debian data set")
+        f"{out}: the cached Debian data set cannot be trusted: train.jsonl differs from its sha256 in manifest.json "
+        "(changed on disk); and it cannot be built again: cannot build the Debian data set")
 
 
 def test_a_read_only_cache_serves_its_set_and_refuses_a_build_in_one_message(tmp_path, monkeypatch):

@@ -121,8 +121,8 @@ def ensure_debian_dataset(
     except DataError as exc:
         if damaged is None:
             raise
-        raise DataError(f"{damaged[0]}: the cached Debian data set cannot be trusted ({damaged[1]}) and cannot be "
-                        f"built again: {exc}") from None
+        raise DataError(f"{damaged[0]}: the cached Debian data set cannot be trusted: {damaged[1]}; and it cannot "
+                        f"be built again: {exc}") from None
     inputs = inputs_manifest(tr, pk)
     key_src = json.dumps(
         {"builder_version": BUILDER_VERSION, "eval_fraction": eval_fraction, "dedup": dedup, "inputs": inputs},
@@ -140,7 +140,7 @@ def ensure_debian_dataset(
         if damaged is not None:
             if damaged[0] == out:
                 discard_dir(out)
-            print(f"[moco_retrieval] {damaged[0]}: the cached Debian data set cannot be trusted ({damaged[1]}); "
+            print(f"[moco_retrieval] {damaged[0]}: the cached Debian data set cannot be trusted: {damaged[1]}; "
                   f"building it again from {label}", file=sys.stderr)
         cache.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
