@@ -88,16 +88,19 @@ def check_folder(folder: Path, full: bool = False) -> Optional[str]:
     contents = manifest.get("contents") if isinstance(manifest, dict) else None
     if not isinstance(contents, dict) or not contents or not isinstance(manifest.get("rows"), int):
         return f"{MANIFEST} lists no contents (a store of an older version, or not a store)"
-    try:
-        for name, want in contents.items():
-            path = folder / name
-            if not path.is_file():
-                return f"{name} is missing"
-            size = path.stat().st_size
-            if size != want["bytes"]:
-                return f"{name} holds {size:,} bytes, the manifest says {want['bytes']:,}"
-    except (KeyError, TypeError):
+    if not all(isinstance(w, dict) and isinstance(w.get("bytes"), int) and isinstance(w.get("sha256"), str)
+               for w in contents.values()):
         return f"{MANIFEST} is not a store's manifest (its contents are not sizes and sha256s)"
+    unlisted = sorted(p.name for p in folder.iterdir()  # (a dot file: NFS's place for a file deleted while open)
+                      if p.name != MANIFEST and p.name not in contents and not p.name.startswith("."))
+    if unlisted:
+        return f"{unlisted[0]} is not in the manifest"
+    for name, want in contents.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != want["bytes"]:
+            return f"{name} holds {path.stat().st_size:,} bytes, the manifest says {want['bytes']:,}"
     for name, want in contents.items():
         if (full or name.endswith(".npy")) and sha256_file(folder / name) != want["sha256"]:
             return f"{name} differs from its sha256 in the manifest (changed on disk)"

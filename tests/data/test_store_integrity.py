@@ -107,6 +107,13 @@ def fewer_rows(store: Path) -> None:
     (store / "manifest.json").write_text(json.dumps(manifest))
 
 
+def fewer_contents(store: Path) -> None:
+    """doc_id.npy dropped from the manifest's contents (then nothing would check it)."""
+    manifest = json.loads((store / "manifest.json").read_text())
+    del manifest["contents"]["doc_id.npy"]
+    (store / "manifest.json").write_text(json.dumps(manifest))
+
+
 def truncate(name: str, keep: float):
     def damage(store: Path) -> None:
         data = (store / name).read_bytes()
@@ -128,6 +135,7 @@ DAMAGE = {
     "pairs.arrow deleted": (lambda s: (s / "pairs.arrow").unlink(), "pairs.arrow is missing"),
     "doc_id.npy truncated": (truncate("doc_id.npy", 0.7), "doc_id.npy holds {size:,} bytes, the manifest says"),
     "doc_id.npy deleted": (lambda s: (s / "doc_id.npy").unlink(), "doc_id.npy is missing"),
+    "a file the manifest leaves out": (lambda s: fewer_contents(s), "doc_id.npy is not in the manifest"),
     "manifest.json invalid": (lambda s: (s / "manifest.json").write_text('{"rows": 4'),
                               "manifest.json is not readable JSON (JSONDecodeError)"),
     "manifest.json deleted": (lambda s: (s / "manifest.json").unlink(), "manifest.json is missing"),
