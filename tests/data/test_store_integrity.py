@@ -233,6 +233,22 @@ def test_a_read_only_cache_refuses_a_conversion_in_one_message(cfg, capsys, monk
                         r"to make it writable", err), err
 
 
+def test_a_damaged_store_in_a_read_only_cache_is_refused_in_one_message(cfg, capsys, monkeypatch):
+    store = prepare_store(cfg)
+    (store / "doc_id.npy").unlink()
+    root = store_root(cfg)
+    capsys.readouterr()
+    deny(monkeypatch, root)
+    try:
+        status, err = stopped(prepare(cfg), capsys)
+    finally:
+        os.chmod(root, 0o755)
+    assert status == USER_ERROR_STATUS
+    assert err.startswith(f"data prepare: error: cannot convert {cfg.train_path} into {root} again (the one there cannot "
+                          "be trusted: doc_id.npy is missing): the cache is not writable (Permission denied: ")
+    assert err.count("error:") == 1 and "Traceback" not in err
+
+
 def test_a_read_only_cache_still_serves_the_stores_it_holds(cfg, monkeypatch):
     store = prepare_store(cfg)
     root = store_root(cfg)
