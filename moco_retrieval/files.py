@@ -115,6 +115,26 @@ def _same_file(a: Path, b: Path) -> bool:
     return a.expanduser().resolve() == Path(b).expanduser().resolve()
 
 
+def sha256_file(path: str | os.PathLike) -> str:
+    """sha256 (hex) of a file's bytes, read a MB at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def discard_dir(folder: Path) -> None:
+    """Delete ``folder`` after moving it aside under a temporary name beside it (``.<name>.*``): a
+    reader never finds half of it under its own name, and a kill leaves only the temporary one."""
+    aside = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        os.rename(folder, aside / folder.name)
+    except FileNotFoundError:  # another process discarded it first
+        pass
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def files_under(path: str | os.PathLike | None) -> list[Path]:
     """``path`` when it is a file; every file below it when it is a folder; nothing when unset or absent."""
     if not path:
@@ -190,8 +210,9 @@ def human_size(n: float) -> str:
     return f"{n} B"
 
 
-def _out_of_space(e: BaseException) -> bool:
-    """torch.save reports a full disk as a RuntimeError chained to the OSError(ENOSPC)."""
+def out_of_space(e: BaseException) -> bool:
+    """Whether ``e`` is, or was caused by, a full disk or quota (torch.save reports one as a RuntimeError
+    chained to the OSError(ENOSPC))."""
     seen: set[int] = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
@@ -247,7 +268,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike, keep_previous: bool = F
         os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
-        if isinstance(e, Exception) and _out_of_space(e):
+        if isinstance(e, Exception) and out_of_space(e):
             free = shutil.disk_usage(path.parent).free
             kept = _kept_checkpoints(path.parent, path)
             raise CheckpointError(
@@ -299,6 +320,7 @@ def checkpoint_step(ckpt: dict) -> int:
     return int(ckpt.get("global_step", 0))
 
 
-__all__ = ['current_umask', 'ordinary_mode', 'check_output', 'NOT_CONTENT', 'claim_output_dir', 'remove_entries', 'files_under', 'atomic_write', 'CHECKSUM', 'named_tensors',
-           'tensors_sha256', 'tensor_checksum', 'previous_of', 'human_size', 'atomic_torch_save', 'read_checkpoint',
+__all__ = ['current_umask', 'ordinary_mode', 'check_output', 'NOT_CONTENT', 'claim_output_dir', 'remove_entries',
+           'sha256_file', 'discard_dir', 'files_under', 'atomic_write', 'CHECKSUM', 'named_tensors',
+           'tensors_sha256', 'tensor_checksum', 'previous_of', 'human_size', 'out_of_space', 'atomic_torch_save', 'read_checkpoint',
            'checkpoint_step']

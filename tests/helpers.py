@@ -14,6 +14,7 @@ from here, never from one another.
   ``labels``, ``momentum_step``), the loop reference of InfoNCE (``excluded``, ``ref_direction``),
   steps in one process or on ranks (``momentum_steps``, ``train_steps``).
 * Gloo: ``on_ranks``, a function run on N CPU processes joined by a gloo process group.
+* Permissions: ``deny``, a folder or file not writable (or readable) by this process, root included.
 
 Importing this module does not import Lightning (a gloo rank imports it with its test module):
 ``SyntheticData`` and ``SignalAt``, Lightning subclasses, are made on first use (``__getattr__``).
@@ -516,3 +517,50 @@ def __getattr__(name: str):
         globals().update(_lightning_classes())
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ------------------------------------------------------------------------------------- permissions
+
+
+def deny(monkeypatch, under: Path, reads: bool = False) -> None:
+    """``under`` not writable (``reads``: not readable either), as another user's files or a
+    read-only cache are: a real chmod, and when root (who ignores modes, as here and in CI) the OS
+    calls that would fail (open, os.open, os.mkdir) raise PermissionError for paths under it."""
+    import builtins
+    import errno
+    import io
+
+    under = under.resolve()
+    if os.geteuid() != 0:
+        os.chmod(under, 0o000 if reads and under.is_file() else 0o555)
+        return
+
+    def denied(path) -> bool:
+        try:
+            return Path(os.path.abspath(os.fspath(path))).is_relative_to(under)
+        except TypeError:  # a file descriptor
+            return False
+
+    def refuse(path):
+        return PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+
+    real_open, real_os_open, real_mkdir = builtins.open, os.open, os.mkdir
+
+    def fake_open(file, mode="r", *args, **kwargs):
+        if (reads or any(c in mode for c in "wax+")) and denied(file):
+            raise refuse(file)
+        return real_open(file, mode, *args, **kwargs)
+
+    def fake_os_open(path, flags, mode=0o777, *, dir_fd=None):
+        if (reads or flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)) and denied(path):
+            raise refuse(path)
+        return real_os_open(path, flags, mode, dir_fd=dir_fd)
+
+    def fake_mkdir(path, mode=0o777, *, dir_fd=None):
+        if denied(path) and not os.path.isdir(path):
+            raise refuse(path)
+        return real_mkdir(path, mode, dir_fd=dir_fd)
+
+    for module, name, fake in ((builtins, "open", fake_open), (io, "open", fake_open), (os, "open", fake_os_open),
+                               (os, "mkdir", fake_mkdir)):
+        monkeypatch.setattr(module, name, fake)

@@ -2,12 +2,13 @@
 
     python -m moco_retrieval.data debian --out DIR [--lists DIR | --translation FILE --packages FILE]
     python -m moco_retrieval.data pydoc --out DIR [--stdlib DIR] [--modules a,b.c]
-    python -m moco_retrieval.data prepare data=KIND data.KEY=VALUE ...
+    python -m moco_retrieval.data prepare data=KIND data.KEY=VALUE ... [--verify]
 
 ``debian`` and ``pydoc`` build a retrieval set (``DIR/train.jsonl``, ``DIR/eval/`` in the BEIR layout,
 ``DIR/manifest.json``); ``prepare`` converts a run's training pairs (each source's, with
 ``data.sources``) into their store (convert.py) ahead of a cluster job, with the same ``data.*``
-overrides as the run.
+overrides as the run; ``--verify`` checks every byte of a store already there against its manifest
+(every open checks sizes, row counts and the numeric arrays) and converts one that differs again.
 
 Not a Hydra command: its subcommands take files and flags (docs/design.md, Layout). It shares
 the commands' error reporting (errors.reports_user_errors: a known error is one message and status
@@ -96,6 +97,9 @@ def _parser(prepare_help: bool = False) -> argparse.ArgumentParser:
         ),
         epilog=_data_options() if prepare_help else None,
     )
+    r.add_argument("--verify", action="store_true",
+                   help="check the sha256 of every file of a store already there (texts too; each open checks "
+                        "sizes, row counts and the numeric arrays) and convert one that differs again")
     r.add_argument("overrides", nargs="*", metavar="OVERRIDE",
                    help="data=KIND and data.KEY=VALUE overrides, as for training")
     return ap
@@ -184,16 +188,16 @@ def prepare(args: argparse.Namespace) -> int:
 
     cfg = _data_config(args.overrides)
     if has_sources(cfg):  # every source's store (a beir source reads qrels: nothing to convert)
-        for name, folder in zip(source_names(cfg), prepare_sources(cfg)):
-            _print_store(folder, f"source {name}: ")
+        for name, folder in zip(source_names(cfg), prepare_sources(cfg, args.verify)):
+            _print_store(folder, args.verify, f"source {name}: ")
         return 0
     if cfg.kind == "beir":
         raise DataError("data=beir: its training pairs come from qrels and need no preparing")
-    _print_store(prepare_store(cfg))
+    _print_store(prepare_store(cfg, verify=args.verify), args.verify)
     return 0
 
 
-def _print_store(folder, prefix: str = "") -> None:
+def _print_store(folder, verified: bool, prefix: str = "") -> None:
     from moco_retrieval.data.convert import folder_bytes
     from moco_retrieval.data.store import read_manifest
 
@@ -201,7 +205,8 @@ def _print_store(folder, prefix: str = "") -> None:
         print(f"{prefix}beir: training pairs from qrels, nothing to convert")
         return
     m = read_manifest(folder)
-    print(f"{prefix}store {folder}: {m['rows']:,} rows of {m['name']}, {folder_bytes(folder) / 1e6:,.1f} MB")
+    print(f"{prefix}store {folder}: {m['rows']:,} rows of {m['name']}, {folder_bytes(folder) / 1e6:,.1f} MB"
+          + (", verified: every file matches the sha256 in its manifest" if verified else ""))
 
 
 SUBCOMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {

@@ -4,7 +4,9 @@
 converting the input first when no store of that content exists. The key is the sha256 of the
 input files' bytes plus how they are read (kind, columns, split, store version): a changed file is
 converted again, an unchanged one never. A file's content hash is remembered by its
-``(path, size, mtime, inode)`` so that a warm start does not read gigabytes again.
+``(path, size, mtime, ctime, inode)`` so that a warm start does not read gigabytes again (the change
+time because users cannot set it: ``touch -r``, ``cp -p``, ``rsync -t`` and tar restore the mtime
+of a file rewritten at the same size).
 
 Rows are streamed through the readers of today's formats (formats.iter_pairs_jsonl_located,
 tabular, hf_folder), so a bad row stops the conversion with the same ``FILE:LINE: ...`` message,
@@ -12,9 +14,16 @@ before any model loads. Conversion writes into a temporary folder renamed into p
 (atomic: a killed conversion leaves no half store), under a file lock: the first process of a node
 converts, the others wait for the lock and open what it wrote (the lock needs no process group,
 so it also holds before one exists, and for `python -m moco_retrieval.data prepare` run beside a job).
+
+A store found is opened only when store.check_folder finds it whole (``verify``: every byte); one
+that is not is converted again, with one line saying why (its inputs are at hand: they made its
+key). A temporary folder is live only while its key's lock is held, so the ones a killed conversion
+left are removed on the next start. The cache's own failures (not writable, a full disk) are one
+message (DataError) naming the cache and what to do.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -30,11 +39,12 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from moco_retrieval.files import ordinary_mode
+from moco_retrieval.errors import UserError
+from moco_retrieval.files import atomic_write, discard_dir, human_size, ordinary_mode, out_of_space, sha256_file
 from moco_retrieval.progress import log_line, progress_bar
 
-from moco_retrieval.data.formats import Pair
-from moco_retrieval.data.store import MANIFEST, STORE_VERSION, TABLE, store_schema
+from moco_retrieval.data.formats import DataError, Pair
+from moco_retrieval.data.store import MANIFEST, STORE_VERSION, TABLE, check_folder, seal, store_schema
 
 CHUNK = 8192  # rows per Arrow record batch, at most
 CHUNK_CHARS = 1 << 25  # and at most about this many characters of text (rows with many hard negatives)
@@ -60,19 +70,25 @@ class PairSpec:
 
 
 def file_hash(path: Path, memo_dir: Path) -> str:
-    """sha256 of ``path``'s bytes, remembered under its (real path, size, mtime, inode)."""
+    """sha256 of ``path``'s bytes, remembered under its (real path, size, mtime, ctime, inode). The
+    memo only saves reading: one that cannot be read (another user's) or written (a read-only cache)
+    is done without."""
     st = path.stat()
-    stamp = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    stamp = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}"
     memo = memo_dir / hashlib.sha256(stamp.encode()).hexdigest()
-    if memo.is_file():
-        return memo.read_text().strip()
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    digest = h.hexdigest()
-    memo_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(memo, digest)
+    try:
+        digest = memo.read_text().strip()
+        if len(digest) == 64:
+            return digest
+    except OSError:
+        pass
+    digest = sha256_file(path)
+    try:
+        memo_dir.mkdir(parents=True, exist_ok=True)
+        with atomic_write(memo) as tmp:
+            tmp.write_text(digest)
+    except OSError:
+        pass
     return digest
 
 
@@ -80,13 +96,6 @@ def store_key(spec: Any, memo_dir: Path) -> str:
     """The store's name: what is read (content hashes) and how (options, store version)."""
     what = {"version": STORE_VERSION, "options": spec.options, "inputs": [file_hash(p, memo_dir) for p in spec.inputs]}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------- lock
@@ -183,10 +192,8 @@ def _chunks(it: Iterator[tuple[int, int, Pair]]) -> Iterator[list[tuple[int, int
 
 
 def write_store(spec: PairSpec, folder: Path) -> dict:
-    """Stream ``spec``'s rows into ``folder`` (Arrow table + numpy arrays + manifest); the manifest."""
+    """Stream ``spec``'s rows into ``folder`` (Arrow table + numpy arrays); the manifest to seal."""
     import pyarrow as pa
-
-    from moco_retrieval.data.formats import DataError
 
     schema, t0 = store_schema(), time.monotonic()
     parts: dict[str, list[np.ndarray]] = {}
@@ -209,10 +216,8 @@ def write_store(spec: PairSpec, folder: Path) -> dict:
         np.save(folder / f"{k}.npy", np.concatenate(v))
     np.save(folder / "offsets.npy", np.array([0, n], dtype=np.int64))
     seconds = time.monotonic() - t0
-    manifest = {"version": STORE_VERSION, "rows": n, "name": spec.name, "files": spec.files, "location": spec.location,
-                "options": spec.options, "converted_s": round(seconds, 3), "rows_per_s": round(n / max(seconds, 1e-9))}
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    return manifest
+    return {"version": STORE_VERSION, "rows": n, "name": spec.name, "files": spec.files, "location": spec.location,
+            "options": spec.options, "converted_s": round(seconds, 3), "rows_per_s": round(n / max(seconds, 1e-9))}
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -229,29 +234,80 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in Path(folder).iterdir() if p.is_file())
 
 
-def ensure_store(spec: Any, root: Path, write: Optional[Callable[[Any, Path], dict]] = None) -> Path:
+def _remove_interrupted(root: Path) -> None:
+    """Remove the temporary folders (``.<key>.*``) of conversions killed before they finished: one
+    whose key's lock nobody holds is no conversion's (without flock: none is touched)."""
+    for tmp in root.glob(".*.*"):
+        key = tmp.name[1:].split(".", 1)[0]
+        if len(key) != 32 or not tmp.is_dir():
+            continue
+        try:
+            with open(root / f"{key}.lock", "a") as fh:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                size = folder_bytes(tmp) + sum(folder_bytes(d) for d in tmp.iterdir() if d.is_dir())
+                shutil.rmtree(tmp)
+        except OSError:  # held (a live conversion), no flock here, or not ours to remove
+            continue
+        log_line(f"removed {tmp}, the temporary folder of an interrupted conversion ({size / 1e6:,.1f} MB)", file=sys.stderr)
+
+
+def cache_error(e: OSError, what: str, root: Path, problem: Optional[str] = None) -> Exception:
+    """The one message for a cache ``root`` that cannot take what is written into it (``what``: e.g.
+    ``convert FILE``) because it is full or not writable (``problem``: why the one there is
+    replaced); else ``e`` itself (a bug, or an error of another kind)."""
+    fix = "give the cache another folder (data.cache_dir=DIR or $MOCO_RETRIEVAL_CACHE=DIR)"
+    again = f" again (the one there cannot be trusted: {problem})" if problem else ""
+    if out_of_space(e):
+        try:
+            free = f" ({human_size(shutil.disk_usage(root).free)} free)"
+        except OSError:
+            free = ""
+        return DataError(f"cannot {what} into {root}{again}: no space left on the device{free}; "
+                         f"what was partly written was removed. Free some space, or {fix}")
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        if e.filename and not Path(os.path.abspath(e.filename)).is_relative_to(os.path.abspath(root)):
+            return DataError(f"{e.filename}: cannot read it ({e.strerror})")
+        return DataError(f"cannot {what} into {root}{again}: the cache is not writable "
+                         f"({e.strerror}: {e.filename or root}); {fix}, or ask its owner to make it writable")
+    return e
+
+
+def ensure_store(spec: Any, root: Path, write: Optional[Callable[[Any, Path], dict]] = None, verify: bool = False) -> Path:
     """The store of ``spec`` under ``root`` (``root/<key>``), converted first by ``write`` (default :func:`write_store`) when absent
-    (once: the first process converts under a lock, the others wait and open its result). ``spec``:
+    or not whole (store.check_folder; ``verify``: every file's sha256) (once: the first process
+    converts under a lock, the others wait and open its result). ``spec``:
     a :class:`PairSpec`, or any spec with its ``name``, ``inputs`` and ``options`` that ``write``
     turns into a folder and a manifest (``rows``, ``converted_s``, ``rows_per_s``): corpus_store.py."""
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / store_key(spec, root / "fingerprints")
-    if (final / MANIFEST).is_file():
-        return final
-    with file_lock(root / f"{final.name}.lock", f"waiting for another process converting {spec.name} into {final}"):
-        if (final / MANIFEST).is_file():
+    root, problem = Path(root), None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_interrupted(root)
+        final = root / store_key(spec, root / "fingerprints")
+        if final.exists() and (problem := check_folder(final, full=verify)) is None:
             return final
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
-        os.chmod(tmp, ordinary_mode(is_dir=True))  # mkdtemp's 0700 would keep the store from the node's other users
-        try:
-            m = (write or write_store)(spec, tmp)
-            _publish(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+        with file_lock(root / f"{final.name}.lock", f"waiting for another process converting {spec.name} into {final}"):
+            if final.exists():  # (another process may have converted it while this one waited)
+                if (problem := check_folder(final, full=verify)) is None:
+                    return final
+                discard_dir(final)
+                log_line(f"{final}: the store of {spec.name} cannot be trusted: {problem}; converting it again",
+                         file=sys.stderr)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+            os.chmod(tmp, ordinary_mode(is_dir=True))  # mkdtemp's 0700 would keep the store from the node's other users
+            try:
+                m = seal(tmp, (write or write_store)(spec, tmp))
+                _publish(tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+    except OSError as e:
+        if isinstance(e, UserError):
             raise
+        raise cache_error(e, f"convert {spec.name}", root, problem) from None
     log_line(f"converted {spec.name}: {m['rows']:,} rows in {m['converted_s']:.1f}s ({m['rows_per_s']:,} rows/s), "
              f"{folder_bytes(final) / 1e6:,.1f} MB in {final}", file=sys.stderr)
     return final
 
 
-__all__ = ["CHUNK", "CHUNK_CHARS", "PairSpec", "file_hash", "store_key", "file_lock", "write_store", "folder_bytes", "ensure_store"]
+__all__ = ["CHUNK", "CHUNK_CHARS", "PairSpec", "file_hash", "store_key", "file_lock", "write_store", "folder_bytes",
+           "cache_error", "ensure_store"]

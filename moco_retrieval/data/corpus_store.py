@@ -8,7 +8,7 @@ A corpus store is a folder::
     group.npy        int64: each document's group (-1: none)
     length.npy       int64: each text's length in characters (the encoder's longest-first order)
     line.npy         int64: each document's line in the input
-    manifest.json    version, rows, file, whether any group was given, conversion time
+    manifest.json    version, rows, file, whether any group was given, conversion time, contents (store.seal)
 
 :class:`CorpusStore` is the read-only, mapping-like view commands use (``len``, ``doc_ids`` in order,
 ``texts(rows)`` of a batch, ``text(doc_id)``); :class:`CorpusDict` gives a corpus already in memory
@@ -16,7 +16,6 @@ A corpus store is a folder::
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,6 @@ from moco_retrieval.data.store import MappedFolder
 
 CORPUS_VERSION = 1
 TABLE = "corpus.arrow"
-MANIFEST = "manifest.json"
 
 
 @dataclass
@@ -63,7 +61,7 @@ def _count_lines(path: Path) -> int:
 
 def write_corpus(spec: CorpusSpec, folder: Path) -> dict:
     """Stream ``spec.path``'s documents (validated by formats.iter_corpus_located: today's messages)
-    into ``folder``; the manifest."""
+    into ``folder``; the manifest to seal (convert.ensure_store)."""
     import pyarrow as pa
 
     from moco_retrieval.data.formats import iter_corpus_located
@@ -96,11 +94,9 @@ def write_corpus(spec: CorpusSpec, folder: Path) -> dict:
     for k, v in numbers.items():
         np.save(folder / f"{k}.npy", np.array(v, dtype=np.int64))
     n, seconds = len(numbers["ids"]), time.monotonic() - t0
-    manifest = {"version": CORPUS_VERSION, "rows": n, "file": str(spec.path), "name": spec.name,
-                "has_groups": any(g != NO_GROUP for g in numbers["group"]),
-                "converted_s": round(seconds, 3), "rows_per_s": round(n / max(seconds, 1e-9))}
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    return manifest
+    return {"version": CORPUS_VERSION, "rows": n, "file": str(spec.path), "name": spec.name,
+            "has_groups": any(g != NO_GROUP for g in numbers["group"]),
+            "converted_s": round(seconds, 3), "rows_per_s": round(n / max(seconds, 1e-9))}
 
 
 class CorpusStore(MappedFolder):

@@ -75,10 +75,11 @@ def load_source_rows(cfg: Any) -> tuple[PairRows, np.ndarray]:
     return PairRows(joined), joined.offsets
 
 
-def prepare_sources(cfg: Any) -> list[Optional[Path]]:
-    """Each source's store, converted when absent (``prepare``); None for a ``beir`` source (read from qrels)."""
+def prepare_sources(cfg: Any, verify: bool = False) -> list[Optional[Path]]:
+    """Each source's store, converted when absent or not whole (``prepare``; ``verify``: every byte
+    checked); None for a ``beir`` source (read from qrels)."""
     _each_source(cfg, check_train_paths)
-    return _each_source(cfg, lambda c: None if c.kind == "beir" else prepare_store(c))
+    return _each_source(cfg, lambda c: None if c.kind == "beir" else prepare_store(c, verify=verify))
 
 
 def source_views(cfg: Any) -> list[Any]:

@@ -355,9 +355,10 @@ class TrainingRows:
         return len(self.rows)
 
 
-def prepare_store(cfg: Any, data_folder: Optional[Path] = None) -> Path:
-    """The converted store of a data config's training pairs (converted first when absent)."""
-    return ensure_store(pair_spec(cfg, data_folder), store_root(cfg))
+def prepare_store(cfg: Any, data_folder: Optional[Path] = None, verify: bool = False) -> Path:
+    """The converted store of a data config's training pairs (converted first when absent or not
+    whole; ``verify``: the sha256 of every file checked, convert.ensure_store)."""
+    return ensure_store(pair_spec(cfg, data_folder), store_root(cfg), verify=verify)
 
 
 def load_training_rows(cfg: Any) -> TrainingRows:

@@ -8,7 +8,12 @@ A store is a folder::
     doc_id.npy group.npy n_neg.npy     int64, int64, int32 per row: what the sampler and the masks need
     file.npy line.npy                  per row, the input file (index into manifest "files") and its line/row
     offsets.npy      row offsets of the sources in the store ([0, rows] for one; concatenated sources add theirs)
-    manifest.json    version, rows, files, location template, fingerprint, conversion time
+    manifest.json    version, rows, files, location template, conversion time; ``contents``: each
+                     file's size and sha256 (:func:`seal`)
+
+A store is trusted only as far as :func:`check_folder` finds it whole: on every open (cheap: each
+file's size, the numpy arrays' sha256, a few bytes a row, and the table's row count from its batch
+headers, never its texts) and, with ``full``, the sha256 of every file (``prepare --verify``).
 
 Every process memory-maps the same pages (``np.load(mmap_mode="r")`` and Arrow's memory map), so
 nothing is parsed again and the pages are shared by the ranks of a node. :class:`PairRows` is the
@@ -25,9 +30,11 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from torch.utils.data import Dataset
 
+from moco_retrieval.files import sha256_file
+
 from moco_retrieval.data.formats import Negative, Pair
 
-STORE_VERSION = 1
+STORE_VERSION = 2  # 2: the manifest's contents (sizes and sha256), checked on open
 TABLE = "pairs.arrow"
 MANIFEST = "manifest.json"
 ARRAYS = ("doc_id", "group", "n_neg", "file", "line", "offsets")
@@ -43,6 +50,68 @@ def store_schema():
 
 def read_manifest(folder: Path) -> dict:
     return json.loads((Path(folder) / MANIFEST).read_text())
+
+
+# ------------------------------------------------------------------------------------ integrity
+
+
+def seal(folder: Path, manifest: dict) -> dict:
+    """Write ``manifest`` into ``folder`` with the size and sha256 of every other file there
+    (``contents``, what :func:`check_folder` compares); the manifest written. Last step of a conversion."""
+    folder = Path(folder)
+    contents = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+                for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+    manifest = {**manifest, "contents": contents}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+def _table_rows(path: Path) -> int:
+    """Rows of an Arrow stream from its record batch headers (memory-mapped: the data pages are not read)."""
+    import pyarrow as pa
+
+    with pa.memory_map(str(path)) as source:
+        return sum(batch.num_rows for batch in pa.ipc.open_stream(source))
+
+
+def check_folder(folder: Path, full: bool = False) -> Optional[str]:
+    """What makes the converted ``folder`` untrustworthy, in a few words naming the file (None: it
+    matches its manifest). Every open: the manifest, each file's size, the sha256 of the numpy
+    arrays and the Arrow table's row count; ``full``: the sha256 of every file."""
+    folder = Path(folder)
+    try:
+        manifest = read_manifest(folder)
+    except FileNotFoundError:
+        return f"{MANIFEST} is missing"
+    except (OSError, ValueError) as e:
+        return f"{MANIFEST} is not readable JSON ({type(e).__name__})"
+    contents = manifest.get("contents") if isinstance(manifest, dict) else None
+    if not isinstance(contents, dict) or not contents or not isinstance(manifest.get("rows"), int):
+        return f"{MANIFEST} lists no contents (a store of an older version, or not a store)"
+    if not all(isinstance(w, dict) and isinstance(w.get("bytes"), int) and isinstance(w.get("sha256"), str)
+               for w in contents.values()):
+        return f"{MANIFEST} is not a store's manifest (its contents are not sizes and sha256s)"
+    unlisted = sorted(p.name for p in folder.iterdir()  # (a dot file: NFS's place for a file deleted while open)
+                      if p.name != MANIFEST and p.name not in contents and not p.name.startswith("."))
+    if unlisted:
+        return f"{unlisted[0]} is not in the manifest"
+    for name, want in contents.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != want["bytes"]:
+            return f"{name} holds {path.stat().st_size:,} bytes, the manifest says {want['bytes']:,}"
+    for name, want in contents.items():
+        if (full or name.endswith(".npy")) and sha256_file(folder / name) != want["sha256"]:
+            return f"{name} differs from its sha256 in the manifest (changed on disk)"
+        if name.endswith(".arrow"):
+            try:
+                rows = _table_rows(folder / name)
+            except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+                return f"{name} is not a readable Arrow stream ({type(e).__name__})"
+            if rows != manifest["rows"]:
+                return f"{name} holds {rows:,} rows, the manifest says {manifest['rows']:,}"
+    return None
 
 
 class MappedFolder:
@@ -309,5 +378,6 @@ class PairRowsDataset(Dataset):
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[int, Pair]]:
         return list(zip((int(i) for i in indices), self.rows.take(indices)))
 
-__all__ = ["STORE_VERSION", "TABLE", "MANIFEST", "ARRAYS", "store_schema", "read_manifest", "PairStore", "PairList",
+__all__ = ["STORE_VERSION", "TABLE", "MANIFEST", "ARRAYS", "store_schema", "read_manifest", "seal",
+           "check_folder", "PairStore", "PairList",
            "Segments", "ConcatStores", "PairRows", "PairRowsDataset"]

@@ -6,23 +6,15 @@ only when it holds a previous build (a ``manifest.json``): a folder a user fille
 """
 from __future__ import annotations
 
-import hashlib
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
-from moco_retrieval.files import ordinary_mode
+from moco_retrieval.files import ordinary_mode, sha256_file
 from moco_retrieval.data.formats import DataError
-
-
-def sha256_file(path: os.PathLike | str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def temp_dir_beside(parent: Path, prefix: str) -> Path:
@@ -55,6 +47,25 @@ def check_output_dir(out: Path, overwrite: bool = True) -> None:
         raise DataError(f"{out}: already holds a build")
 
 
+def check_build(out: Path) -> Optional[str]:
+    """What makes the built folder ``out`` untrustworthy, naming the file (None: every file is as the
+    sha256 its manifest.json records). Reads every file: a built set is tens of MB."""
+    try:
+        files = json.loads((out / "manifest.json").read_text(encoding="utf-8"))["files"]
+    except FileNotFoundError:
+        return "manifest.json is missing"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"manifest.json is not a build's manifest ({type(e).__name__})"
+    if not isinstance(files, dict) or not files:
+        return "manifest.json lists no files"
+    for rel, digest in files.items():
+        if not (out / rel).is_file():
+            return f"{rel} is missing"
+        if sha256_file(out / rel) != digest:
+            return f"{rel} differs from its sha256 in manifest.json (changed on disk)"
+    return None
+
+
 def build_into(out: Path, write: Callable[[Path], dict]) -> dict:
     """``write(folder) -> manifest`` into a temporary sibling of ``out``, then renamed to ``out``."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -68,4 +79,4 @@ def build_into(out: Path, write: Callable[[Path], dict]) -> dict:
     return manifest
 
 
-__all__ = ["build_into", "check_output_dir", "replace_dir", "sha256_file", "temp_dir_beside"]
+__all__ = ["build_into", "check_build", "check_output_dir", "replace_dir", "temp_dir_beside"]

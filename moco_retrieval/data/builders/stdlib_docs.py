@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
-from moco_retrieval.data.builders.folder import build_into, check_output_dir, sha256_file
+from moco_retrieval.data.builders.folder import build_into, check_output_dir
+from moco_retrieval.files import sha256_file
 from moco_retrieval.data.builders.debian import is_eval_source
 from moco_retrieval.data.formats import DataError, write_jsonl, write_qrels
 from moco_retrieval.data.ids import normalize_text

@@ -22,7 +22,7 @@ from moco_retrieval.data.builders.debian import (
 )
 from moco_retrieval.data.formats import DataError, read_beir, read_pairs_jsonl
 from moco_retrieval.data.ids import stable_id
-from tests.helpers import SHARED_DEBIAN
+from tests.helpers import SHARED_DEBIAN, deny
 
 
 # (package, Source field or None, Description-en, in Packages?)
@@ -217,6 +217,63 @@ def test_ensure_debian_dataset_caches(tmp_path, monkeypatch):
     # new inputs: a new build
     (tmp_path / "in" / "Packages").write_text((tmp_path / "in" / "Packages").read_text().replace("src04", "src44"))
     assert ensure_debian_dataset(cfg, verbose=False) != out
+
+
+def test_a_cached_set_cut_short_is_built_again_or_refused(tmp_path, monkeypatch, capsys):
+    """A cached train.jsonl cut short (its manifest's sha256 differs): built again from the apt lists
+    in one line; refused in one message when they are not at hand (the recorded set, no lists)."""
+    from moco_retrieval.data.builders.debian import apt_lists
+
+    monkeypatch.delenv(ENV_DEBIAN_DIR, raising=False)
+    monkeypatch.setattr(apt_lists, "DEFAULT_LISTS_DIR", str(tmp_path / "no-apt-lists"))
+    write_control(tmp_path / "in")
+    cfg = DataConfig(debian_dir=str(tmp_path / "in"), cache_dir=str(tmp_path / "cache"))
+    out = ensure_debian_dataset(cfg, verbose=False)
+    whole = (out / "train.jsonl").read_text()
+
+    def cut() -> None:
+        (out / "train.jsonl").write_text("".join(whole.splitlines(keepends=True)[:10]))
+
+    cut()
+    capsys.readouterr()
+    assert ensure_debian_dataset(cfg, verbose=False) == out
+    assert capsys.readouterr().err == (
+        f"[moco_retrieval] {out}: the cached Debian data set cannot be trusted: train.jsonl differs from its sha256 in "
+        f"manifest.json (changed on disk); building it again from data.debian_dir={tmp_path / 'in'}\n")
+    assert (out / "train.jsonl").read_text() == whole
+    cut()
+    with pytest.raises(DataError) as refused:
+        ensure_debian_dataset(DataConfig(cache_dir=str(tmp_path / "cache")), verbose=False)
+    assert str(refused.value).startswith(
+        f"{out}: the cached Debian data set cannot be trusted: train.jsonl differs from its sha256 in manifest.json "
+        "(changed on disk); and it cannot be built again: cannot build the Debian data set")
+
+
+def test_a_read_only_cache_serves_its_set_and_refuses_a_build_in_one_message(tmp_path, monkeypatch):
+    """A shared cache this process cannot write: the set it holds is used (the record of the default
+    set left as it is); a set it would have to build is one message naming the cache."""
+    import os
+
+    monkeypatch.delenv(ENV_DEBIAN_DIR, raising=False)
+    write_control(tmp_path / "in")
+    write_control(tmp_path / "in2", reverse=True)
+    (tmp_path / "in2" / "Packages").write_text((tmp_path / "in2" / "Packages").read_text().replace("src04", "src44"))
+    cache = tmp_path / "cache"
+    out = ensure_debian_dataset(DataConfig(debian_dir=str(tmp_path / "in"), cache_dir=str(cache)), verbose=False)
+    (cache / RECORD_FILE).write_text("{}")  # another default recorded: finding this set would rewrite it
+    deny(monkeypatch, cache)
+    try:
+        assert ensure_debian_dataset(DataConfig(debian_dir=str(tmp_path / "in"), cache_dir=str(cache)),
+                                     verbose=False) == out
+        with pytest.raises(DataError) as refused:
+            ensure_debian_dataset(DataConfig(debian_dir=str(tmp_path / "in2"), cache_dir=str(cache)), verbose=False)
+    finally:
+        os.chmod(cache, 0o755)
+    assert re.fullmatch(
+        rf"cannot build the Debian data set from data.debian_dir={re.escape(str(tmp_path / 'in2'))} into "
+        rf"{re.escape(str(cache))}: the cache is not writable \(Permission denied: {re.escape(str(cache))}/\S+\); give "
+        r"the cache another folder \(data.cache_dir=DIR or \$MOCO_RETRIEVAL_CACHE=DIR\), or ask its owner to make it "
+        r"writable", str(refused.value)), str(refused.value)
 
 
 def test_the_built_set_is_found_without_pointing_at_the_apt_lists_again(tmp_path, monkeypatch):

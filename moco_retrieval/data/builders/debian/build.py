@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from moco_retrieval.data.builders.folder import build_into, check_output_dir, sha256_file
+from moco_retrieval.data.builders.folder import build_into, check_output_dir
+from moco_retrieval.files import sha256_file
 from moco_retrieval.data.formats import DataError, write_jsonl, write_qrels
 from moco_retrieval.data.ids import stable_id
 from moco_retrieval.data.builders.debian.apt_lists import APT_UPDATE_HINT

@@ -1,6 +1,8 @@
 """The Debian set a training run uses: built on first use into the cache (``debian-<key>``, the key
 hashing the builder, its options and the inputs) and recorded, so that later commands without
-``data.debian_dir`` / ``$MOCO_RETRIEVAL_DEBIAN_DIR`` find the same set."""
+``data.debian_dir`` / ``$MOCO_RETRIEVAL_DEBIAN_DIR`` find the same set. A cached set is used only
+while its files match the sha256 in its manifest (folder.check_build); one that does not is built
+again from the apt lists, or refused when they are not at hand."""
 from __future__ import annotations
 
 import hashlib
@@ -8,14 +10,16 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional
 
 from moco_retrieval.config import cache_root
-from moco_retrieval.files import ordinary_mode
-from moco_retrieval.data.builders.folder import temp_dir_beside
+from moco_retrieval.errors import UserError
+from moco_retrieval.files import atomic_write, discard_dir
+from moco_retrieval.data.builders.folder import check_build, temp_dir_beside
+from moco_retrieval.data.convert import cache_error
+from moco_retrieval.data.formats import DataError
 from moco_retrieval.data.builders.debian.apt_lists import ENV_DEBIAN_DIR, resolve_debian_inputs
 from moco_retrieval.data.builders.debian.build import BUILDER_VERSION, DEFAULT_EVAL_FRACTION, check_options, inputs_manifest, write_debian
 from moco_retrieval.data.builders.debian.records import deduplicate, load_records
@@ -26,7 +30,8 @@ _announced: set[str] = set()
 
 def record_build(cache: Path, out: Path, label: str, options: dict) -> None:
     """Remember ``out`` as the cache's default Debian set, so that later commands without
-    ``data.debian_dir`` / ``$MOCO_RETRIEVAL_DEBIAN_DIR`` find it (written atomically: ranks race)."""
+    ``data.debian_dir`` / ``$MOCO_RETRIEVAL_DEBIAN_DIR`` find it (written atomically: ranks race;
+    not at all in a cache this process cannot write)."""
     record = {"dir": out.name, "source": label, **options}
     path = cache / RECORD_FILE
     try:
@@ -34,11 +39,11 @@ def record_build(cache: Path, out: Path, label: str, options: dict) -> None:
             return
     except (OSError, ValueError):
         pass
-    fd, tmp = tempfile.mkstemp(prefix=f".{RECORD_FILE}.", dir=cache)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    os.chmod(tmp, ordinary_mode(is_dir=False))
-    os.replace(tmp, path)
+    try:
+        with atomic_write(path) as tmp:
+            tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    except OSError:  # a cache this process cannot write (shared, read-only): the set was found without it
+        pass
 
 
 def recorded_build(cache: Path, options: dict) -> Optional[tuple[Path, str]]:
@@ -101,13 +106,23 @@ def ensure_debian_dataset(
     cache = Path(getattr(cfg, "cache_dir", None) or cache_root()).expanduser()
     options = {"builder_version": BUILDER_VERSION, "eval_fraction": eval_fraction, "dedup": dedup}
     explicit = getattr(cfg, "debian_dir", None) or os.environ.get(ENV_DEBIAN_DIR)
+    damaged: Optional[tuple[Path, str]] = None
     if not explicit:
         recorded = recorded_build(cache, options)
         if recorded is not None:
-            if verbose:
-                _announce_recorded(recorded)
-            return recorded[0]
-    tr, pk, label = resolve_debian_inputs(getattr(cfg, "debian_dir", None))
+            problem = check_build(recorded[0])
+            if problem is None:
+                if verbose:
+                    _announce_recorded(recorded)
+                return recorded[0]
+            damaged = (recorded[0], problem)
+    try:
+        tr, pk, label = resolve_debian_inputs(getattr(cfg, "debian_dir", None))
+    except DataError as exc:
+        if damaged is None:
+            raise
+        raise DataError(f"{damaged[0]}: the cached Debian data set cannot be trusted: {damaged[1]}; and it cannot "
+                        f"be built again: {exc}") from None
     inputs = inputs_manifest(tr, pk)
     key_src = json.dumps(
         {"builder_version": BUILDER_VERSION, "eval_fraction": eval_fraction, "dedup": dedup, "inputs": inputs},
@@ -115,12 +130,25 @@ def ensure_debian_dataset(
     )
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     out = cache / f"debian-{key}"
-    if (out / "manifest.json").is_file():
-        record_build(cache, out, label, options)
-        return out
-    cache.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    manifest = _build_in_cache(out, tr, pk, inputs, eval_fraction, dedup)
+    if out.exists():
+        problem = check_build(out)
+        if problem is None:
+            record_build(cache, out, label, options)
+            return out
+        damaged = (out, problem)
+    try:
+        if damaged is not None:
+            if damaged[0] == out:
+                discard_dir(out)
+            print(f"[moco_retrieval] {damaged[0]}: the cached Debian data set cannot be trusted: {damaged[1]}; "
+                  f"building it again from {label}", file=sys.stderr)
+        cache.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        manifest = _build_in_cache(out, tr, pk, inputs, eval_fraction, dedup)
+    except OSError as e:
+        if isinstance(e, UserError):
+            raise
+        raise cache_error(e, f"build the Debian data set from {label}", cache, damaged and damaged[1]) from None
     record_build(cache, out, label, options)
     if verbose:
         c = manifest["counts"]
