@@ -14,7 +14,8 @@ earlier evaluation there is replaced with ``overwrite=true``): ``eval.json``, ``
 ``run.<name>.trec``, ``report.md``, ``cosine_hist.png`` and ``recall_at_k.png``; see
 ``moco_retrieval/evaluation/report.py``. Index and top-k come from ``eval.*`` (EvalConfig).
 
-Keys: EvaluateConfig in config.py (``conf/evaluate.yaml``). ``compare`` entries are ``base`` (the ``model`` group's untrained encoder), a checkpoint file or a
+Keys: EvaluateConfig in config.py (``conf/evaluate.yaml``). ``compare`` entries are ``base`` (untrained: the
+``checkpoint``'s own model before training, else the ``model`` group's encoder), a checkpoint file or a
 model directory; the report's columns are the main model then ``compare`` in order.
 """
 from __future__ import annotations
@@ -46,6 +47,19 @@ def load_eval_set(data: Any) -> tuple[Any, dict]:
 
     pool = load_eval_pool_mapped(data)
     return pool.eval_set, pool.description
+
+
+def base_of(cfg: Any) -> ModelConfig:
+    """What ``compare=[base]`` means: with ``checkpoint=``, that checkpoint's own model untrained (its
+    ``model.*`` as trained: a tiny random run compares with its random start, not with MiniLM); else
+    the ``model`` group's encoder."""
+    if cfg.checkpoint:
+        from moco_retrieval.files import read_checkpoint
+
+        hp = read_checkpoint(cfg.checkpoint, "checkpoint", verify=False).get("hyper_parameters") or {}
+        if isinstance(hp.get("model"), dict):
+            return to_config(ModelConfig, hp["model"])
+    return to_config(ModelConfig, cfg.model)
 
 
 def _model_name(spec_kwargs: dict, desc: dict, given: Optional[str]) -> str:
@@ -93,13 +107,15 @@ def run_evaluate(cfg: Any, out_dir: str | Path, replace: Sequence[str] = ()) -> 
     specs.append((main_kwargs, cfg.encoder, cfg.name))
     for spec in cfg.compare:
         specs.append((describe_spec(str(spec)), "query", None))
+    untrained = base_of(cfg) if any(not kwargs for kwargs, _, _ in specs[1:]) else base_model  # compare=[base]
     print(
         f"pool: {dataset['queries']:,} queries, {dataset['documents']:,} documents ({dataset['kind']}, {dataset['dir']}); "
         f"index {eval_cfg.index}, top {eval_cfg.top_k}; device {device}"
     )
     results, models, taken = {}, {}, set()
-    for kwargs, which, given in specs:
-        enc, desc = load_encoder(model=base_model, encoder=which, prompts=cfg.data.prompts, **kwargs)
+    for i, (kwargs, which, given) in enumerate(specs):
+        model = untrained if i and not kwargs else base_model
+        enc, desc = load_encoder(model=model, encoder=which, prompts=cfg.data.prompts, **kwargs)
         name = _unique(_model_name(kwargs, desc, given), taken)
         enc.to(device)
         announce_corpus(enc, as_corpus(evalset.corpus), f"the pool, model {name}", batch_size,

@@ -42,8 +42,8 @@ from moco_retrieval import distributed
 from moco_retrieval.command import command
 from moco_retrieval.config import TrainConfig, TrainerConfig
 from moco_retrieval.data.datamodule import RetrievalDataModule
-from moco_retrieval.data.multisource import source_prompts
-from moco_retrieval.data.prompts import apply_by_row, by_row
+from moco_retrieval.data.multisource import source_names, source_prompts
+from moco_retrieval.data.prompts import apply_by_row, by_row, to_prompts
 from moco_retrieval.data.sampler import source_of
 from moco_retrieval.training.checkpoints import AtomicCheckpointIO, RebaseCheckpointPaths, checkpoints_dir, last_checkpoint, latest_run, remove_best_after, remove_stale_temporaries, resolve_ckpt_path, set_aside_unreadable
 from moco_retrieval.files import checkpoint_step, previous_of, read_checkpoint
@@ -230,6 +230,7 @@ def _train(cfg: TrainConfig, run_dir: Path) -> dict:
         check_same_data(read_checkpoint(ckpt_path, "ckpt_path", verify=False), ckpt_path, dm.data_keys())
     if is_rank_zero():
         announce_negatives(dm.train_rows.negative_counts, cfg.data.n_negatives)
+        announce_prompts(cfg.data)
     L.seed_everything(cfg.seed, workers=True)
     module, dm, trainer = build(cfg, run_dir, dm, resuming=ckpt_path is not None)
     if is_rank_zero():
@@ -260,6 +261,19 @@ def announce_negatives(counts, n_negatives: Optional[int]) -> None:
     elif have:
         print(f"[moco_retrieval] {have:,} of {len(counts):,} training rows carry hard negatives (up to {int(counts.max())}), "
               f"not used: data.n_negatives=N trains each row with N of them", file=sys.stderr, flush=True)
+
+
+def announce_prompts(data) -> None:
+    """With ``data.sources`` of prompts of their own: which prompts validation and the export use."""
+    if not data.sources:
+        return
+    own = [f"{n} ({p.to_dict()})" for n, s, p in zip(source_names(data), data.sources, source_prompts(data))
+           if s.prompts is not None and not p.empty]
+    if own:
+        print(f"[moco_retrieval] sources with prompts of their own: {', '.join(own)}; validation and the exported model "
+              f"apply data.prompts ({'none' if to_prompts(data.prompts).empty else to_prompts(data.prompts).describe()}); "
+              "the model card lists the sources' prompts",
+              file=sys.stderr, flush=True)
 
 
 def warm_frozen_features(encoder, dm: RetrievalDataModule) -> int:

@@ -21,6 +21,19 @@ from tests.helpers import compose_cfg, tiny_overrides
 # --------------------------------------------------------------------------- evaluate
 
 
+def test_compare_base_is_the_checkpoints_own_model_untrained(tiny_dir, beir_dir, moco_checkpoint, tmp_path):
+    """Issue 46, point 13: without model=..., compare=[base] built the model group's MiniLM (305 of 349 s
+    of the README's first run) instead of the tiny checkpoint's own untrained encoder."""
+    cfg = compose_cfg("evaluate", ["data=beir", f"data.dir={beir_dir}", f"checkpoint={moco_checkpoint}", "compare=[base]",
+                                   "progress=false", "device=cpu", "plots=false"])
+    assert cfg.model.backbone != "tiny"  # the model group's default, which base no longer means here
+    run_evaluate(cfg, tmp_path)
+    models = json.loads((tmp_path / "eval.json").read_text())["models"]
+    trained, base = (models[n]["model"] for n in models)
+    assert base["source"] == "base" and base["parameters"] == trained["parameters"]
+    assert base["backbone"] == trained["backbone"] != cfg.model.backbone
+
+
 def test_evaluate_checkpoint_against_base_side_by_side(tiny_dir, beir_dir, moco_checkpoint, tmp_path):
     cfg = compose_cfg("evaluate", tiny_overrides(tiny_dir) + [
         "data=beir", f"data.dir={beir_dir}", f"checkpoint={moco_checkpoint}", "compare=[base]",

@@ -67,6 +67,16 @@ def training_record(checkpoint: Optional[str]) -> dict[str, Any]:
     return record
 
 
+def _source_prompts(data: dict) -> list[str]:
+    """``name: query '...', document '...'`` for each of ``data.sources`` trained with prompts of its own."""
+    out = []
+    for i, source in enumerate(data.get("sources") or []):
+        p = source.get("prompts") or {}
+        if p.get("query") or p.get("doc"):
+            out.append(f"{source.get('name') or i}: query {p.get('query') or ''!r}, document {p.get('doc') or ''!r}")
+    return out
+
+
 def _data_line(data: dict) -> str:
     kind = data.get("kind")
     if kind == "debian":
@@ -133,6 +143,10 @@ def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Op
         p = desc["prompts"]
         lines.append(f"- Prompts: query {p.get('query', '')!r}, document {p.get('doc', '')!r} "
                      "(the model's `prompts`; `encode_query` / `encode_document` apply them)")
+    own = _source_prompts(record.get("data") or {})
+    if own:  # validation and this model apply data.prompts; these trained only their source's rows
+        lines.append("- Source prompts (not in the model's `prompts`, which are `data.prompts`, those validation used): "
+                     + "; ".join(own) + ". Put them before texts like that source's yourself")
     lines.append("")
     if metrics:
         shown = [k for k in SHOWN_METRICS if k in metrics]

@@ -155,3 +155,4 @@ def test_a_source_without_a_name_is_named_by_its_position(tmp_path):
     (tmp_path / "b.jsonl").write_text("not json\n")
     with pytest.raises(DataError, match=r"data.sources\[1\] \(1\): .*b.jsonl:1: malformed JSON"):
         RetrievalDataModule(cfg, rank=0, world_size=1).setup()
+

@@ -89,7 +89,7 @@ def _train(seen, cfg, run_dir, stop_at=None):
     return train(cfg, run_dir), seen["recorder"].batches
 
 
-def test_weighted_sources_train_from_their_stores(tmp_path, recorded, monkeypatch, one_thread):
+def test_weighted_sources_train_from_their_stores(tmp_path, recorded, monkeypatch, one_thread, capsys):
     from moco_retrieval.data import sources
     from moco_retrieval.data.store import ConcatStores, PairStore
 
@@ -120,6 +120,17 @@ def test_weighted_sources_train_from_their_stores(tmp_path, recorded, monkeypatc
     totals = {k: float(v) for r in logged for k, v in r.items() if k.startswith("train/pairs_source_") and v}
     assert totals == {"train/pairs_source_0": 6.0 * BATCH, "train/pairs_source_1": 2.0 * BATCH}
     assert [float(r["train/source"]) for r in logged if r.get("train/source")] == [float(s) for s in per_batch]
+
+    # the docs source's own prompt is said at start and on the model card, not lost silently (issue 46, point 12)
+    assert ("sources with prompts of their own: docs ({'query': 'summary: ', 'doc': ''}); validation and the exported "
+            "model apply data.prompts (none)") in capsys.readouterr().err
+    from moco_retrieval.export.__main__ import run_export
+
+    out = run_export(compose_cfg("export", [f"checkpoint={tmp_path / 'run' / 'checkpoints' / 'last.ckpt'}",
+                                            f"out_dir={tmp_path / 'model'}", "model=tiny"]))
+    card = (out / "README.md").read_text()
+    assert "- Source prompts (not in the model's `prompts`, which are `data.prompts`" in card
+    assert "docs: query 'summary: ', document ''" in card
 
 
 def test_stop_mid_epoch_across_sources_and_resume_is_bit_exact(tmp_path, recorded, one_thread):
