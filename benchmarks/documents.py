@@ -17,13 +17,18 @@ two-queue objective, both at batch 32 and lr 2e-5 for ``--adapt-steps`` steps, s
 corpus's held-out pool (its real queries) before training and every ``--adapt-every`` steps: where
 adaptation peaks, and whether it ever falls below the model it started from.
 
-Part (c), adaptation then the main job, is not built yet.
+**(c) Documents, then pairs.** all-MiniLM-L6-v2 adapted on the Debian descriptions alone
+(``--then-steps`` steps of (b)'s in-batch or queue row), then B6's main job (the two-queue
+objective at batch 32 on B6's 18,240 Debian pairs in B6's order, scored on B6's pool), against B6's
+cached main job from all-MiniLM-L6-v2 as it comes (``finetune_runs.jsonl``): does adaptation
+before the labelled pairs pay?
 
 Finished runs go to ``benchmarks/results/documents_runs.jsonl`` (committed): later invocations
 resume; parallel processes share the work (``--only NAME --seeds S``, one thread each).
 
     python -m benchmarks.documents --only inbatch-256,queue-32 --seeds 0,1,2 --threads 1
     python -m benchmarks.documents --only adapt_queue-debian,adapt_inbatch-debian --threads 1
+    python -m benchmarks.documents --only then_main-inbatch --threads 1
     python -m benchmarks.documents --report
 """
 from __future__ import annotations
@@ -68,6 +73,8 @@ ADAPT: dict[str, tuple[str, list[str], str]] = {
     "adapt_queue-stdlib": ("stdlib", _queue("two_queue", 32), "the two-queue objective on the stdlib docstrings"),
     "adapt_inbatch-stdlib": ("stdlib", ["objective=inbatch"], "in-batch negatives on the stdlib docstrings"),
 }
+# (c): name -> the adaptation of (b) it starts with
+THEN: dict[str, str] = {"then_main-inbatch": "adapt_inbatch-debian", "then_main-queue": "adapt_queue-debian"}
 
 
 # ------------------------------------------------------------------------------------- inputs
@@ -192,6 +199,11 @@ def adapt_key(name: str, seed: int, args) -> str:
 
 def do_adapt(name: str, seed: int, args) -> dict:
     """(b): all-MiniLM-L6-v2 adapted on one corpus's documents, scored before and along the way."""
+    return adapt(name, seed, args, args.adapt_steps, args.adapt_every)[0]
+
+
+def adapt(name: str, seed: int, args, steps: int, every: int) -> tuple[dict, object]:
+    """(b)'s adaptation ``name`` for ``steps`` steps, scored every ``every``: (record, the module)."""
     import lightning as L
 
     from benchmarks.harness.equal_data import metrics
@@ -203,7 +215,7 @@ def do_adapt(name: str, seed: int, args) -> dict:
     docs, eval_dir = one_corpus(cli.bench_cache(NAME), which)
     cfg = compose_cfg(["model=minilm", "trainer=cpu", "logger=none", "data=documents", f"data.path={docs}",
                        f"data.eval_dir={eval_dir}", "data.batch_size=32", "data.max_eval_queries=1000",
-                       "data.max_eval_docs=2400", f"trainer.max_steps={args.adapt_steps}", "trainer.max_epochs=1000",
+                       "data.max_eval_docs=2400", f"trainer.max_steps={steps}", "trainer.max_epochs=1000",
                        "optim.lr=2e-5",
                        f"seed={seed}", f"data.seed={seed}", *overrides])
     L.seed_everything(seed, workers=False, verbose=False)
@@ -222,7 +234,7 @@ def do_adapt(name: str, seed: int, args) -> dict:
 
     class Along(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.global_step % args.adapt_every == 0:
+            if trainer.global_step % every == 0:
                 score(trainer.global_step)
 
         def on_train_end(self, trainer, pl_module):
@@ -240,7 +252,41 @@ def do_adapt(name: str, seed: int, args) -> dict:
            "pool_queries": len(dm.eval_set.queries), "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
     log(f"B15 {name} seed {seed}: recall@1 {rec['before']:.3f} before, {rec['final']:.3f} after {rec['steps']} "
         f"steps, peak {rec['peak']:.3f} at step {rec['peak_step']}")
-    return rec
+    return rec, module
+
+
+def then_key(name: str, seed: int, args) -> str:
+    return f"c:{name}|seed={seed}|adapt_steps={args.then_steps}|{B6_PROTOCOL}"
+
+
+B6_PROTOCOL = "pairs=18240|pool=1000x2400"  # B6's (finetune.py's) protocol, as its run keys end
+
+
+def do_then(name: str, seed: int, args) -> dict:
+    """(c): (b)'s adaptation THEN[name] for ``--then-steps`` steps, saved as a model folder, then B6's
+    main job from it on B6's pairs, order and pool."""
+    import argparse
+
+    from benchmarks.harness import equal_data
+    from moco_retrieval.export.writer import export_encoder
+
+    adapted_rec, module = adapt(THEN[name], seed, args, args.then_steps, args.then_steps)
+    folder = cli.bench_cache(NAME) / f"adapted-{THEN[name]}-s{seed}-{args.then_steps}"
+    if not (folder / "model.safetensors").is_file():
+        export_encoder(module.encoder, folder, overwrite=True)
+    del module
+    b6 = argparse.Namespace(dry_run=False, pairs=None, eval_every=None, max_queries=None, max_docs=None, out=None)
+    equal_data.settle(b6, "finetune")
+    kind, batch, overrides, _ = equal_data.RUNS[equal_data.MAIN_RUN]
+    run = (kind, batch, [*overrides, f"model.path={folder}"], f"the main job from {THEN[name]} ({args.then_steps} steps)")
+
+    def make(bench, pool, _name, s, a):
+        return equal_data.trained(bench, pool, f"B15 {name}", run, equal_data.batches_of(bench, s, a.pairs, batch), s,
+                                  a.eval_every)
+
+    rec = equal_data.runner(b6, make)(name, seed)
+    return {"key": then_key(name, seed, args), "part": "c", "name": name, "adapted": {k: adapted_rec[k] for k in
+            ("name", "before", "final", "steps")}, **rec}
 
 
 # -------------------------------------------------------------------------------------- report
@@ -261,10 +307,10 @@ def report(args, out: Path) -> None:
         rows.append([name, what, batch, len(xs), cell("recall@1"), cell("recall@10"), cell("ndcg@10"),
                      f"{med_std([x['unrelated_cos_mean'] for x in xs])[0]:.3f}",
                      f"{xs[0]['steps']} / {med_std([x['train_s'] for x in xs])[0]:.0f}"])
-    counts = recs[0]["corpus"] if recs else {}
+    counts = {k: f"{v:,}" for k, v in (recs[0]["corpus"] if recs else {}).items()}
     lines = [f"# B15: training from documents alone\n",
              f"Part (a): a randomly initialised BERT ({args.hidden} hidden units, 2 layers, MiniLM's vocabulary) "
-             f"trained on {counts.get('debian', '?'):,} Debian descriptions and {counts.get('stdlib', '?'):,} standard-library "
+             f"trained on {counts.get('debian', '?')} Debian descriptions and {counts.get('stdlib', '?')} standard-library "
              f"docstrings (capped at {args.docs:,} documents), {args.epochs} epoch(s), every document drawn as two crops "
              f"(data=documents, Contriever's views), lr {args.lr}, 1 thread each on a shared 2-core CPU. Zero-shot on the "
              "Debian held-out pool (1,000 real queries, 2,400 documents). Medians ± spread over seeds.\n",
@@ -285,28 +331,56 @@ def report(args, out: Path) -> None:
     adapt = [r for r in read_jsonl(CACHE) if r["key"].endswith(adapt_key("", 0, args).split("|", 2)[2])]
     lines += ["", "## (b) Adapting all-MiniLM-L6-v2 to one corpus's documents\n",
               f"Batch 32, lr 2e-5, {args.adapt_steps} steps (warm-up a tenth), scored on the corpus's held-out pool "
-              f"(real queries) before training and every {args.adapt_every} steps; 1 seed.\n"]
+              f"(real queries) before training and every {args.adapt_every} steps.\n"]
     if adapt:
         steps = sorted({p["step"] for r in adapt for p in r["curve"]})
-        lines.append(md_table(["run", "documents", "pool queries", *[f"step {s}" for s in steps], "peak (step)"],
-                              [[r["name"], f"{r['documents']:,}", r["pool_queries"],
-                                *[next((f"{p['recall@1']:.3f}" for p in r["curve"] if p["step"] == s), "") for s in steps],
-                                f"{r['peak']:.3f} ({r['peak_step']})"] for r in sorted(adapt, key=lambda r: r["name"])]))
-        lines.append("\nrecall@1 at each step (step 0: all-MiniLM-L6-v2 as it comes).")
+        rows = []
+        for r in sorted(adapt, key=lambda r: (r["name"], r["seed"])):
+            gain = [p["recall@1"] - r["curve"][0]["recall@1"] for p in r["curve"]]
+            rows.append([r["name"], r["seed"], f"{r['documents']:,}", r["pool_queries"],
+                         *[next((f"{p['recall@1']:.3f}" for p in r["curve"] if p["step"] == s), "") for s in steps],
+                         f"{r['peak']:.3f} ({r['peak_step']})", f"{min(gain[1:]):+.3f}"])
+        lines.append(md_table(["run", "seed", "documents", "pool queries", *[f"step {s}" for s in steps], "peak (step)",
+                               "worst vs step 0"], rows))
+        lines.append("\nrecall@1 at each step (step 0: all-MiniLM-L6-v2 as it comes; its pool is capped by a seeded "
+                     "draw, so step 0 differs by seed). Gains over step 0, median over seeds:\n")
+        for n in ADAPT:
+            xs = [r for r in adapt if r["name"] == n]
+            if xs:
+                at = {s: [p["recall@1"] - r["curve"][0]["recall@1"] for r in xs for p in r["curve"] if p["step"] == s]
+                      for s in steps}
+                lines.append(f"- {n} ({len(xs)} seed(s)): " + ", ".join(
+                    f"step {s} {med_std(v)[0]:+.3f}" for s, v in at.items() if v and s))
     else:
         lines.append("Not run yet.")
     missing = [f"{n} (seed {s})" for n in RUNS for s in SEEDS.get(n, (0,))
                if not any(x["seed"] == s for x in by.get(n, []))]
     missing += [f"{n} (seed 0)" for n in ADAPT if not any(r["name"] == n for r in adapt)]
-    lines += ["", "## Not run yet\n", ", ".join(missing) if missing else "(none)",
-              "", "Part (c) (adaptation, then the main job) is not built yet."]
-    write_results(NAME, "\n".join(lines) + "\n", {"runs": recs, "adapt": adapt, "environment": environment(), "protocol": vars(args)}, out)
+    from benchmarks.harness.equal_data import MAIN_RUN
+
+    then = [r for r in read_jsonl(CACHE) if r["key"].endswith(then_key("", 0, args).split("|", 2)[2])]
+    main_alone = [r for r in read_jsonl(RESULTS / "finetune_runs.jsonl")
+                  if r.get("name") == MAIN_RUN and r["key"].endswith(B6_PROTOCOL)]
+    lines += ["", "## (c) Documents, then pairs\n",
+              f"(b)'s adaptation on the Debian descriptions for {args.then_steps} steps, then B6's main job (two-queue, "
+              "batch 32, 18,240 Debian pairs in B6's order, B6's pool of 1,000 queries x 2,400 documents), against B6's "
+              "main job from all-MiniLM-L6-v2 as it comes.\n"]
+    rows = [[r["name"], r["seed"], f"{r['adapted']['before']:.3f} -> {r['adapted']['final']:.3f}",
+             f"{r['final']['recall@1']:.3f}", f"{r['final']['ndcg@10']:.3f}"] for r in sorted(then, key=lambda r: (r["name"], r["seed"]))]
+    rows += [["main job alone (B6)", r["seed"], "", f"{r['final']['recall@1']:.3f}", f"{r['final']['ndcg@10']:.3f}"]
+             for r in sorted(main_alone, key=lambda r: r["seed"])]
+    lines.append(md_table(["run", "seed", "adaptation (its pool's recall@1)", "recall@1", "nDCG@10"], rows)
+                 if then else "Not run yet.")
+    missing += [f"{n} (seed 0)" for n in THEN if not any(r["name"] == n for r in then)]
+    lines += ["", "## Not run yet\n", ", ".join(missing) if missing else "(none)"]
+    write_results(NAME, "\n".join(lines) + "\n", {"runs": recs, "adapt": adapt, "then": then, "environment": environment(),
+                                                  "protocol": vars(args)}, out)
 
 
 def main() -> None:
     ap = cli.parser(__doc__)
     cli.add_common(ap)
-    cli.add_selection(ap, runs=[*RUNS, *ADAPT], default=None)
+    cli.add_selection(ap, runs=[*RUNS, *ADAPT, *THEN], default=None)
     cli.add_report(ap)
     cli.add_deadline(ap)
     ap.add_argument("--hidden", type=int, default=128, help="the small encoder's width")
@@ -315,12 +389,15 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=5e-4, help="(a)'s learning rate")
     ap.add_argument("--adapt-steps", type=int, default=200, help="(b): steps of each adaptation")
     ap.add_argument("--adapt-every", type=int, default=50, help="(b): steps between scores")
+    ap.add_argument("--then-steps", type=int, default=150, help="(c): steps of the adaptation before the main job")
     args = ap.parse_args()
     cli.apply(args)
     out = cli.out_dir(args)
     if not args.report:
-        run_selected(CACHE, args, [*RUNS, *ADAPT], lambda n, s: (adapt_key if n in ADAPT else run_key)(n, s, args),
-                     lambda: lambda n, s: (do_adapt if n in ADAPT else do_run)(n, s, args))
+        key = {**{n: adapt_key for n in ADAPT}, **{n: then_key for n in THEN}}
+        make = {**{n: do_adapt for n in ADAPT}, **{n: do_then for n in THEN}}
+        run_selected(CACHE, args, [*RUNS, *ADAPT, *THEN], lambda n, s: key.get(n, run_key)(n, s, args),
+                     lambda: lambda n, s: make.get(n, do_run)(n, s, args))
     report(args, out)
 
 

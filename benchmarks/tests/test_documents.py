@@ -21,7 +21,7 @@ def test_queue_rows_hold_the_main_jobs_keys_and_ema_span_at_their_batch():
 
 
 def _args(**kw):
-    base = dict(hidden=128, epochs=1, docs=20000, lr=5e-4, adapt_steps=200, adapt_every=50)
+    base = dict(hidden=128, epochs=1, docs=20000, lr=5e-4, adapt_steps=200, adapt_every=50, then_steps=150)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -46,5 +46,29 @@ def test_report_gives_the_goal_seed_by_seed_and_the_adaptation_curves(tmp_path, 
     md = (tmp_path / "documents.md").read_text()
     # another protocol's record (docs=500) is not mixed in
     assert "- recall@1 queue-32 vs inbatch-256: 0.240 vs 0.220 (+0.020); seed by seed +0.020 / +0.000 / +0.040" in md
-    assert "| adapt_queue-debian | 100 | 10 | 0.700 | 0.800 | 0.800 (50) |" in md
+    assert "| adapt_queue-debian | 0 | 100 | 10 | 0.700 | 0.800 | 0.800 (50) | +0.100 |" in md
+    assert "- adapt_queue-debian (1 seed(s)): step 50 +0.100" in md
     assert "inbatch-32 (seed 0)" in md and "adapt_inbatch-debian (seed 0)" in md  # listed as not run
+
+
+def test_part_c_sets_the_adapted_main_job_beside_b6s_main_job_alone(tmp_path, monkeypatch):
+    """(c) reads B6's cached main job (finetune_runs.jsonl, B6's protocol only) as the baseline."""
+    from benchmarks.harness.equal_data import MAIN_RUN
+
+    args = _args()
+    then = {"key": documents.then_key("then_main-inbatch", 0, args), "name": "then_main-inbatch", "seed": 0,
+            "adapted": {"name": "adapt_inbatch-debian", "before": 0.742, "final": 0.793, "steps": 150},
+            "final": {"recall@1": 0.851, "ndcg@10": 0.9}}
+    (tmp_path / "documents_runs.jsonl").write_text(json.dumps(then) + "\n")
+    b6 = [{"key": f"{MAIN_RUN}|seed=0|{documents.B6_PROTOCOL}", "name": MAIN_RUN, "seed": 0,
+           "final": {"recall@1": 0.846, "ndcg@10": 0.89}},
+          {"key": f"{MAIN_RUN}|seed=0|pairs=512|pool=50x100", "name": MAIN_RUN, "seed": 0,
+           "final": {"recall@1": 0.1, "ndcg@10": 0.1}}]
+    (tmp_path / "finetune_runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in b6))
+    monkeypatch.setattr(documents, "CACHE", tmp_path / "documents_runs.jsonl")
+    monkeypatch.setattr(documents, "RESULTS", tmp_path)
+    documents.report(args, tmp_path)
+    md = (tmp_path / "documents.md").read_text()
+    assert "| then_main-inbatch | 0 | 0.742 -> 0.793 | 0.851 | 0.900 |" in md
+    assert "| main job alone (B6) | 0 |  | 0.846 | 0.890 |" in md and "0.100" not in md.split("## (c)")[1]
+    assert "then_main-queue (seed 0)" in md  # listed as not run
