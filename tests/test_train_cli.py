@@ -237,6 +237,10 @@ def test_the_first_step_is_said_at_once_and_the_rate_leaves_its_warm_up_out(monk
         p.on_train_batch_end(trainer, None, None, None, step - 1)
     assert p.training_rate(trainer) == pytest.approx(1 / 5)  # not 10 steps / 75 s
     assert "step 10/570 (2%) 0.20 steps/s" in capsys.readouterr().out
+    p.on_train_epoch_start(trainer, None)  # a new epoch: its first step is left out of the rate, not said again
+    now[0], trainer.global_step = 200.0, 11
+    p.on_train_batch_end(trainer, None, None, None, 0)
+    assert "first step" not in capsys.readouterr().out
 
 
 def test_a_resumed_run_continues_its_wandb_run(tmp_path, debian_dir, capsys):

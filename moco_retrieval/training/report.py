@@ -48,7 +48,7 @@ def validations_left(step: int, total: int, interval: Optional[int]) -> int:
 class LogLineProgress(ProgressBar):
     def __init__(self, every: int = 10):
         super().__init__()
-        self.every, self._enabled, self._t0, self._first = every, True, None, None
+        self.every, self._enabled, self._t0, self._first, self._said_first = every, True, None, None, False
         self._val_seconds: list[float] = []  # each validation of this attempt
         self._val_t0: Optional[float] = None
         self._val_in_window = 0.0  # validation seconds since _t0 (excluded from the training rate)
@@ -117,10 +117,11 @@ class LogLineProgress(ProgressBar):
         step = trainer.global_step
         if self._first is None and self._t0 is not None and step > self._step0:
             self._first = (time.monotonic(), step, self._val_in_window)
-            if self._enabled and trainer.is_global_zero and step % self.every:  # at once, not after `every` steps
+            if self._enabled and trainer.is_global_zero and step % self.every and not self._said_first:  # at once
                 log_line(f"epoch {trainer.current_epoch} step {step}/{trainer.estimated_stepping_batches}: the first "
                          f"step of this attempt took {self._first[0] - self._t0:.1f} s (warm-up included); a progress "
                          f"line with an estimate of the time left every {self.every} steps")
+                self._said_first = True  # once an attempt (each epoch's first step is left out of the rate)
         if not self._enabled or not trainer.is_global_zero or step % self.every or self._t0 is None:
             return
         total = trainer.estimated_stepping_batches

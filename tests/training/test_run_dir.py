@@ -147,6 +147,7 @@ def test_a_resume_under_changed_sources_is_refused(tmp_path, tiny_dir, change, s
 
 # ---- evaluate: export's rule for out_dir ---------------------------------------------------------------------
 
+@pytest.mark.slow  # four evaluate commands: about 40 s on a quiet machine
 def test_evaluate_never_writes_over_a_users_report_and_replaces_its_own_with_overwrite(tmp_path, tiny_dir):
     write_eval(tmp_path / "beir")
     out = tmp_path / "out"
