@@ -42,7 +42,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from moco_retrieval.config import check_known_keys, choice_message, register_command_schemas, unknown_key
-from moco_retrieval.errors import USER_ERROR_STATUS, report, reports_user_errors
+from moco_retrieval.errors import USER_ERROR_STATUS, report, reports_user_errors, say
 from moco_retrieval.objectives import registry as objectives
 
 # Every command loads towers kept in eval mode on purpose (the EMA key encoder: no dropout in keys)
@@ -92,7 +92,7 @@ def command(name: str) -> Callable[[Task], Callable[..., Any]]:
             except (HydraException, OmegaConfBaseException) as e:
                 if guard.started or guard.user_setting == "1":
                     raise
-                print(report(composition_message(e), name), file=sys.stderr, flush=True)
+                say(report(composition_message(e), name))
                 raise SystemExit(USER_ERROR_STATUS) from None
 
         main.__wrapped__ = run_task  # type: ignore[attr-defined]
