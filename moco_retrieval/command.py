@@ -14,8 +14,10 @@ with the project's promises kept around it:
 ``HYDRA_FULL_ERROR=1`` shows the traceback of either. ``main(cfg)`` with a composed config
 runs the task at once (as ``hydra.main``'s function does); ``main.__wrapped__`` is the checked task.
 
-``--help`` of every command (:func:`help_text`): what it does (its module's docstring), its option
-groups and presets, its main options. Hydra's own page lists the structured-config schemas among a
+``--help`` of every command (:func:`help_text`): what it does (its module's docstring, less its
+references to the project's files), its option groups and presets, its main options (the command's
+own keys and :data:`MAIN_KEYS`). A command module calls :func:`exit_after_help` before its heavy
+imports (Lightning, transformers: seconds), so that the page comes at once. Hydra's own page lists the structured-config schemas among a
 group's options and says nothing of the command; it stays behind ``--hydra-help``; ``--cfg job``
 prints every key. ``register_configs`` puts everything the commands compose in Hydra's config
 store: the command schemas and the objectives' group.
@@ -40,7 +42,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from moco_retrieval.config import check_known_keys, choice_message, register_command_schemas, unknown_key
-from moco_retrieval.errors import USER_ERROR_STATUS, report, reports_user_errors
+from moco_retrieval.errors import USER_ERROR_STATUS, report, reports_user_errors, say
 from moco_retrieval.objectives import registry as objectives
 
 # Every command loads towers kept in eval mode on purpose (the EMA key encoder: no dropout in keys)
@@ -90,7 +92,7 @@ def command(name: str) -> Callable[[Task], Callable[..., Any]]:
             except (HydraException, OmegaConfBaseException) as e:
                 if guard.started or guard.user_setting == "1":
                     raise
-                print(report(composition_message(e), name), file=sys.stderr, flush=True)
+                say(report(composition_message(e), name))
                 raise SystemExit(USER_ERROR_STATUS) from None
 
         main.__wrapped__ = run_task  # type: ignore[attr-defined]
@@ -185,12 +187,37 @@ def asks_for_help(argv: list[str]) -> bool:
     return "--help" in argv or "-h" in argv
 
 
+def exit_after_help(name: str, doc: Optional[str]) -> None:
+    """``--help`` (or ``-h``) on the command line: print ``name``'s page and exit 0. Called from a
+    command module's top, under ``if __name__ == "__main__"``, before its heavy imports."""
+    if asks_for_help(sys.argv[1:]):
+        print(help_text(name, doc))
+        raise SystemExit(0)
+
+
+# a reference to one of the project's files in a docstring: "(training/run_lock.py)", "(see
+# config.py)", or a paren's last words ": training/records.py" (a user reads the page, not the code)
+_FILE_REFERENCE = re.compile(r"\s*\((?:see )?[\w./]+\.py\)|[:;,]?\s*(?:see )?[\w./]+\.py(?=\))")
+
+
 def summary(doc: Optional[str]) -> str:
-    """The docstring's first paragraph and the example lines right after it."""
+    """The docstring's first paragraph and the example lines right after it, without references
+    to the project's files."""
     paragraphs = textwrap.dedent((doc or "").strip("\n")).split("\n\n")
     # (a one-line first paragraph is a usage line: the next one says what the command does)
     kept = paragraphs[:1] + [p for p in paragraphs[1:2] if p.startswith("    ") or "\n" not in paragraphs[0]]
+    kept = [p if p.startswith("    ") else textwrap.fill(" ".join(_FILE_REFERENCE.sub("", p).split()), 100)
+            for p in kept]  # (prose wrapped again: the references left gaps; example lines as written)
     return "\n\n".join(kept).replace("``", "`").strip()
+
+
+# The keys of a command's sections that its help lists beside its own top-level keys: what a new
+# user sets first (data.train_path / eval_dir: data=jsonl, csv, parquet; data.path: hf, documents)
+MAIN_KEYS: dict[str, tuple[str, ...]] = {
+    "train": ("trainer.max_steps", "trainer.max_epochs", "trainer.val_check_interval", "trainer.devices",
+              "data.train_path", "data.eval_dir", "data.path", "data.batch_size", "data.max_train_examples",
+              "data.n_negatives", "optim.lr"),
+}
 
 
 def groups_and_options(name: str) -> tuple[dict[str, list[str]], list[tuple[str, object]]]:
@@ -199,6 +226,7 @@ def groups_and_options(name: str) -> tuple[dict[str, list[str]], list[tuple[str,
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
+    register_configs()  # (--help can come before the command's decorator has run)
     module = CONFIG_PATH.removeprefix("pkg://")
     GlobalHydra.instance().clear()
     with initialize_config_module(module, version_base="1.3"):
@@ -208,8 +236,9 @@ def groups_and_options(name: str) -> tuple[dict[str, list[str]], list[tuple[str,
         groups = {g: [o for o in loader.get_group_options(g) if not o.endswith(SCHEMA_SUFFIX)]
                   for g in loader.list_groups("") if g in used}
     values = OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False, enum_to_str=True)
-    main = [(k, "(required)" if v == "???" else v) for k, v in values.items() if not isinstance(v, dict)]
-    return {g: o for g, o in groups.items() if o}, main
+    main = [(k, v) for k, v in values.items() if not isinstance(v, dict)]
+    main += [(k, OmegaConf.select(cfg, k, throw_on_missing=False)) for k in MAIN_KEYS.get(name, ())]
+    return {g: o for g, o in groups.items() if o}, [(k, "(required)" if v == "???" else v) for k, v in main]
 
 
 def help_text(name: str, doc: Optional[str]) -> str:
@@ -231,4 +260,5 @@ def help_text(name: str, doc: Optional[str]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ['command', 'composition_message', 'CONFIG_PATH', 'asks_for_help', 'help_text', 'summary']
+__all__ = ['command', 'composition_message', 'CONFIG_PATH', 'asks_for_help', 'exit_after_help', 'help_text', 'MAIN_KEYS',
+           'summary']

@@ -120,7 +120,8 @@ def _value(node: Any, key: str) -> Any:
 class RangeChecked:
     """Mixin: ``__post_init__`` checks every field's range and choices (its ``setting``'s metadata,
     None passes: unset) and that no float field is nan or infinite. ``SECTION`` is the key the
-    dataclass sits under (``objective``, ``optim``, ...; "" at the top level), for messages.
+    dataclass sits under (``objective``, ``optim``, ...; "" at the top level), for messages
+    (:meth:`section`: one of a list, e.g. a data source, names which one).
     :meth:`check` runs the same checks on a node read as is (a DictConfig)."""
 
     SECTION: ClassVar[str] = ""
@@ -133,23 +134,29 @@ class RangeChecked:
         """ConfigError naming the first key of ``node`` (this dataclass, or a node of its fields)
         whose value is out of its range, not one of its choices, or a non-finite float. (OmegaConf
         checks an Enum's members when it composes; a dataclass built in Python is checked here.)"""
+        section = cls.section(node)
         for key, options in _enum_fields(cls).items():
             value = _value(node, key)
             if value is not None and value not in [o.value for o in options]:
-                raise ConfigError(choice_message(_key(cls.SECTION, key), value, [o.value for o in options]))
+                raise ConfigError(choice_message(_key(section, key), value, [o.value for o in options]))
         for key in field_names(cls):
             value = _value(node, key)
             if isinstance(value, float) and not math.isfinite(value):
                 within = f" {cls.ranges()[key]}" if key in cls.ranges() else ""
-                raise ConfigError(f"{_key(cls.SECTION, key)}={value}: must be a finite number{within}")
+                raise ConfigError(f"{_key(section, key)}={value}: must be a finite number{within}")
         for key, valid in cls.ranges().items():
             value = _value(node, key)
             if value is not None and not valid.holds(value):
-                raise ConfigError(f"{_key(cls.SECTION, key)}={value}: must be {valid}")
+                raise ConfigError(f"{_key(section, key)}={value}: must be {valid}")
         for key, allowed in cls.choices().items():
             value = _value(node, key)
             if value is not None and value not in allowed:
-                raise ConfigError(choice_message(_key(cls.SECTION, key), value, allowed))
+                raise ConfigError(choice_message(_key(section, key), value, allowed))
+
+    @classmethod
+    def section(cls, node: Any) -> str:
+        """The key ``node`` sits under, in messages."""
+        return cls.SECTION
 
     @classmethod
     def ranges(cls) -> dict[str, Range]:
@@ -347,10 +354,15 @@ class SourceConfig(RangeChecked):
 
     SECTION: ClassVar[str] = "data.sources[]"
 
+    @classmethod
+    def section(cls, node: Any) -> str:
+        """``data.sources[NAME]``; unnamed, by its input (a source does not know its position)."""
+        which = _value(node, "name") or _value(node, "train_path") or _value(node, "path") or _value(node, "dir")
+        return f"data.sources[{which}]" if which else cls.SECTION
+
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_kind_options(f"data.sources[{self.name}]" if self.name else "data.sources[]", self.kind, self.columns,
-                           self.views)
+        check_kind_options(self.section(self), self.kind, self.columns, self.views)
 
 
 @dataclass

@@ -7,7 +7,9 @@ such an error prints its message alone, wrapped to be read, and exits with statu
 else is a bug and keeps Hydra's traceback. ``HYDRA_FULL_ERROR=1`` shows the full traceback of a
 known error too. Ctrl-C (a ``KeyboardInterrupt`` that reaches it) is one line and status 130, the
 status a shell gives a command SIGINT ended (training itself stops at a step with a checkpoint
-first: preemption.py).
+first: preemption.py). Under a launcher of several processes (torchrun, srun) each rank meets the
+same bad input: rank 0 prints the message, the others exit with the same status silently
+(:func:`launcher_rank_zero`, which training/cluster.py uses too).
 
 The subclasses also derive from the matching built-in exception (``ValueError``, ``OSError``), so
 code that catches the built-in one catches them too.
@@ -18,7 +20,7 @@ import functools
 import os
 import sys
 import textwrap
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Optional
 
 USER_ERROR_STATUS = 2  # as argparse and most Unix tools exit on a usage error
 INTERRUPTED_STATUS = 130  # 128 + SIGINT
@@ -59,6 +61,23 @@ def wrap_message(message: str, width: int = WIDTH) -> str:
     return "\n".join(out)
 
 
+# a process's rank by launcher: torchrun, srun, Lightning's own DDP children (LOCAL_RANK, NODE_RANK)
+_RANK_VARS = ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK")
+
+
+def launcher_rank_zero(env: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether this process is (or will be) global rank 0, from its launcher's environment (``env``,
+    else the process's): known before any process group exists."""
+    e = os.environ if env is None else env
+    return all(int((e.get(v) or "0").strip() or 0) == 0 for v in _RANK_VARS)
+
+
+def say(text: str) -> None:
+    """A known error's message on stderr, once per job: on rank 0 alone."""
+    if launcher_rank_zero():
+        print(text, file=sys.stderr, flush=True)
+
+
 def report(error: UserError, command: str) -> str:
     return wrap_message(f"{command}: error: {error}")
 
@@ -75,10 +94,10 @@ def reports_user_errors(command: str) -> Callable[[Callable[..., Any]], Callable
             except UserError as e:
                 if os.environ.get("HYDRA_FULL_ERROR") == "1":
                     raise
-                print(report(e, command), file=sys.stderr, flush=True)
+                say(report(e, command))
                 raise SystemExit(USER_ERROR_STATUS) from None
             except KeyboardInterrupt:
-                print(f"{command}: interrupted (Ctrl-C) before it finished", file=sys.stderr, flush=True)
+                say(f"{command}: interrupted (Ctrl-C) before it finished")
                 raise SystemExit(INTERRUPTED_STATUS) from None
 
         return run
@@ -87,5 +106,5 @@ def reports_user_errors(command: str) -> Callable[[Callable[..., Any]], Callable
 
 
 __all__ = ["UserError", "ConfigError", "CheckpointError", "ModelLoadError", "ModelNotFoundError",
-           "OutputExistsError", "INTERRUPTED_STATUS", "USER_ERROR_STATUS", "report",
+           "OutputExistsError", "INTERRUPTED_STATUS", "USER_ERROR_STATUS", "launcher_rank_zero", "report", "say",
            "reports_user_errors", "wrap_message"]

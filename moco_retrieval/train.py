@@ -19,6 +19,11 @@ one message and status 2.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # --help at once, before Lightning's import (seconds)
+    from moco_retrieval.command import exit_after_help
+
+    exit_after_help("train", __doc__)
+
 import json
 import logging
 import shlex

@@ -307,6 +307,29 @@ def test_known_error_prints_one_wrapped_message_and_exits_2(capsys, monkeypatch)
         task()
 
 
+@pytest.mark.parametrize("rank,local_rank,printed", [("0", "0", True), ("1", "1", False), ("2", "0", False)])
+def test_under_torchrun_a_known_error_prints_on_rank_0_alone(capsys, monkeypatch, rank, local_rank, printed):
+    """Every rank meets the same bad input: one message (rank 0's), the same status everywhere."""
+    @reports_user_errors("train")
+    def task():
+        raise ConfigError("data.batch_size=0: must be >= 1")
+
+    @reports_user_errors("train")
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    for run, status in ((task, USER_ERROR_STATUS), (interrupted, 130)):
+        with pytest.raises(SystemExit) as stop:
+            run()
+        assert stop.value.code == status
+    err = capsys.readouterr().err
+    expected = "train: error: data.batch_size=0: must be >= 1\ntrain: interrupted (Ctrl-C) before it finished\n"
+    assert err == (expected if printed else "")
+
+
 def test_a_bug_is_not_reported_as_a_known_error():
     @reports_user_errors("train")
     def task():

@@ -8,6 +8,7 @@ the row (from 1) and the column.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -28,15 +29,32 @@ class HFTable:
     batches: Any  # () -> iterator of lists of row dicts
 
 
+def _json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def _dataset_tables(folder: Path, split: str) -> list[HFTable]:
     import datasets
 
+    target, where = folder, str(folder)
+    splits = _json(folder / "dataset_dict.json").get("splits")
+    if isinstance(splits, list):  # a DatasetDict: its split's folder alone (another, empty, split would not load)
+        if split not in splits:
+            raise DataError(f"{folder}: no split {split!r} (data.split); the folder's splits: "
+                            f"{', '.join(map(str, splits)) or '(none)'}")
+        target, where = folder / split, f"{folder} (split {split!r})"
+    if _json(target / "state.json").get("_data_files") == []:  # datasets cannot load it (an IndexError)
+        raise DataError(f"{where}: the dataset has no rows (save_to_disk of an empty Dataset: its state.json "
+                        f"lists no data files)")
     try:
-        ds = datasets.load_from_disk(str(folder))
+        ds = datasets.load_from_disk(str(target))
     except Exception as e:  # noqa: BLE001 - datasets raises several types for a folder it cannot read
-        raise DataError(f"{folder}: not a readable save_to_disk folder ({type(e).__name__}: {e})") from None
-    where = str(folder)
-    if isinstance(ds, datasets.DatasetDict):
+        raise DataError(f"{target}: not a readable save_to_disk folder ({type(e).__name__}: {e})") from None
+    if isinstance(ds, datasets.DatasetDict):  # (a dataset_dict.json that could not be read above)
         if split not in ds:
             raise DataError(f"{folder}: no split {split!r} (data.split); the folder's splits: {', '.join(ds) or '(none)'}")
         ds, where = ds[split], f"{folder} (split {split!r})"

@@ -105,12 +105,40 @@ def _unused_warmup(optim: dict) -> str:
     return "warmup_ratio" if optim.get("warmup_steps") else "warmup_steps"
 
 
-def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Optional[dict], out_name: str) -> str:
-    """The README.md text: YAML front matter for the Hugging Face hub, then the card."""
-    backbone = str(desc.get("backbone") or model_cfg.get("backbone") or "")
+def base_model_name(backbone: str) -> str:
+    """How an export names its base model: a packaged backbone by its published name, a local
+    folder by its name (not this machine's path)."""
     base = KNOWN_BACKBONES.get(Path(backbone).name if "/" in backbone else backbone, backbone)
     if backbone and base == backbone and Path(backbone).name:
-        base = Path(backbone).name  # a local folder: its name, not this machine's path
+        base = Path(backbone).name
+    return base
+
+
+def adapter_card(base: str, lora: dict, tower: dict, out_name: str) -> str:
+    """The README.md of a LoRA adapter exported alone (in place of peft's blank template): its base
+    model, its LoRA settings (``r``, ``alpha``, ``targets``), how the encoder pools its outputs
+    (``tower``: ``pooling``, ``normalize``, ``dim``, ``query_max_len``, ``doc_max_len``) and how to load it."""
+    targets = ", ".join(lora.get("targets") or []) or "peft's defaults"
+    norm = "L2-normalized (cosine similarity)" if tower.get("normalize") else "not normalized (dot product)"
+    return "\n".join([
+        "---", "library_name: peft", f"base_model: {base}", "tags:", "- lora", "- sentence-similarity",
+        "- feature-extraction", "- moco-retrieval", "---", "", f"# {out_name}", "",
+        f"A LoRA adapter (r={lora.get('r')}, alpha={lora.get('alpha'):g}, on {targets}) of `{base}`, trained with "
+        f"moco-retrieval as a dense-retrieval encoder: {tower.get('pooling')} pooling of the last hidden states, "
+        f"{tower.get('dim')} dimensions, {norm}; queries truncated at {tower.get('query_max_len')} tokens, documents "
+        f"at {tower.get('doc_max_len')}. This folder holds the adapter and the tokenizer alone: load them onto the "
+        "base model (or export the merged model, adapter_only=false, for sentence-transformers).", "",
+        "## Usage", "", "```python", "from peft import PeftModel", "from transformers import AutoModel, AutoTokenizer", "",
+        f'model = PeftModel.from_pretrained(AutoModel.from_pretrained("{base}"), "{out_name}").eval()',
+        f'tokenizer = AutoTokenizer.from_pretrained("{out_name}")',
+        "```", "",
+        f"Embed as in training: tokenize, run the model, {tower.get('pooling')}-pool `last_hidden_state` over the "
+        f"attention mask{', then L2-normalize' if tower.get('normalize') else ''}.", ""])
+
+
+def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Optional[dict], out_name: str) -> str:
+    """The README.md text: YAML front matter for the Hugging Face hub, then the card."""
+    base = base_model_name(str(desc.get("backbone") or model_cfg.get("backbone") or ""))
     objective = record.get("objective") or {}
     front = ["---", "library_name: sentence-transformers", "pipeline_tag: sentence-similarity",
              "tags:", "- sentence-transformers", "- sentence-similarity", "- feature-extraction", "- moco-retrieval"]
@@ -204,4 +232,5 @@ def _matryoshka_lines(dims: Optional[list], metrics: Optional[dict], out_name: s
     return lines
 
 
-__all__ = ["model_card", "training_record", "validation_at", "run_dir_of", "KNOWN_BACKBONES"]
+__all__ = ["adapter_card", "base_model_name", "model_card", "training_record", "validation_at", "run_dir_of",
+           "KNOWN_BACKBONES"]

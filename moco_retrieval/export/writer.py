@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from moco_retrieval.errors import ConfigError
+from moco_retrieval.export.card import adapter_card, base_model_name
 from moco_retrieval.export.folder import install_export
 from moco_retrieval.model.loading import META_FILE
 from moco_retrieval.model.lora import (
@@ -197,14 +198,26 @@ def export_adapter(encoder: Any, out_dir: str | Path, *, side: str = "query", ov
     tower = encoder.tower_for(side)
     if not isinstance(tower.head, torch.nn.Identity):
         raise ConfigError("adapter_only=true would leave out the trained head (model.head): export the merged model")
-    return install_export(Path(out_dir).expanduser(), overwrite, lambda folder: _write_adapter(encoder, tower, folder))
+    return install_export(Path(out_dir).expanduser(), overwrite,
+                          lambda folder: _write_adapter(encoder, tower, folder, str(out_dir)))
 
 
-def _write_adapter(encoder: Any, tower: Any, folder: Path) -> list[str]:
+def _write_adapter(encoder: Any, tower: Any, folder: Path, out_name: str) -> list[str]:
     """peft's adapter files and the tokenizer in ``folder``; META_FILE marks them as an adapter alone
-    (so overwrite=true may replace them, and our loaders refuse them as a model)."""
+    (so overwrite=true may replace them, and our loaders refuse them as a model). The base model is
+    named as the cards name it (peft writes the path it was loaded from, this machine's), and
+    README.md is card.py's adapter card, not peft's blank template."""
     save_adapter(tower.backbone, folder)
     encoder.tokenizer.save_pretrained(folder)
+    config_file = folder / "adapter_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    base = base_model_name(str(config.get("base_model_name_or_path") or ""))
+    config["base_model_name_or_path"] = base
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    lora = {"r": config.get("r"), "alpha": config.get("lora_alpha"), "targets": sorted(config.get("target_modules") or [])}
+    facts = {"pooling": tower.pooling, "normalize": encoder.normalize, "dim": encoder.dim,
+             "query_max_len": encoder.query_max_len, "doc_max_len": encoder.doc_max_len}
+    (folder / "README.md").write_text(adapter_card(base, lora, facts, out_name), encoding="utf-8")
     files = sorted({p.name for p in folder.iterdir()} | {META_FILE})
     meta = {"format_version": FORMAT_VERSION, "adapter_only": True, "files": files}
     (folder / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -19,6 +19,7 @@ last token's hidden state, an end-of-text token appended to every text (decoder 
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -172,6 +173,24 @@ def _trained_backbone(model: nn.Module, cfg: ModelConfig) -> nn.Module:
     return model
 
 
+# Characters per token that tokenize() keeps before tokenizing (at max_len tokens): generous, so
+# that a cut text nearly always still fills max_len (most tokens are under 10 characters).
+CHARS_PER_TOKEN = 32
+
+
+def cut_text(text: str, max_chars: int, side: str = "right") -> str:
+    """``text`` cut to at most ``max_chars`` characters at whitespace (mid-word only when there is
+    none), keeping its start, or with ``side="left"`` (a tokenizer truncating on the left) its end."""
+    if len(text) <= max_chars:
+        return text
+    if side == "left":
+        tail = text[-max_chars:]
+        space = re.search(r"\s", tail)
+        return tail[space.start():] if space else tail
+    head = text[:max_chars]
+    space = re.search(r"\s\S*\Z", head)
+    return head[:space.start()] if space else head
+
 
 class TextEncoder(nn.Module):
     """Query/document encoder: see the module docstring. ``dim``, ``normalize``, ``tokenizer``."""
@@ -242,15 +261,24 @@ class TextEncoder(nn.Module):
         return self.query_max_len if kind == "query" else self.doc_max_len
 
     def tokenize(self, texts: Sequence[str], kind: str) -> dict[str, torch.Tensor]:
-        """input_ids and attention_mask (CPU, Long), truncated to the kind's max_len, padded to the longest."""
-        enc = self.tokenizer(
-            list(texts),
-            max_length=self.max_len(kind),
-            truncation=True,
-            padding="longest",
-            return_tensors="pt",
-            return_token_type_ids=False,
-        )
+        """input_ids and attention_mask (CPU, Long), truncated to the kind's max_len, padded to the longest.
+
+        Each text is cut first (:func:`cut_text`): a tokenizer holds every token of what it is
+        given, so one 10 MB text cost 2 GB before truncation. The cut is at whitespace, which no
+        token crosses, so a cut text that still fills max_len gives the tokens of the whole one;
+        one that no longer does (tokens longer than CHARS_PER_TOKEN) is tokenized whole."""
+        max_len, side = self.max_len(kind), getattr(self.tokenizer, "truncation_side", "right")
+        cut = [cut_text(t, max_len * CHARS_PER_TOKEN, side) for t in texts]
+        enc = self._tokenize(cut, max_len)
+        filled = enc["attention_mask"].sum(dim=1) >= max_len
+        short = [i for i, (text, c) in enumerate(zip(texts, cut)) if len(c) < len(text) and not filled[i]]
+        if short:
+            enc = self._tokenize([texts[i] if i in short else c for i, c in enumerate(cut)], max_len)
+        return enc
+
+    def _tokenize(self, texts: list[str], max_len: int) -> dict[str, torch.Tensor]:
+        enc = self.tokenizer(texts, max_length=max_len, truncation=True, padding="longest", return_tensors="pt",
+                             return_token_type_ids=False)
         return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
     # -- frozen-backbone cache

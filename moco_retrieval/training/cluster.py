@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from typing import Mapping, Optional
 
+from moco_retrieval.errors import launcher_rank_zero
+
 # Checked in this order; the first one set (and not empty) is the job id.
 # MOCO_RETRIEVAL_JOB_ID: explicit, wins over everything.
 # PYTORCHJOB_NAME / K8S_JOB_NAME: not set by Kubernetes itself; docker/k8s-pytorchjob.yaml sets
@@ -58,8 +60,6 @@ def on_slurm(env: Optional[Mapping[str, str]] = None) -> bool:
 
 # torchrun sets these in every worker (Lightning's TorchElasticEnvironment.detect looks for them)
 _TORCHRUN_VARS = ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-# a process's rank by launcher: torchrun, srun, Lightning's own DDP children (LOCAL_RANK, NODE_RANK)
-_RANK_VARS = ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK")
 
 
 def torchrun_devices(env: Optional[Mapping[str, str]] = None) -> Optional[tuple[int, int]]:
@@ -75,8 +75,7 @@ def torchrun_devices(env: Optional[Mapping[str, str]] = None) -> Optional[tuple[
 def is_rank_zero(env: Optional[Mapping[str, str]] = None) -> bool:
     """Whether this process is (or will be) global rank 0, from its launcher's environment: known
     before the process group exists (the run directory's lock is taken before anything else)."""
-    e = environment(env)
-    return all(int((e.get(v) or "0").strip() or 0) == 0 for v in _RANK_VARS)
+    return launcher_rank_zero(environment(env))
 
 
 __all__ = ["environment", "is_rank_zero", "job_id", "on_slurm", "slurm_job_id", "torchrun_devices"]

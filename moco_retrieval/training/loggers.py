@@ -101,9 +101,11 @@ RUN_ID_FILE = "run_id"  # under RUN_DIR/wandb/
 
 def csv_version(run_dir: Path) -> str:
     """``csv/metrics.csv`` for a run's first attempt, ``csv/resume-N/metrics.csv`` for the N-th
-    resumed one: Lightning's CSV logger would otherwise overwrite the earlier attempt's history."""
+    resumed one: Lightning's CSV logger would otherwise overwrite the earlier attempt's history.
+    An attempt that logged no row yet (stopped before ``log_every_n_steps``) still left its
+    folder and its record (records.RecordAttempt): the next attempt is not the first."""
     csv_dir = Path(run_dir) / "csv"
-    if not (csv_dir / "metrics.csv").exists():
+    if not csv_dir.is_dir() or not any(csv_dir.iterdir()):
         return ""
     n = 1
     while (csv_dir / f"resume-{n}").exists():

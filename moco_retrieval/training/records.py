@@ -17,10 +17,12 @@ Lightning's CSV logger writes each attempt apart (``csv/metrics.csv`` for the fi
 ``csv/resume-N/metrics.csv`` for the N-th resumed one: loggers.csv_version), and an attempt that
 was stopped logged steps past the checkpoint the next attempt resumed from: steps the next attempt
 trains again. :func:`write_merged_metrics` joins them into one table a reader can plot: every
-attempt's rows in step order, an ``attempt`` column (1 = the first), and the rows an attempt
-logged after the step its successor resumed from left out (that history was thrown away with the
-state that made it). Each attempt records the step it resumed from in its CSV folder
-(:class:`RecordAttempt`), and the merged file is rewritten at the end of every attempt.
+attempt's rows in step order, an ``attempt`` column (the run clock's count, as ``metrics.json``
+says it: 1 = the first), and the rows an attempt logged after the step its successor resumed from
+left out (that history was thrown away with the state that made it). Each attempt records its number
+and the step it resumed from in its CSV folder (:class:`RecordAttempt`), and the merged file is
+rewritten at the end of every attempt. The logged step is the optimizer steps completed, as on the
+console, after a resume too (:class:`RecordAttempt` keeps Lightning's logging counter to it).
 """
 from __future__ import annotations
 
@@ -100,7 +102,7 @@ class RunClock(Callback):
 
 
 MERGED = "metrics.csv"  # under the run directory
-RECORD = "attempt.json"  # under each attempt's CSV folder: {"resumed_from_step": S}
+RECORD = "attempt.json"  # under each attempt's CSV folder: {"attempt": N, "resumed_from_step": S}
 _RESUME = re.compile(r"resume-(\d+)")
 
 
@@ -114,24 +116,53 @@ def attempt_folders(run_dir: Path) -> list[Path]:
 
 
 class RecordAttempt(Callback):
-    """Writes, into this attempt's CSV folder, the step it starts from (0: a fresh start; after a
-    resume, the checkpoint's step, which Lightning has restored by ``on_train_start``)."""
+    """Writes, into this attempt's CSV folder, its number (the :class:`RunClock`'s count, which the
+    checkpoint carries) and the step it starts from (0: a fresh start; after a resume, the
+    checkpoint's step, which Lightning has restored by ``on_train_start``).
+
+    It also keeps Lightning's count of logged steps (``_batches_that_stepped``, which picks the
+    batches that log every ``log_every_n_steps`` and steps the epoch's rows) equal to the optimizer
+    steps completed: restored from a checkpoint that a validation wrote at an epoch's last batch,
+    it is one short, and the CSV would log steps 24, 29 where the console says 25, 30."""
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.is_global_zero:
             return
+        clock = next((c for c in trainer.callbacks if isinstance(c, RunClock)), None)
+        record = {"attempt": clock.attempts if clock is not None else None,
+                  "resumed_from_step": int(trainer.global_step)}
         for logger in trainer.loggers:
             if isinstance(logger, CSVLogger):
                 folder = Path(logger.log_dir)
                 folder.mkdir(parents=True, exist_ok=True)
-                (folder / RECORD).write_text(json.dumps({"resumed_from_step": int(trainer.global_step)}) + "\n")
+                (folder / RECORD).write_text(json.dumps(record) + "\n")
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        # (one optimizer: a batch that steps is an optimizer step; set here, after the epoch loop's reset)
+        trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
+
+
+def _record(folder: Path) -> dict:
+    try:
+        record = json.loads((folder / RECORD).read_text())
+        return record if isinstance(record, dict) else {}
+    except (OSError, ValueError):
+        return {}
 
 
 def _resumed_from(folder: Path) -> Optional[int]:
     try:
-        return int(json.loads((folder / RECORD).read_text())["resumed_from_step"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return int(_record(folder)["resumed_from_step"])
+    except (KeyError, TypeError, ValueError):
         return None
+
+
+def _attempt(folder: Path, position: int) -> int:
+    """The attempt's number as the run clock counted it, else its position among the folders."""
+    try:
+        return int(_record(folder)["attempt"])
+    except (KeyError, TypeError, ValueError):
+        return position
 
 
 def _rows(folder: Path) -> tuple[list[str], list[dict[str, Any]]]:
@@ -161,7 +192,8 @@ def merged_metrics(run_dir: Path) -> tuple[list[str], list[dict[str, Any]]]:
         # the steps this attempt logged past the checkpoint its successor resumed from are redone there
         later = [_resumed_from(f) for f in folders[n:]]
         limit = min((s for s in later if s is not None), default=None)
-        rows += [{**r, "attempt": n} for r in attempt_rows if limit is None or _step(r) <= limit]
+        attempt = _attempt(folder, n)
+        rows += [{**r, "attempt": attempt} for r in attempt_rows if limit is None or _step(r) <= limit]
     rows.sort(key=lambda r: (_step(r), r["attempt"]))  # (stable: each attempt's own order within a step)
     return columns, rows
 

@@ -156,3 +156,14 @@ def test_a_source_without_a_name_is_named_by_its_position(tmp_path):
     with pytest.raises(DataError, match=r"data.sources\[1\] \(1\): .*b.jsonl:1: malformed JSON"):
         RetrievalDataModule(cfg, rank=0, world_size=1).setup()
 
+
+@pytest.mark.parametrize("source,named", [("{name: faq, train_path: faq.jsonl, weight: -1}", "data.sources[faq]"),
+                                          ("{train_path: pairs/faq.jsonl, weight: -1}", "data.sources[pairs/faq.jsonl]")])
+def test_a_sources_value_out_of_range_names_the_source(source, named):
+    """Said by its name, else by its file (a source does not know its position in the list)."""
+    from moco_retrieval.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        compose_cfg("train", ["data=jsonl", "data.eval_dir=ev", f"data.sources=[{{name: web, train_path: w.jsonl}}, {source}]"],
+                    to_object=True)
+    assert str(err.value) == f"{named}.weight=-1.0: must be >= 0"

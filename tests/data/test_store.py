@@ -382,3 +382,19 @@ def test_conversion_progress_lines_give_rows_rate_and_eta(monkeypatch, capsys):
     bar.update(8192)
     err = capsys.readouterr().err
     assert re.search(r"converting pairs\.jsonl: 8,192/100,000 rows \(8%\) [\d.]+/s, [\d.]+ min left", err)
+
+
+def test_an_empty_datasets_folder_is_said_not_an_index_error(tmp_path):
+    """datasets cannot load a save_to_disk folder of 0 rows (an IndexError); its split alone is read,
+    so an empty other split of a DatasetDict does not stop the run."""
+    datasets = pytest.importorskip("datasets")
+    empty = datasets.Dataset.from_dict({"query": [], "positive": []})
+    empty.save_to_disk(str(tmp_path / "ds"))
+    with pytest.raises(DataError) as err:
+        RetrievalDataModule(hf_cfg(tmp_path, tmp_path / "ds")).setup()
+    assert str(err.value) == (f"{tmp_path / 'ds'}: the dataset has no rows (save_to_disk of an empty Dataset: its "
+                              f"state.json lists no data files)")
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(ST_ROWS), "test": empty}).save_to_disk(str(tmp_path / "dd"))
+    assert RetrievalDataModule(hf_cfg(tmp_path, tmp_path / "dd")).train_pairs == expected_st_pairs(tmp_path)
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'dd'} (split 'test'): the dataset has no rows")):
+        RetrievalDataModule(hf_cfg(tmp_path, tmp_path / "dd", split="test")).setup()

@@ -261,3 +261,13 @@ def test_plots_keep_the_legend_off_the_histograms_and_zoom_recall(tmp_path, monk
         assert bars and not any(b.overlaps(box) for b in bars)
     low, high = recall.axes[0].get_ylim()
     assert 0.7 <= low < 0.80 and high >= 0.995  # not 0-1: the band where the curves differ fills the plot
+
+
+def test_the_guide_names_the_run_files_as_evaluate_writes_them():
+    """One model: run.trec; a comparison: run.<name>.trec per model (the guide said run.<model>.trec always)."""
+    from moco_retrieval.evaluation.report import run_file_name
+    from tests.helpers import REPO
+
+    guide = " ".join((REPO / "docs" / "guide" / "commands.md").read_text(encoding="utf-8").split())
+    assert run_file_name("minilm", single=True) == "run.trec" and run_file_name("minilm", single=False) == "run.minilm.trec"
+    assert "`run.trec` (one model), or `run.<name>.trec` for each model of a comparison" in guide

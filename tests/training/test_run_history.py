@@ -1,6 +1,6 @@
 """A run's history across attempts: the command that resumes it, printed at its start;
 ``ckpt_path=last`` without ``run_dir`` (the newest run of the same experiment); one merged
-``RUN/metrics.csv`` over every attempt (metrics_history.py)."""
+``RUN/metrics.csv`` over every attempt (training/records.py)."""
 from __future__ import annotations
 
 import csv
@@ -135,3 +135,42 @@ def test_the_model_card_lists_only_the_warmup_setting_that_was_used():
     assert "`warmup_steps=2`" in steps and "warmup_ratio" not in steps
     ratio = optimizer_line({"lr": 1e-3, "warmup_steps": 0, "warmup_ratio": 0.1})
     assert "`warmup_ratio=0.1`" in ratio and "warmup_steps" not in ratio
+
+
+def test_a_resumed_run_numbers_its_attempts_and_logs_the_consoles_steps(tmp_path, monkeypatch, capsys, debian_dir,
+                                                                        one_thread):
+    """A run stopped (SIGTERM) before its first logged row, resumed to the end of an epoch (4 steps),
+    resumed again from that epoch-end checkpoint: metrics.csv numbers the attempts as metrics.json
+    counts them, and logs the steps the console printed (every 5, and the last)."""
+    import signal
+
+    from moco_retrieval import train as train_module
+    from moco_retrieval.training.preemption import Preempted
+    from tests.helpers import SignalAt, compose_cfg
+
+    run = tmp_path / "run"
+    base = ["+experiment=smoke", "data.max_train_examples=64", "data.max_eval_queries=16", "data.max_eval_docs=32",
+            "trainer.val_check_interval=null", "trainer.max_epochs=-1", "trainer.log_every_n_steps=5",
+            f"run_dir={run}", "ckpt_path=last"]
+    build = train_module.build
+
+    def build_stopped_at_step_3(*args, **kw):
+        module, dm, trainer = build(*args, **kw)
+        trainer.callbacks.append(SignalAt(signal.SIGTERM, 2))  # batch 2 starts: the stop after step 3
+        return module, dm, trainer
+
+    monkeypatch.setattr(train_module, "build", build_stopped_at_step_3)
+    with pytest.raises(Preempted):
+        train_module.train(compose_cfg("train", [*base, "trainer.max_steps=8"], to_object=True), run)
+    monkeypatch.setattr(train_module, "build", build)
+    train_module.train(compose_cfg("train", [*base, "trainer.max_steps=4"], to_object=True), run)
+    capsys.readouterr()
+    train_module.train(compose_cfg("train", [*base, "trainer.max_steps=12"], to_object=True), run)
+    console = [int(s) for s in re.findall(r"step (\d+)/12 \(", capsys.readouterr().out)]
+
+    assert json.loads((run / "metrics.json").read_text())["attempts"] == 3
+    rows = rows_of(run / "metrics.csv")
+    trained = [(r["attempt"], int(r["step"])) for r in rows if r.get("train/loss")]
+    assert console == [5, 10]
+    assert trained == [("2", 4), ("3", 5), ("3", 10), ("3", 12)]  # step 4: the last of attempt 2, logged at its stop
+    assert {r["attempt"] for r in rows} == {"2", "3"}  # attempt 1 logged nothing before its stop
