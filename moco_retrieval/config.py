@@ -99,6 +99,7 @@ IndexKind = choices("IndexKind", "flat ivf ivfpq hnsw")
 Which = choices("Which", "query key")  # a checkpoint's trained (query) encoder, or a MoCo checkpoint's EMA one
 Sampling = choices("Sampling", "top random")
 Format = choices("Format", "text json")
+ScoreSource = choices("ScoreSource", "miner teacher")  # mine's filter_scores: whose scores the score filters judge by
 Distill = choices("Distill", "none kl margin_mse")  # objective.distill: the teacher-score term (objectives/distill.py)
 
 
@@ -546,6 +547,10 @@ class MineConfig(RangeChecked):
     sampling: Sampling = Sampling.top  # the best-ranked that pass, or uniform among those that pass (seeded)
     seed: int = 0  # seed of sampling=random
     keep_empty: bool = False  # also write rows left without negatives (else left out, and counted in a warning)
+    # a teacher whose scores of each kept positive and negative are written (objective.distill learns
+    # them; mining/teacher.py): a checkpoint, an exported or sentence-transformers folder, or a CrossEncoder folder
+    teacher: Optional[str] = None
+    filter_scores: ScoreSource = ScoreSource.miner  # teacher: margin, relative_margin and max_score judge the teacher's scores
     batch_size: int = setting(256, AT_LEAST_ONE)  # encoding batch
     progress: bool = True  # progress lines while encoding
 
