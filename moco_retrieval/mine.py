@@ -108,7 +108,7 @@ def check_mine_outputs(cfg: Any) -> tuple[Path, Path]:
 def next_command(stats: dict, out: Path, cfg: Any) -> str:
     """The training command for ``out``, saying what part of the pairs it trains on."""
     command = (f"data=jsonl data.train_path={out} data.eval_dir={eval_dir_of(cfg.data)} "
-               f"data.n_negatives={cfg.n_negatives}")
+               f"data.n_negatives={cfg.n_negatives}" + (" objective.distill=kl" if cfg.teacher else ""))
     with_negatives, total = stats["queries"] - stats["queries_without_negatives"], stats["queries"]
     if with_negatives == total:
         return f"train with: {command}"
