@@ -144,3 +144,38 @@ def test_distilling_without_hard_negatives_is_refused_at_composition(tiny_dir):
     with pytest.raises(Exception) as e:
         compose_cfg("train", [*tiny_overrides(tiny_dir), "objective=inbatch", "objective.distill=kl"], to_object=True)
     assert "objective.distill=kl learns the teacher's scores of each row's hard negatives: set data.n_negatives=N" in str(e.value)
+
+
+def _distill_rank(q, d, neg, rank, world):
+    """One gloo rank's KL term over its B // world rows (in-batch: documents and hard negatives gathered)."""
+    per = B // world
+    obj = build_objective(InBatchConfig(temperature=TAU, distill="kl", contrastive_weight=0.0), encoder_stub(D)).train()
+    b = labels(IDS[rank * per:(rank + 1) * per], GROUPS[rank * per:(rank + 1) * per],
+               neg_id=NEG_IDS[rank * per * N:(rank + 1) * per * N], neg_group=NEG_GROUPS[rank * per * N:(rank + 1) * per * N],
+               pos_score=POS_SCORE[rank * per:(rank + 1) * per], neg_score=NEG_SCORE[rank * per * N:(rank + 1) * per * N])
+    loss, _ = obj(b, Given(query=q[rank * per:(rank + 1) * per], doc=d[rank * per:(rank + 1) * per],
+                           neg=neg[rank * per * N:(rank + 1) * per * N]))
+    return loss.detach()
+
+
+def test_each_gloo_rank_distils_its_own_rows_against_their_own_negatives(tmp_path):
+    """Gathered across ranks, rank r's rows start at r * B * n among the hard negatives: each rank's
+    term is the loop reference over its own rows (rank 1 reading rank 0's negatives would not be)."""
+    from tests.helpers import on_ranks
+
+    q, d, neg = (x.detach() for x in embeddings(seed=60))
+    losses = on_ranks(_distill_rank, (q, d, neg), 2, tmp_path)
+    per_row = [_ref_rows(q, d, neg, [i]) for i in range(B)]
+    for r, loss in enumerate(losses):
+        assert float(loss) == pytest.approx(sum(per_row[r * 2:(r + 1) * 2]) / 2, rel=1e-5)
+
+
+def _ref_rows(q, d, neg, rows):
+    """ref_kl's sum over ``rows`` alone."""
+    total = 0.0
+    for i in rows:
+        student = [float(q[i] @ d[i]) / TAU] + [float(q[i] @ neg[i * N + j]) / TAU for j in range(N)]
+        teacher = [float(POS_SCORE[i])] + [float(NEG_SCORE[i * N + j]) for j in range(N)]
+        zs, zt = sum(math.exp(x) for x in student), sum(math.exp(x) for x in teacher)
+        total += sum(math.exp(t) / zt * (t - math.log(zt) - (s - math.log(zs))) for s, t in zip(student, teacher))
+    return total
