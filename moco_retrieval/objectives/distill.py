@@ -62,7 +62,7 @@ class Distillation(nn.Module):
         return torch.cat([pos.unsqueeze(1), neg], dim=1)
 
     def loss(self, direction: Direction, batch: dict, view=None) -> Tensor:
-        logits = self.student_logits(direction, view)  # fp32: the direction's anchors and keys are
+        logits = self.student_logits(direction, view)  # fp32, as the direction's anchors and keys
         B = logits.shape[0]
         teacher = torch.cat([batch["pos_score"].view(B, 1), batch["neg_score"].view(B, -1)], dim=1).to(logits)
         if self.kind == Distill.kl:
