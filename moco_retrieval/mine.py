@@ -139,6 +139,11 @@ def check_teacher(cfg: Any) -> None:
     if not cfg.teacher:
         return
     teacher = Path(cfg.teacher).expanduser().resolve()
+    if not teacher.exists():  # (said before the mining model loads)
+        from moco_retrieval.errors import ModelNotFoundError
+
+        raise ModelNotFoundError(f"teacher={cfg.teacher}: no such file or directory (expected a checkpoint, a "
+                                 "sentence-transformers folder or a CrossEncoder folder)")
     for key in ("checkpoint", "model_dir"):
         if getattr(cfg, key, None) and Path(getattr(cfg, key)).expanduser().resolve() == teacher:
             raise ConfigError(f"teacher={cfg.teacher} is the mining model ({key}): its scores are written without it; "

@@ -133,11 +133,14 @@ def test_mine_with_a_sentence_transformers_teacher_writes_its_scores(st_folders,
 @pytest.mark.parametrize("overrides, says", [
     (["filter_scores=teacher"], "filter_scores=teacher judges candidates by a teacher's scores: give teacher=PATH"),
     (["model_dir={tiny}", "teacher={tiny}"], "is the mining model (model_dir): its scores are written without it"),
+    (["teacher={tiny}/absent"], "absent: no such file or directory (expected a checkpoint"),
 ])
 def test_teacher_options_are_refused_before_any_model_loads(overrides, says, tiny_dir, tmp_path):
     from moco_retrieval.mine import mining_settings, to_mine_config
 
-    with pytest.raises(ConfigError) as e:
+    from moco_retrieval.errors import UserError
+
+    with pytest.raises(UserError) as e:  # ConfigError, ModelNotFoundError: exit status 2, one message
         mining_settings(to_mine_config(compose_cfg("mine", [f"output={tmp_path / 'o.jsonl'}",
                                                             *[o.format(tiny=tiny_dir) for o in overrides]])))
     assert says in str(e.value)
