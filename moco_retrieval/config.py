@@ -99,6 +99,8 @@ IndexKind = choices("IndexKind", "flat ivf ivfpq hnsw")
 Which = choices("Which", "query key")  # a checkpoint's trained (query) encoder, or a MoCo checkpoint's EMA one
 Sampling = choices("Sampling", "top random")
 Format = choices("Format", "text json")
+ScoreSource = choices("ScoreSource", "miner teacher")  # mine's filter_scores: whose scores the score filters judge by
+Distill = choices("Distill", "none kl margin_mse")  # objective.distill: the teacher-score term (objectives/distill.py)
 
 
 def field_names(schema: type) -> list[str]:
@@ -282,12 +284,14 @@ class ColumnsConfig:
     doc_id: str = "doc_id"  # optional: the positive's id (default: a hash of its text)
     group: str = "group"  # optional: documents of one group never negatives of each other
     negatives: str = "negatives"  # optional: hard negatives (a list of texts or {doc_id, text})
-    positive_score: str = "positive_score"  # optional: a score of the positive (written by mine)
+    positive_score: str = "positive_score"  # optional: a teacher's score of the positive (written by mine)
+    negative_scores: str = "negative_scores"  # optional: a teacher's score of each negative (a list, one per negative)
     text: str = "text"  # data=documents (data/documents.py): the document's text
     title: str = "title"  # optional: its title (data.views.pairs=title)
     id: str = "id"  # optional: its id (default: a hash of its text); the two views of a document share it
 
-    PAIR_FIELDS: ClassVar[tuple[str, ...]] = ("query", "positive", "query_id", "doc_id", "group", "negatives", "positive_score")
+    PAIR_FIELDS: ClassVar[tuple[str, ...]] = ("query", "positive", "query_id", "doc_id", "group", "negatives", "positive_score",
+                                               "negative_scores")
     DOCUMENT_FIELDS: ClassVar[tuple[str, ...]] = ("text", "title", "id")
 
 
@@ -515,6 +519,10 @@ class TrainConfig:
                 "re-encodes queued texts by the key encoder, which a frozen backbone never changes; use "
                 "objective=feature_memory (its queue is re-projected every step) or objective.queue_refresh=0"
             )
+        distill = getattr(self.objective, "distill", Distill.none)
+        if distill != Distill.none and not self.data.n_negatives:
+            raise ConfigError(f"objective.distill={distill} learns the teacher's scores of each row's hard negatives: "
+                              "set data.n_negatives=N (rows with 'negatives' and their scores)")
         kinds = [self.data.kind] + [s.kind for s in self.data.sources]
         if self.model.frozen_backbone and DataKind.documents in kinds[1 if self.data.sources else 0:]:
             raise ConfigError("model.frozen_backbone=true with documents (data/documents.py): a frozen backbone "
@@ -551,6 +559,10 @@ class MineConfig(RangeChecked):
     sampling: Sampling = Sampling.top  # the best-ranked that pass, or uniform among those that pass (seeded)
     seed: int = 0  # seed of sampling=random
     keep_empty: bool = False  # also write rows left without negatives (else left out, and counted in a warning)
+    # a teacher whose scores of each kept positive and negative are written (objective.distill learns
+    # them; mining/teacher.py): a checkpoint, an exported or sentence-transformers folder, or a CrossEncoder folder
+    teacher: Optional[str] = None
+    filter_scores: ScoreSource = ScoreSource.miner  # teacher: margin, relative_margin and max_score judge the teacher's scores
     batch_size: int = setting(256, AT_LEAST_ONE)  # encoding batch
     progress: bool = True  # progress lines while encoding
 

@@ -4,9 +4,11 @@
     python -m moco_retrieval.mine checkpoint=RUN/checkpoints/last.ckpt output=mined.jsonl
     python -m moco_retrieval.mine model_dir=EXPORTED data=jsonl data.train_path=pairs.jsonl output=mined.jsonl \\
         n_negatives=8 range_min=0 range_max=50 relative_margin=0.05 margin=null max_score=null sampling=top
+    python -m moco_retrieval.mine ... teacher=CROSS_ENCODER_DIR [filter_scores=teacher]   # scores to distil
 
 Keys: MineConfig in config.py (``conf/mine.yaml``). Writes ``output`` (training JSONL with
-``negatives`` and ``positive_score``) and ``<output stem>.stats.json`` (what each filter removed).
+``negatives`` and ``positive_score``: the mining model's scores, or with ``teacher`` the teacher's,
+what ``objective.distill`` learns) and ``<output stem>.stats.json`` (what each filter removed).
 Then train with ``data=jsonl data.train_path=OUTPUT data.eval_dir=DIR data.n_negatives=N``. An existing
 ``output`` is refused unless ``overwrite=true``; an input (the training pairs, ...) is refused always.
 """
@@ -82,7 +84,7 @@ def mining_inputs(cfg: Any) -> dict[str, list[Path]]:
         from moco_retrieval.data.sources import debian_folder
 
         inputs["the built Debian data set"] = files_under(debian_folder(data))
-    inputs.update({key: files_under(getattr(cfg, key, None)) for key in ("checkpoint", "model_dir")})
+    inputs.update({key: files_under(getattr(cfg, key, None)) for key in ("checkpoint", "model_dir", "teacher")})
     inputs["model.path"] = files_under(getattr(cfg.model, "path", None))
     return inputs
 
@@ -106,7 +108,7 @@ def check_mine_outputs(cfg: Any) -> tuple[Path, Path]:
 def next_command(stats: dict, out: Path, cfg: Any) -> str:
     """The training command for ``out``, saying what part of the pairs it trains on."""
     command = (f"data=jsonl data.train_path={out} data.eval_dir={eval_dir_of(cfg.data)} "
-               f"data.n_negatives={cfg.n_negatives}")
+               f"data.n_negatives={cfg.n_negatives}" + (" objective.distill=kl" if cfg.teacher else ""))
     with_negatives, total = stats["queries"] - stats["queries_without_negatives"], stats["queries"]
     if with_negatives == total:
         return f"train with: {command}"
@@ -125,7 +127,27 @@ def mining_settings(cfg: Any) -> tuple[MiningFilters, MiningOptions]:
     ).check()
     options = MiningOptions(n_negatives=cfg.n_negatives, sampling=cfg.sampling, seed=cfg.seed, keep_empty=cfg.keep_empty,
                             index_cfg=cfg.eval, progress=cfg.progress).check()
+    check_teacher(cfg)
     return filters, options
+
+
+def check_teacher(cfg: Any) -> None:
+    """``filter_scores=teacher`` needs a teacher, and a teacher that is the mining model adds nothing
+    (its scores are the ones written already)."""
+    if cfg.filter_scores == "teacher" and not cfg.teacher:
+        raise ConfigError("filter_scores=teacher judges candidates by a teacher's scores: give teacher=PATH")
+    if not cfg.teacher:
+        return
+    teacher = Path(cfg.teacher).expanduser().resolve()
+    if not teacher.exists():  # (said before the mining model loads)
+        from moco_retrieval.errors import ModelNotFoundError
+
+        raise ModelNotFoundError(f"teacher={cfg.teacher}: no such file or directory (expected a checkpoint, a "
+                                 "sentence-transformers folder or a CrossEncoder folder)")
+    for key in ("checkpoint", "model_dir"):
+        if getattr(cfg, key, None) and Path(getattr(cfg, key)).expanduser().resolve() == teacher:
+            raise ConfigError(f"teacher={cfg.teacher} is the mining model ({key}): its scores are written without it; "
+                              "give another model as teacher (a larger embedder or a cross-encoder), or leave teacher out")
 
 
 def prepare_encoding(encoder: Any, pairs: list[Pair], cfg: Any) -> None:
@@ -175,8 +197,16 @@ def run_mine(cfg: Any) -> MiningResult:
                                  prompts=cfg.data.prompts)
     print(f"mining with {desc['source']} encoder ({desc.get('path', desc.get('backbone'))}, dim {encoder.dim}) "
           f"for {len(pairs):,} training pairs", file=sys.stderr)
+    teacher = None
+    if cfg.teacher:
+        from moco_retrieval.mining.teacher import load_teacher
+
+        teacher = load_teacher(cfg.teacher, cfg.model)
+        print(f"scoring with the {teacher.kind} teacher {teacher.description.get('path')} "
+              f"(the score filters judge the {cfg.filter_scores}'s scores)", file=sys.stderr)
     prepare_encoding(encoder, pairs, cfg)
-    result = mine_hard_negatives(encoder, pairs, filters, options, batch_size=cfg.batch_size)
+    result = mine_hard_negatives(encoder, pairs, filters, options, batch_size=cfg.batch_size, teacher=teacher,
+                                 filter_by_teacher=cfg.filter_scores == "teacher")
     result.stats["model"] = desc
     result.stats["output"] = str(out)
     write_outputs(result, out, stats_file)

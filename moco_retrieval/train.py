@@ -134,6 +134,12 @@ class ValidateLastStep(L.Callback):
             trainer.should_stop = True
 
 
+def data_module(cfg: TrainConfig) -> RetrievalDataModule:
+    """The run's data module: its hard negatives, and their teacher scores when the objective distils."""
+    distills = getattr(cfg.objective, "distill", "none") != "none"
+    return RetrievalDataModule(cfg.data, n_negatives=cfg.data.n_negatives, teacher_scores=distills)
+
+
 def build(cfg: TrainConfig, run_dir: Path, dm: Optional[RetrievalDataModule] = None,
           resuming: bool = False) -> tuple[RetrievalModule, RetrievalDataModule, L.Trainer]:
     """The module, the data module (``dm``: one that has read its data already) and the trainer;
@@ -141,7 +147,7 @@ def build(cfg: TrainConfig, run_dir: Path, dm: Optional[RetrievalDataModule] = N
     module = RetrievalModule.from_config(cfg)
     enc = module.encoder
     if dm is None:
-        dm = RetrievalDataModule(cfg.data, n_negatives=cfg.data.n_negatives)
+        dm = data_module(cfg)
     dm.tokenize = enc.tokenize if enc.needs_tokens else None
     checkpoints = ModelCheckpoint(
         dirpath=checkpoints_dir(run_dir),
@@ -229,7 +235,7 @@ def _train(cfg: TrainConfig, run_dir: Path) -> dict:
         print(f"[moco_retrieval] run directory {run_dir}; to resume this run: {resume_command(run_dir)}",
               file=sys.stderr, flush=True)
     # the data is read and checked first: bad input stops the run before the model and the loggers start
-    dm = RetrievalDataModule(cfg.data, n_negatives=cfg.data.n_negatives)
+    dm = data_module(cfg)
     dm.setup("fit")
     if ckpt_path is not None:  # the same rows as it trained on, not only the same options
         check_same_data(read_checkpoint(ckpt_path, "ckpt_path", verify=False), ckpt_path, dm.data_keys())

@@ -42,7 +42,7 @@ def _side(texts: list[str], kind: str, tokenize: Optional[Tokenize]) -> dict:
     return side
 
 
-def _describe(index: int, pair: Pair, where: Optional[str] = None) -> str:
+def describe_row(index: int, pair: Pair, where: Optional[str] = None) -> str:
     q = pair.query if len(pair.query) <= 60 else pair.query[:57] + "..."
     qid = f", query_id {pair.query_id!r}" if pair.query_id is not None else ""
     loc = f"{where}: " if where else ""
@@ -55,7 +55,7 @@ def select_negatives(pair: Pair, index: int, n: int, seed: int = 0, where: Optio
     negs = pair.negatives
     if not negs:
         raise DataError(
-            f"{_describe(index, pair, where)} has no negatives, but {n} hard negatives per row were requested "
+            f"{describe_row(index, pair, where)} has no negatives, but {n} hard negatives per row were requested "
             "(give every row a 'negatives' list, or train without hard negatives)"
         )
     if len(negs) >= n:
@@ -73,10 +73,13 @@ def collate(
     source_offsets: Optional[Sequence[int]] = None,
     prompts: Prompts = NO_PROMPTS,
     source_prompts: Optional[Sequence[Prompts]] = None,
+    scores: bool = False,
 ) -> dict:
     """``(index, Pair)`` items -> the batch dict of docs/design.md; with ``source_offsets`` (several
     sources, see :class:`.sampler.MultiSourceBatchSampler`) it holds each row's ``source`` too, and
-    ``source_prompts`` (one :class:`.prompts.Prompts` per source) replace ``prompts``."""
+    ``source_prompts`` (one :class:`.prompts.Prompts` per source) replace ``prompts``; ``scores``:
+    the teacher's scores of the positives and of the chosen hard negatives (``pos_score``,
+    ``neg_score``; every row must be scored, which the data module checks up front)."""
     idx = [int(i) for i, _ in items]
     pairs = [p for _, p in items]
     sources = None if source_offsets is None else source_of(idx, source_offsets)
@@ -98,6 +101,11 @@ def collate(
         batch["neg"] = _side(apply_by_row(neg_rows, [n.text for n in negs], "doc"), "doc", tokenize)
         batch["neg_id"] = torch.tensor([n.doc_id for n in negs], dtype=torch.long)
         batch["neg_group"] = torch.tensor([n.group for n in negs], dtype=torch.long)
+        if scores:
+            batch["pos_score"] = torch.tensor([p.positive_score for p in pairs], dtype=torch.float32)
+            batch["neg_score"] = torch.tensor([n.score for n in negs], dtype=torch.float32)
+    elif scores:
+        raise ValueError("teacher scores are those of the hard negatives: collate them with n_negatives")
     return batch
 
 
@@ -106,13 +114,14 @@ class Collator:
 
     def __init__(self, tokenize: Optional[Tokenize] = None, n_negatives: Optional[int] = None, seed: int = 0,
                  source_offsets: Optional[Sequence[int]] = None, prompts: Prompts = NO_PROMPTS,
-                 source_prompts: Optional[Sequence[Prompts]] = None):
+                 source_prompts: Optional[Sequence[Prompts]] = None, scores: bool = False):
         self.tokenize, self.n_negatives, self.seed = tokenize, n_negatives, seed
         self.source_offsets, self.prompts, self.source_prompts = source_offsets, prompts, source_prompts
+        self.scores = scores
 
     def __call__(self, items: Sequence[tuple[int, Pair]]) -> dict:
         return collate(items, self.tokenize, self.n_negatives, self.seed, self.source_offsets, self.prompts,
-                       self.source_prompts)
+                       self.source_prompts, self.scores)
 
 
 class EvalItems(Dataset):
@@ -157,6 +166,7 @@ class EvalCollator:
 __all__ = [
     "Tokenize",
     "PairDataset",
+    "describe_row",
     "select_negatives",
     "collate",
     "Collator",

@@ -170,6 +170,7 @@ def _numbers(rows: list[tuple[int, int, Pair]]) -> dict[str, np.ndarray]:
         "doc_id": np.array([p.doc_id for _, _, p in rows], dtype=np.int64),
         "group": np.array([p.group for _, _, p in rows], dtype=np.int64),
         "n_neg": np.array([len(p.negatives) for _, _, p in rows], dtype=np.int32),
+        "scored": np.array([p.scored for _, _, p in rows], dtype=bool),
         "file": np.array([f for f, _, _ in rows], dtype=np.int32),
         "line": np.array([line for _, line, _ in rows], dtype=np.int64),
     }

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 
 from moco_retrieval.distributed import rank_and_world
 
-from moco_retrieval.data.collate import Collator, EvalCollator, EvalItems, Tokenize, select_negatives
+from moco_retrieval.data.collate import Collator, EvalCollator, EvalItems, Tokenize, describe_row, select_negatives
 from moco_retrieval.data.formats import DataError, EvalSet, Pair
 from moco_retrieval.data.documents import DocumentViews
 from moco_retrieval.data.multisource import (check_same_schedule, has_sources, load_source_rows, schedule_record, source_names,
@@ -55,7 +55,9 @@ class RetrievalDataModule(L.LightningDataModule):
 
     ``tokenize(texts, "query"|"doc") -> {"input_ids", "attention_mask"}`` pads dynamically; None
     gives text-only batches. ``n_negatives``: hard negatives per row in each batch (every row
-    needs at least one; fewer are padded, see :func:`.collate.select_negatives`).
+    needs at least one; fewer are padded, see :func:`.collate.select_negatives`). ``teacher_scores``
+    (``objective.distill``): batches carry the teacher's scores, and every row must have them
+    (refused here, naming the first row without, before any model loads).
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class RetrievalDataModule(L.LightningDataModule):
         tokenize: Optional[Tokenize] = None,
         n_negatives: Optional[int] = None,
         *,
+        teacher_scores: bool = False,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
     ):
@@ -71,6 +74,9 @@ class RetrievalDataModule(L.LightningDataModule):
         self.cfg = cfg
         self.tokenize = tokenize
         self.n_negatives = int(n_negatives) if n_negatives else None
+        self.teacher_scores = bool(teacher_scores)
+        if self.teacher_scores and not self.n_negatives:
+            raise ValueError("teacher scores are those of the hard negatives: give n_negatives")
         self._rank, self._world_size = rank, world_size
         self._train_rows: Optional[PairRows] = None
         self._eval_set: Optional[EvalSet] = None
@@ -89,6 +95,7 @@ class RetrievalDataModule(L.LightningDataModule):
         tokenize: Optional[Tokenize] = None,
         n_negatives: Optional[int] = None,
         *,
+        teacher_scores: bool = False,
         where: Optional[Sequence[str]] = None,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
@@ -97,7 +104,7 @@ class RetrievalDataModule(L.LightningDataModule):
         :func:`.sources.load`): used as given, ``cfg``'s kind, paths and caps are not read again;
         its batch, sampler and worker settings apply. ``where``: each pair's source location, for
         the message about a row without negatives."""
-        dm = cls(cfg, tokenize, n_negatives, rank=rank, world_size=world_size)
+        dm = cls(cfg, tokenize, n_negatives, teacher_scores=teacher_scores, rank=rank, world_size=world_size)
         dm._set_data(PairRows(PairList(train_pairs, where)), eval_set)
         return dm
 
@@ -159,6 +166,15 @@ class RetrievalDataModule(L.LightningDataModule):
             if len(empty):  # the first row without negatives, named as select_negatives names it
                 i = int(empty[0])
                 select_negatives(rows.take([i])[0], i, self.n_negatives, self.cfg.seed, where=rows.where(i))
+        if self.teacher_scores:
+            unscored = np.flatnonzero(~np.asarray(rows.scored, dtype=bool))
+            if len(unscored):
+                i = int(unscored[0])
+                raise DataError(f"{describe_row(i, rows.take([i])[0], rows.where(i))} has no teacher scores "
+                                f"({len(unscored):,} of {len(rows):,} rows lack them), but objective.distill trains on "
+                                "them: give every row a 'positive_score' and a score for each negative "
+                                "('negative_scores', or each negative's 'score'; python -m moco_retrieval.mine "
+                                "teacher=MODEL writes them)")
         self._train_rows, self._eval_set = rows, eval_set
 
     # -- loaders
@@ -207,7 +223,8 @@ class RetrievalDataModule(L.LightningDataModule):
             self._dataset(),
             batch_sampler=self.batch_sampler,
             collate_fn=Collator(self.tokenize, self.n_negatives, self.cfg.seed, self.source_offsets, self.prompts,
-                                source_prompts(self.cfg) if self.source_offsets is not None else None),
+                                source_prompts(self.cfg) if self.source_offsets is not None else None,
+                                self.teacher_scores),
             num_workers=self.cfg.num_workers,
             state_fn=self.state_dict,
             load_fn=self.load_state_dict,

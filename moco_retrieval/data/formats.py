@@ -16,7 +16,11 @@ JSONL pairs (:func:`read_pairs_jsonl`), one JSON object a line (blank lines are 
   (``-1`` = none). Documents of one group are each other's false negatives.
 * ``negatives``: optional list of hard negatives, each a string (the text) or an object
   ``{"text", "doc_id"?, "score"?, "group"?}`` (ids as above).
-* ``positive_score``: optional number (e.g. a teacher score).
+* ``positive_score``: optional number: a teacher's score of (query, positive), what
+  ``objective.distill`` trains on (objectives/distill.py).
+* ``negative_scores``: optional list of numbers, the teacher's score of each negative, in order
+  (one per negative: sentence-transformers' and Tevatron's layout); the same as each negative
+  object's ``score``, which it may not repeat. Every score must be finite.
 
 BEIR layout (:func:`read_beir`): ``corpus.jsonl`` (``_id``, ``text``, optional ``title``, optional
 ``group``, other keys ignored), ``queries.jsonl`` (``_id``, ``text``), ``qrels/<split>.tsv`` with the
@@ -28,8 +32,9 @@ qrels id must exist in the corpus / queries.
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Union
 
@@ -79,6 +84,11 @@ class Pair:
     positive_score: Optional[float] = None
     given_doc_id: Any = field(default=None, compare=False)  # as in Negative
     given_group: Any = field(default=None, compare=False)
+
+    @property
+    def scored(self) -> bool:
+        """Whether a teacher scored the row: its positive and every hard negative (what distillation needs)."""
+        return self.positive_score is not None and bool(self.negatives) and all(n.score is not None for n in self.negatives)
 
 
 @dataclass
@@ -195,13 +205,34 @@ def _hashed_id(v: Any, key: str, path: PathLike, line: int, allow_none_group: bo
     return stable_id(v)
 
 
-def _opt_number(obj: dict, key: str, path: PathLike, line: int) -> Optional[float]:
-    v = obj.get(key)
+def _opt_number(obj: dict, key: str, path: PathLike, line: int, label: Optional[str] = None) -> Optional[float]:
+    v, label = obj.get(key), label or key
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _error(path, line, f"field {key!r} must be a number, got {_type_name(v)}")
+        raise _error(path, line, f"field {label!r} must be a number, got {_type_name(v)}")
+    if not math.isfinite(v):  # (json reads NaN and Infinity) a teacher's NaN would make the distilled loss NaN
+        raise _error(path, line, f"field {label!r} is {v}; expected a finite number")
     return float(v)
+
+
+def _negative_scores(obj: dict, negatives: list[Negative], path: PathLike, line: int) -> list[Negative]:
+    """``negatives`` with the row's ``negative_scores`` (one per negative) as their scores."""
+    v = obj["negative_scores"]
+    if not isinstance(v, list):
+        raise _error(path, line, f"field 'negative_scores' must be a list of numbers, got {_type_name(v)}")
+    if len(v) != len(negatives):
+        raise _error(path, line, f"field 'negative_scores' holds {len(v)} scores for {len(negatives)} hard negatives; "
+                                 "expected one score per negative, in their order")
+    if any(n.score is not None for n in negatives):
+        raise _error(path, line, "field 'negative_scores' and a negative's own 'score' both given; expected the "
+                                 "teacher's scores once (either the list or each negative's score)")
+    for i, score in enumerate(v):
+        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+            shown = score if isinstance(score, float) else _type_name(score)
+            raise _error(path, line, f"field 'negative_scores': score {i} is {shown}; expected a finite number")
+    scores = [float(x) for x in v]
+    return [replace(n, score=s) for n, s in zip(negatives, scores)]
 
 
 def _parse_negatives(v: Any, path: PathLike, line: int) -> list[Negative]:
@@ -232,7 +263,7 @@ def _parse_negatives(v: Any, path: PathLike, line: int) -> list[Negative]:
                 if item.get("group") is not None
                 else NO_GROUP
             )
-            out.append(Negative(doc_id=did, text=text, score=_opt_number(item, "score", path, line), group=grp,
+            out.append(Negative(doc_id=did, text=text, score=_opt_number(item, "score", path, line, f"{key}.score"), group=grp,
                                 given_doc_id=item.get("doc_id"), given_group=item.get("group")))
         else:
             raise _error(path, line, f"{key} must be a string or an object with 'text', got {_type_name(item)}")
@@ -250,6 +281,8 @@ def pair_from_json(obj: dict, path: PathLike = "<pairs>", line: int = 0) -> Pair
     )
     grp = _hashed_id(obj["group"], "group", path, line, True) if obj.get("group") is not None else NO_GROUP
     negatives = _parse_negatives(obj["negatives"], path, line) if obj.get("negatives") is not None else []
+    if obj.get("negative_scores") is not None:
+        negatives = _negative_scores(obj, negatives, path, line)
     return Pair(
         query=query,
         positive=positive,

@@ -6,6 +6,8 @@ A store is a folder::
                      pair: query, positive, query_id, positive_score, negatives (list of {text, doc_id,
                      group, score})
     doc_id.npy group.npy n_neg.npy     int64, int64, int32 per row: what the sampler and the masks need
+    scored.npy       bool per row: a teacher scored its positive and every negative (formats.Pair.scored),
+                     what a distilling run checks before the model loads
     file.npy line.npy                  per row, the input file (index into manifest "files") and its line/row
     offsets.npy      row offsets of the sources in the store ([0, rows] for one; concatenated sources add theirs)
     manifest.json    version, rows, files, location template, conversion time; ``contents``: each
@@ -34,10 +36,10 @@ from moco_retrieval.files import sha256_file
 
 from moco_retrieval.data.formats import Negative, Pair
 
-STORE_VERSION = 2  # 2: the manifest's contents (sizes and sha256), checked on open
+STORE_VERSION = 3  # 2: the manifest's contents (sizes and sha256), checked on open; 3: scored.npy, finite scores
 TABLE = "pairs.arrow"
 MANIFEST = "manifest.json"
-ARRAYS = ("doc_id", "group", "n_neg", "file", "line", "offsets")
+ARRAYS = ("doc_id", "group", "n_neg", "scored", "file", "line", "offsets")
 
 
 def store_schema():
@@ -219,6 +221,7 @@ class PairList:
             "doc_id": np.array([p.doc_id for p in self.pairs], dtype=np.int64),
             "group": np.array([p.group for p in self.pairs], dtype=np.int64),
             "n_neg": np.array([len(p.negatives) for p in self.pairs], dtype=np.int32),
+            "scored": np.array([p.scored for p in self.pairs], dtype=bool),
         }
 
     def __len__(self) -> int:
@@ -341,6 +344,11 @@ class PairRows:
     @property
     def negative_counts(self) -> np.ndarray:
         return self.array("n_neg")
+
+    @property
+    def scored(self) -> np.ndarray:
+        """Whether each row carries a teacher's scores (formats.Pair.scored)."""
+        return self.array("scored")
 
     def open(self) -> None:
         self.source.open()

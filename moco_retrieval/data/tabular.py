@@ -2,13 +2,14 @@
 reader's fields and checks (formats.py) under configurable column names (``data.columns.*``).
 
 Columns: ``query`` and ``positive`` required; ``query_id``, ``doc_id``, ``group``, ``negatives``,
-``positive_score`` optional (read when the file has the configured column). What sentence-transformers
+``positive_score``, ``negative_scores`` optional (read when the file has the configured column). What sentence-transformers
 trains on reads as it is, in every tabular kind (CSV, Parquet, ``datasets`` folders: hf_folder.py):
 ``anchor`` is the query when there is no ``query`` column, and ``negative`` / ``negative_1``,
 ``negative_2`` ... are the hard negatives when there is no ``negatives`` column (:func:`table_columns`). CSV: a header row,
-every value a string (ids are hashed as strings; ``negatives`` a JSON list; an empty cell is
-absent). Parquet (pyarrow): string columns, integer ids used as is, ``negatives`` a list of
-strings or of ``{text, doc_id, group, score}`` structs, a null is absent.
+every value a string (ids are hashed as strings; ``negatives`` and ``negative_scores`` JSON lists;
+an empty cell is absent). Parquet (pyarrow): string columns, integer ids used as is, ``negatives`` a
+list of strings or of ``{text, doc_id, group, score}`` structs, ``negative_scores`` a list of
+numbers, a null is absent.
 
 Every error names the file, the row (the CSV line; the Parquet row, counted from 1), the column and
 what was expected, and the whole file is checked before training starts.
@@ -24,7 +25,7 @@ from typing import Any, Iterator, Optional
 
 from moco_retrieval.data.formats import DataError, Pair, PathLike, pair_from_json
 
-FIELDS = ("query", "positive", "query_id", "doc_id", "group", "negatives", "positive_score")
+FIELDS = ("query", "positive", "query_id", "doc_id", "group", "negatives", "positive_score", "negative_scores")
 REQUIRED = ("query", "positive")
 
 
@@ -110,11 +111,12 @@ def _csv_value(field: str, value: str, path: PathLike, row: int, column: str) ->
             return float(value)
         except ValueError:
             raise DataError(f"{path}: row {row}, column {column!r}: expected a number, got {value!r}") from None
-    if field == "negatives":
+    if field in ("negatives", "negative_scores"):
         try:
             return json.loads(value)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}: row {row}, column {column!r}: expected a JSON list of texts or objects "
+            what = "texts or objects" if field == "negatives" else "numbers"
+            raise DataError(f"{path}: row {row}, column {column!r}: expected a JSON list of {what} "
                             f"({e.msg} at character {e.pos})") from None
     return value
 

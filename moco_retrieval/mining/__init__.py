@@ -12,7 +12,10 @@ that are *not* known to be relevant become its hard negatives:
 3. Candidates are removed by the filters, in a fixed order, and ``n_negatives`` of those that pass
    are kept per query (:mod:`.filters`, which lists the rules); :mod:`.miner` runs steps 1-3 and
    counts what each rule removed.
-4. The output is the training JSONL of :mod:`moco_retrieval.data.formats` plus a statistics file
+4. With a teacher (``teacher=PATH``, :mod:`.teacher`), its scores of each kept positive and
+   negative are written in place of the mining model's, and with ``filter_scores=teacher`` the
+   score filters judge the candidates by them (what ``objective.distill`` learns).
+5. The output is the training JSONL of :mod:`moco_retrieval.data.formats` plus a statistics file
    (:mod:`.output`); :mod:`.report` says what was mined and what a user must know before training.
 
 The package's names are importable from ``moco_retrieval.mining``.

@@ -16,7 +16,8 @@ An objective builds its InfoNCE ``directions`` (infonce.py) from what it asks fo
 their losses (``total``); it hands each key memory (memory.py) the keys to write after backward,
 when the module calls ``after_backward()``. Options wrap or plug into this: the guide and logQ
 plug into the ``Scoring`` every direction scores with, Matryoshka re-scores the directions at each
-prefix (matryoshka.py), the refresh lives in a memory (refresh.py). The module never asks which
+prefix (matryoshka.py), the refresh lives in a memory (refresh.py), distillation adds a teacher's
+scores on the main direction (distill.py). The module never asks which
 objective it holds: it builds an EMA key encoder when ``momentum`` is set and a guide encoder
 when ``guide.fixed``.
 """
@@ -28,7 +29,9 @@ from typing import ClassVar, Optional, Protocol
 from omegaconf import MISSING
 from torch import Tensor, nn
 
-from moco_retrieval.config import AT_LEAST_ONE, POSITIVE, PROPER_FRACTION, ConfigError, Range, RangeChecked, setting
+from moco_retrieval.config import (AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, PROPER_FRACTION, ConfigError, Distill, Range,
+                                   RangeChecked, setting)
+from moco_retrieval.objectives.distill import build_distillation
 from moco_retrieval.objectives.guided import Guide
 from moco_retrieval.objectives.infonce import Direction, Keys, Scoring
 from moco_retrieval.objectives.logq import StreamingFrequency
@@ -64,6 +67,13 @@ class ObjectiveConfig(RangeChecked):
     # embedding (e.g. [384, 256, 128, 64]), weighted by matryoshka_weights (empty: 1 each); empty: off
     matryoshka_dims: list[int] = setting(factory=list)
     matryoshka_weights: list[float] = setting(factory=list)  # one weight per matryoshka_dims entry
+    # distillation (objectives/distill.py): learn a teacher's scores of each row's positive and hard
+    # negatives (the data's positive_score and negative scores): kl (the teacher's softmax over
+    # [positive, hard negatives]) or margin_mse (its positive - negative margins); none: off
+    distill: Distill = Distill.none
+    distill_weight: float = setting(1.0, POSITIVE)  # loss = contrastive_weight * contrastive + distill_weight * distillation
+    distill_temperature: float = setting(1.0, POSITIVE)  # kl: both softmaxes' logits / this, the loss * its square
+    contrastive_weight: float = setting(1.0, NON_NEGATIVE)  # 0: the distillation term alone (the queues still fill)
 
     SECTION: ClassVar[str] = "objective"
 
@@ -77,12 +87,26 @@ class ObjectiveConfig(RangeChecked):
         if self.guide == "momentum" and not isinstance(self, MomentumOptions):
             raise ConfigError(f"objective.guide=momentum needs the keys of both sides (objective=moco or two_queue); "
                               f"objective={self.name} has none: use guide=base or a model folder")
+        self._check_distill()
         dims, weights = self.matryoshka_dims, self.matryoshka_weights
         if len(set(dims)) != len(dims) or min(dims, default=1) < 1:
             raise ConfigError(f"objective.matryoshka_dims={list(dims)}: must be distinct dimensions >= 1")
         if weights and (len(weights) != len(dims) or min(weights) < 0):
             raise ConfigError(f"objective.matryoshka_weights={list(weights)}: must be one weight >= 0 per dimension "
                               f"of objective.matryoshka_dims={list(dims)}")
+
+
+    def _check_distill(self) -> None:
+        """The distillation options only where they act (each rule once, here)."""
+        if self.distill == Distill.none:
+            for key, default in (("distill_weight", 1.0), ("distill_temperature", 1.0), ("contrastive_weight", 1.0)):
+                if getattr(self, key) != default:
+                    raise ConfigError(f"objective.{key}={getattr(self, key)} weighs the distillation term, which is "
+                                      "off: set objective.distill=kl or margin_mse (or leave it out)")
+            return
+        if self.distill == Distill.margin_mse and self.distill_temperature != 1.0:
+            raise ConfigError(f"objective.distill_temperature={self.distill_temperature} softens the softmaxes of "
+                              "objective.distill=kl; margin_mse compares score margins and has none")
 
 
 class Embed(Protocol):
@@ -122,6 +146,7 @@ class Objective(nn.Module):
         self.guide = Guide(cfg.guide, cfg.guide_margin, cfg.guide_threshold, keys=self.keys)
         logq = StreamingFrequency(cfg.logq_buckets, cfg.logq_alpha) if cfg.logq_correction else None
         self.scoring = Scoring(cfg, guide=self.guide.rule, logq=logq)
+        self.distill = build_distillation(cfg)  # None: no teacher scores learnt
 
     @classmethod
     def build(cls, cfg: ObjectiveConfig, encoder, guide_dim: int | None, sources: int = 1) -> "Objective":
@@ -130,7 +155,15 @@ class Objective(nn.Module):
         return cls(cfg)
 
     def forward(self, batch: dict, embed: Embed) -> tuple[Tensor, dict]:
-        return self.combine({name: d.loss() for name, d in self.directions(batch, embed).items()})
+        return self.scored(self.directions(batch, embed), batch)
+
+    def scored(self, directions: dict[str, Direction], batch: dict, view=None) -> tuple[Tensor, dict]:
+        """The loss and stats of this step's directions (``view``: a Matryoshka prefix), with the
+        distillation term on the main direction when ``objective.distill`` is on."""
+        loss, stats = self.combine({name: d.loss(view) for name, d in directions.items()})
+        if self.distill is None:
+            return loss, stats
+        return self.distill.add(loss, stats, next(iter(directions.values())), batch, view)
 
     def directions(self, batch: dict, embed: Embed) -> dict[str, Direction]:
         """This step's InfoNCE directions by name, the main one first; memories hold their keys."""

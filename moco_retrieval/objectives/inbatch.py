@@ -73,8 +73,9 @@ class InBatchObjective(Objective):
         if neg is not None:
             if qd.guide is not None:
                 qd.guide.candidates["hard"] = self._gather(self.guide.embedding(embed, "neg"))
-            qd.add(self._gather(neg.float(), grad=True), self._gather(batch["neg_id"]), self._gather(batch["neg_group"]),
-                   "hard", logq=False)
+            offset = rank() * neg.shape[0] if self.cross_device else 0
+            qd.add_hard(Keys(self._gather(neg.float(), grad=True), self._gather(batch["neg_id"]),
+                             self._gather(batch["neg_group"])), offset, neg.shape[0])
         if not self.symmetric:
             return {"query_to_doc": qd}
         # document -> query: documents score every query; masking by the document's own id/group

@@ -155,6 +155,7 @@ class Direction:
         self.scoring, self.anchors, self.positives = scoring, anchors.float(), positives.float()
         self.ids, self.groups, self.guide = ids, groups, guide
         self.blocks: list[Block] = []
+        self.hard: tuple[Block, int, int] | None = None  # the hard negatives' block, where this rank's start, how many
 
     def add(self, keys: Tensor | None, ids: Tensor, groups: Tensor, guided: str | None = None, logq: bool = True,
             own_offset: int | None = None, mask: Mask | None = None, memory=None) -> Block:
@@ -179,13 +180,27 @@ class Direction:
         offset = rank() * self.anchors.shape[0] if offset is None else offset
         return self.add(keys.vectors, keys.ids, keys.groups, "batch" if guided else None, own_offset=offset, mask=mask)
 
+    def add_hard(self, keys: Keys, offset: int = 0, count: int | None = None) -> Block:
+        """The hard negatives, n per anchor, row-major; logQ leaves them as they are (chosen per query,
+        not sampled). Gathered from every rank, this rank's ``count`` of them start at ``offset``."""
+        block = self.add(keys.vectors, keys.ids, keys.groups, "hard", logq=False)
+        self.hard = (block, offset, keys.vectors.shape[0] if count is None else count)
+        return block
+
+    def own_hard(self, view=None) -> Tensor:
+        """Each anchor's own hard negatives [B, n, d] (``view``: what to take of them, a Matryoshka prefix)."""
+        block, offset, count = self.hard
+        keys = block.keys[offset : offset + count]
+        keys = keys if view is None else view(keys)
+        return keys.view(self.anchors.shape[0], count // self.anchors.shape[0], keys.shape[-1])
+
     def add_keys(self, batch: Keys | None, hard: Keys | None = None, memory=None, guided: bool = True) -> "Direction":
         """The batch's keys, the hard negatives and a memory's negatives (none yet: no block), each
         when present."""
         if batch is not None:
             self.add_batch(batch, guided=guided)
         if hard is not None:
-            self.add(hard.vectors, hard.ids, hard.groups, "hard", logq=False)
+            self.add_hard(hard)
         if memory is not None and memory.fill > 0:
             self.add(None, memory.ids(), memory.groups(), "queue" if guided else None, memory=memory)
         return self

@@ -37,7 +37,7 @@ class Matryoshka(nn.Module):
         total, stats = 0.0, None
         for dim, weight in zip(self.dims, self.weights):
             view = Prefix(dim, self.normalize)
-            loss, s = self.objective.combine({name: d.loss(view) for name, d in directions.items()})
+            loss, s = self.objective.scored(directions, batch, view)
             total = total + weight * loss
             stats = s if stats is None else stats
             stats[f"loss_dim{dim}"] = loss.detach()

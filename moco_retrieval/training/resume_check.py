@@ -42,7 +42,8 @@ MODEL_FREE = ("path", "feature_cache_dir", "grad_cache_chunk")  # where things a
 # objective options added since checkpoints were first written: the value a checkpoint without
 # the option was trained with (the behaviour before the option existed)
 OPTIONS_BEFORE_THEY_EXISTED = {"inbatch_weight": 0.0, "queue_max_age": None, "queue_refresh": 0, "matryoshka_dims": [],
-                               "matryoshka_weights": [], "queue_per_source": False}
+                               "matryoshka_weights": [], "queue_per_source": False, "distill": "none",
+                               "distill_weight": 1.0, "distill_temperature": 1.0, "contrastive_weight": 1.0}
 
 
 def _plain(node: Any) -> Any:

@@ -106,7 +106,7 @@ def test_converted_once_per_content(tmp_path, monkeypatch):
     manifest = json.loads((first / "manifest.json").read_text())
     assert manifest["rows"] == 20 and manifest["location"] == "{file}:{line}"
     assert sorted(p.name for p in first.iterdir()) == sorted(
-        ["pairs.arrow", "manifest.json"] + [f"{k}.npy" for k in ("doc_id", "group", "n_neg", "file", "line", "offsets")])
+        ["pairs.arrow", "manifest.json"] + [f"{k}.npy" for k in ("doc_id", "group", "n_neg", "scored", "file", "line", "offsets")])
 
     def no_conversion(*a, **k):
         raise AssertionError("converted again")

@@ -196,7 +196,7 @@ def test_an_open_reads_the_numbers_not_the_texts(cfg, monkeypatch):
     real = store_module.sha256_file
     monkeypatch.setattr(store_module, "sha256_file", lambda p: hashed.append(Path(p).name) or real(p))
     prepare_store(cfg)
-    assert sorted(hashed) == sorted(f"{k}.npy" for k in ("doc_id", "group", "n_neg", "file", "line", "offsets"))
+    assert sorted(hashed) == sorted(f"{k}.npy" for k in ("doc_id", "group", "n_neg", "scored", "file", "line", "offsets"))
     hashed.clear()
     prepare_store(cfg, verify=True)
     assert "pairs.arrow" in hashed
