@@ -101,6 +101,8 @@ Sampling = choices("Sampling", "top random")
 Format = choices("Format", "text json")
 ScoreSource = choices("ScoreSource", "miner teacher")  # mine's filter_scores: whose scores the score filters judge by
 Distill = choices("Distill", "none kl margin_mse")  # objective.distill: the teacher-score term (objectives/distill.py)
+ModelFormat = choices("ModelFormat", "torch onnx")  # export: onnx adds the ONNX form (export/onnx.py)
+Quantize = choices("Quantize", "none int8")  # export: int8 adds a dynamically quantized ONNX model
 
 
 def field_names(schema: type) -> list[str]:
@@ -588,7 +590,7 @@ class EvaluateConfig:
 
 
 @dataclass
-class ExportConfig:
+class ExportConfig(RangeChecked):
     """``python -m moco_retrieval.export``: a sentence-transformers directory (``conf/export.yaml``)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)  # the base encoder when no checkpoint
@@ -597,6 +599,21 @@ class ExportConfig:
     out_dir: str = MISSING  # the model directory to write
     overwrite: bool = False  # replace an earlier export in out_dir (only its files; a folder that is not one: refused)
     adapter_only: bool = False  # a LoRA model: the adapter alone (peft files), not the merged model
+    format: ModelFormat = ModelFormat.torch  # onnx: also onnx/model.onnx, for SentenceTransformer(DIR, backend="onnx")
+    quantize: Quantize = Quantize.none  # int8: also onnx/model_qint8_quantized.onnx (dynamic int8; needs format=onnx)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_export(self)
+
+
+def check_export(cfg: Any) -> None:
+    """ConfigError for export options that contradict each other (before the model loads)."""
+    if str(cfg.quantize) == "int8" and str(cfg.format) != "onnx":
+        raise ConfigError("quantize=int8: the int8 model is an ONNX model; add format=onnx")
+    if str(cfg.format) == "onnx" and cfg.adapter_only:
+        raise ConfigError("format=onnx: adapter_only=true writes a LoRA adapter alone, which has no ONNX form; "
+                          "drop one of the two")
 
 
 @dataclass
@@ -717,8 +734,8 @@ def register_command_schemas() -> None:
 __all__ = [
     "ConfigError", "Range", "setting", "RangeChecked", "POSITIVE", "NON_NEGATIVE", "AT_LEAST_ONE", "FRACTION",
     "PROPER_FRACTION", "PRECISIONS", "Dtype", "Pooling", "Head", "HeadInit", "BackboneKind", "LrSchedule", "DataKind",
-    "SourceMode", "ViewPairs", "IndexKind", "Which", "Sampling", "Format", "LoraConfig", "ModelConfig", "OptimConfig",
+    "SourceMode", "ViewPairs", "IndexKind", "Which", "Sampling", "Format", "ModelFormat", "Quantize", "LoraConfig", "ModelConfig", "OptimConfig",
     "ColumnsConfig", "ViewsConfig", "check_kind_options", "PromptsConfig", "SourceConfig", "DataConfig", "TrainerConfig", "LoggerConfig", "EvalConfig",
-    "TrainConfig", "MineConfig", "EvaluateConfig", "ExportConfig", "SearchConfig", "COMMAND_SCHEMAS", "MISSING",
+    "TrainConfig", "MineConfig", "EvaluateConfig", "ExportConfig", "check_export", "SearchConfig", "COMMAND_SCHEMAS", "MISSING",
     "register_command_schemas", "to_config", "check_known_keys", "unknown_key", "cache_root",
 ]

@@ -72,6 +72,9 @@ def test_experiment_presets_compose():
             assert (other.objective.queue_size, other.objective.momentum) == (65536, 0.999)
     b = compose_cfg("train", ["+experiment=inbatch256"])
     assert (b.objective.name, b.data.batch_size) == ("inbatch", 256)
+    a = compose_cfg("train", ["+experiment=adapt", "data.path=docs.jsonl"])  # B15 (b)'s defaults
+    assert (a.objective.name, a.data.kind, a.data.batch_size, a.trainer.max_steps) == ("inbatch", "documents", 32, 150)
+    assert a.optim.lr == pytest.approx(2e-5) and a.model.backbone == "minilm"
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml")))

@@ -28,6 +28,11 @@ exported backbone (a plain Hugging Face model); ``adapter_only=true`` writes the
 (decoder backbones) is sentence-transformers' ``lasttoken``; the saved tokenizer appends the
 end-of-text token as in training.
 
+``format=onnx`` adds the ONNX form of the transformer, ``onnx/model.onnx``, beside the weights
+(``SentenceTransformer(DIR, backend="onnx")``); ``quantize=int8`` adds its dynamically quantized
+int8 copy, ``onnx/model_qint8_quantized.onnx`` (``model_kwargs={"file_name": ...}``). Prompts and
+Matryoshka truncation are sentence-transformers' own and stay as they are (export/onnx.py).
+
 ``out_dir`` must be missing or empty; ``overwrite=true`` replaces an earlier export there, removing
 only the entries its ``moco_retrieval.json`` lists (other files stay), and refuses a folder that is
 not an export. The export is written beside ``out_dir`` first and moved in when complete.
@@ -45,6 +50,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from moco_retrieval.command import command
+from moco_retrieval.config import check_export
 from moco_retrieval.errors import CheckpointError, ConfigError
 from moco_retrieval.export.folder import apply_umask, earlier_export
 from moco_retrieval.export.writer import export_adapter, export_encoder
@@ -94,19 +100,33 @@ def run_export(cfg: Any) -> Path:
         raise ConfigError(f"encoder={cfg.encoder!r}: expected one of {ENCODERS}")
     if cfg.encoder == "key" and not cfg.checkpoint:
         raise ConfigError("encoder=key needs checkpoint=PATH (a base model has no key encoder)")
+    check_export(cfg)
+    onnx = str(cfg.format) == "onnx"
+    if onnx:
+        from moco_retrieval.export import onnx as onnx_form
+
+        onnx_form.require_onnx()
     earlier_export(Path(cfg.out_dir).expanduser(), bool(cfg.overwrite))  # refused before the model loads
     enc, desc = load_encoder(checkpoint=cfg.checkpoint, model=cfg.model, encoder=cfg.encoder)
+    if onnx:
+        onnx_form.check_onnx_encoder(enc)
     side = "doc" if cfg.encoder == "key" else "query"
     check_finite(enc, cfg.checkpoint or "the base model")
     if cfg.adapter_only:
         out = export_adapter(enc, cfg.out_dir, side=side, overwrite=bool(cfg.overwrite))
         print(f"exported the {cfg.encoder} encoder's LoRA adapter to {out}")
         return out
-    out = export_encoder(enc, cfg.out_dir, side=side, source=desc, overwrite=bool(cfg.overwrite))
+    extra = (lambda folder: onnx_form.write_onnx(folder, str(cfg.quantize))) if onnx else None
+    out = export_encoder(enc, cfg.out_dir, side=side, source=desc, overwrite=bool(cfg.overwrite), extra=extra)
     write_model_card(out, desc, cfg.checkpoint, side, str(cfg.out_dir))
     towers = "its query and document towers, as a Router" if not enc.shared_tower else "one tower"
     print(f"exported the {cfg.encoder} encoder ({desc['source']}, dim {enc.dim}; {towers}) to {out}")
     print(f"load it with: SentenceTransformer({str(out)!r})")
+    if onnx:
+        files = [onnx_form.ONNX_FILE] + ([onnx_form.INT8_FILE] if str(cfg.quantize) == "int8" else [])
+        for name in files:
+            print(f"or with onnxruntime: SentenceTransformer({str(out)!r}, backend=\"onnx\", "
+                  f"model_kwargs={{\"file_name\": {name!r}}})")
     return out
 
 

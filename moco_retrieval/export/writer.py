@@ -116,18 +116,21 @@ def export_encoder(
     side: str = "query",
     source: Optional[dict] = None,
     overwrite: bool = False,
+    extra: Optional[Callable[[Path], None]] = None,
 ) -> Path:
     """Write ``encoder``'s ``side`` tower (both towers, as a query / document ``Router``, when it
-    has two) as a sentence-transformers directory (see export.py); returns the directory."""
+    has two) as a sentence-transformers directory (see export.py); returns the directory.
+    ``extra(folder)`` writes more files into it before META_FILE lists them (the ONNX form: onnx.py)."""
     if getattr(encoder, "backbone_kind", "transformer") != "transformer":
         raise ConfigError(
             "export supports backbone_kind=transformer; a bag_of_wordpieces encoder has no transformer "
             "layers for sentence-transformers to run (evaluate and search use it directly from the checkpoint)"
         )
-    return install_export(Path(out_dir).expanduser(), overwrite, lambda folder: _write_export(encoder, folder, side, source))
+    return install_export(Path(out_dir).expanduser(), overwrite, lambda folder: _write_export(encoder, folder, side, source, extra))
 
 
-def _write_export(encoder: Any, folder: Path, side: str, source: Optional[dict]) -> list[str]:
+def _write_export(encoder: Any, folder: Path, side: str, source: Optional[dict],
+                  extra: Optional[Callable[[Path], None]] = None) -> list[str]:
     """The export's files in ``folder`` (META_FILE lists them, itself included); their names."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Normalize, Router
@@ -145,6 +148,8 @@ def _write_export(encoder: Any, folder: Path, side: str, source: Optional[dict])
                                  similarity_fn_name="cosine" if encoder.normalize else "dot",
                                  prompts=prompts, default_prompt_name=default_prompt)
         st.save(str(folder))
+    if extra is not None:
+        extra(folder)
     tower = towers["" if encoder.shared_tower else "query"]
     cfg = {
         "backbone_kind": "transformer",
