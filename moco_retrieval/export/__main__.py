@@ -54,6 +54,7 @@ from moco_retrieval.config import check_export
 from moco_retrieval.errors import CheckpointError, ConfigError
 from moco_retrieval.export.folder import apply_umask, earlier_export
 from moco_retrieval.export.writer import export_adapter, export_encoder
+from moco_retrieval.model.backbone import quiet_transformers
 from moco_retrieval.model.loading import META_FILE, load_encoder
 from moco_retrieval.model.momentum import ENCODERS
 
@@ -113,11 +114,13 @@ def run_export(cfg: Any) -> Path:
     side = "doc" if cfg.encoder == "key" else "query"
     check_finite(enc, cfg.checkpoint or "the base model")
     if cfg.adapter_only:
-        out = export_adapter(enc, cfg.out_dir, side=side, overwrite=bool(cfg.overwrite))
+        with quiet_transformers():
+            out = export_adapter(enc, cfg.out_dir, side=side, overwrite=bool(cfg.overwrite))
         print(f"exported the {cfg.encoder} encoder's LoRA adapter to {out}")
         return out
     extra = (lambda folder: onnx_form.write_onnx(folder, str(cfg.quantize))) if onnx else None
-    out = export_encoder(enc, cfg.out_dir, side=side, source=desc, overwrite=bool(cfg.overwrite), extra=extra)
+    with quiet_transformers():  # (no "Writing model shards" bar per file)
+        out = export_encoder(enc, cfg.out_dir, side=side, source=desc, overwrite=bool(cfg.overwrite), extra=extra)
     write_model_card(out, desc, cfg.checkpoint, side, str(cfg.out_dir))
     towers = "its query and document towers, as a Router" if not enc.shared_tower else "one tower"
     print(f"exported the {cfg.encoder} encoder ({desc['source']}, dim {enc.dim}; {towers}) to {out}")

@@ -71,8 +71,9 @@ def resolve_backbone_path(cfg: ModelConfig) -> Path:
 
 
 @contextmanager
-def _quiet_transformers():
-    """Hide transformers' load reports (e.g. the unused pooler weights) while loading."""
+def quiet_transformers():
+    """Hide transformers' load reports (e.g. the unused pooler weights) and its bars (loading weights,
+    writing shards: a bar per load or save, noise in a job's log) while loading or saving."""
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
@@ -95,7 +96,7 @@ def load_backbone(path: Path, key: str = "model.path", dtype: Optional[str] = No
     load_kw = {"local_files_only": True, **({"dtype": getattr(torch, dtype)} if dtype else {})}
 
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
             try:  # the pooler is unused (we pool ourselves) and would be an unused DDP parameter
                 model = AutoModel.from_pretrained(str(path), add_pooling_layer=False, **load_kw)

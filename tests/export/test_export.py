@@ -105,3 +105,13 @@ def test_export_refuses_bag_of_wordpieces(tiny_dir, tmp_path):
     enc = build_encoder(ModelConfig(backbone="tiny", path=tiny_dir, backbone_kind="bag_of_wordpieces"))
     with pytest.raises(ValueError, match="backbone_kind=transformer"):
         export_encoder(enc, tmp_path / "m")
+
+
+def test_export_prints_no_bar_per_written_file(tiny_dir, tmp_path, capfd):
+    """Issue 46, point 17: transformers' "Writing model shards" bar is noise in a job's log."""
+    from moco_retrieval.export.__main__ import run_export
+
+    run_export(compose_cfg("export", tiny_overrides(tiny_dir) + [f"out_dir={tmp_path / 'model'}"]))
+    captured = capfd.readouterr()
+    assert "exported the query encoder" in captured.out
+    assert "Writing model shards" not in captured.err + captured.out and "Loading weights" not in captured.err
