@@ -1,5 +1,6 @@
-"""What the project writes for the user: checked before any work, written whole or not at all, with
-ordinary permissions; checkpoint files too, read back checked.
+"""What the project writes for the user: checked before any work (an output folder: new, empty, or
+an earlier output of the same command), written whole or not at all, with ordinary permissions;
+checkpoint files too, read back checked.
 
 :func:`check_output` refuses, before the command reads data or loads a model: a directory given as a
 file; a file that is there already, unless ``overwrite``; and, even with ``overwrite``, a file that
