@@ -39,7 +39,7 @@ import torch
 
 from benchmarks.harness import cli, equal_data, side_by_side
 from benchmarks.harness.cli import RESULTS
-from benchmarks.harness.equal_data import (INBATCH, MAIN_RUN, RUNS as B6_RUNS, add_run_args, batches_of,
+from benchmarks.harness.equal_data import (INBATCH, MAIN, MAIN_RUN, RUNS as B6_RUNS, add_run_args, batches_of,
                                           main_objective, main_objective_at, runner, trained, two_queue)
 from benchmarks.harness.report import environment, fmt, log, med_std, paired
 from benchmarks.harness.runs import md_table, read_jsonl, run_selected, write_results
@@ -56,6 +56,9 @@ RUNS: dict[str, tuple[str, int, object, str]] = {
     "online-8": ("ours", 8, main_objective_at(8, ONLINE), "the same at batch 8, keys at most 512 steps old"),
     "online_noib-32": ("ours", 32, two_queue("objective.momentum=0.995", "objective.queue_size=4096", ONLINE,
                                              inbatch=0.0), "the dual bank with online keys, no in-batch term"),
+    # XBM (Wang et al. 2020): one memory of the trained encoder's detached document embeddings beside the batch
+    "xbm-32": ("ours", 32, MAIN + ["objective=moco", ONLINE, "objective.queue_size=4096"],
+               "one document bank of online keys and the batch (XBM), keys at most 128 steps old"),
 }
 SEEDS = {"online-32": (0, 1, 2), "online-8": (0, 1, 2)}  # the headline rows; the others seed 0
 # the references, read from B6's and B11's caches (our name -> (cache, its name there, batch))
