@@ -24,6 +24,7 @@ file (``CheckpointError``); a full disk says what is kept and how to resume.
 from __future__ import annotations
 
 import errno
+import json
 import hashlib
 import os
 import shutil
@@ -134,6 +135,16 @@ def discard_dir(folder: Path) -> None:
     except FileNotFoundError:  # another process discarded it first
         pass
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def json_object(path: Path) -> dict:
+    """The JSON object in ``path``; ``{}`` when it is missing, unreadable or not an object (a folder's
+    optional metadata file, read to recognise what kind of folder it is)."""
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def files_under(path: str | os.PathLike | None) -> list[Path]:
@@ -322,6 +333,6 @@ def checkpoint_step(ckpt: dict) -> int:
 
 
 __all__ = ['current_umask', 'ordinary_mode', 'check_output', 'NOT_CONTENT', 'claim_output_dir', 'remove_entries',
-           'sha256_file', 'discard_dir', 'files_under', 'atomic_write', 'CHECKSUM', 'named_tensors',
+           'sha256_file', 'discard_dir', 'json_object', 'files_under', 'atomic_write', 'CHECKSUM', 'named_tensors',
            'tensors_sha256', 'tensor_checksum', 'previous_of', 'human_size', 'out_of_space', 'atomic_torch_save', 'read_checkpoint',
            'checkpoint_step']

@@ -8,13 +8,13 @@ the row (from 1) and the column.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from moco_retrieval.data.formats import DataError, Pair
 from moco_retrieval.data.tabular import pair_from_row, table_columns
+from moco_retrieval.files import json_object
 
 _WHAT = "a save_to_disk folder (Dataset or DatasetDict) or a folder of Parquet shards"
 
@@ -29,25 +29,19 @@ class HFTable:
     batches: Any  # () -> iterator of lists of row dicts
 
 
-def _json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _dataset_tables(folder: Path, split: str) -> list[HFTable]:
     import datasets
 
     target, where = folder, str(folder)
-    splits = _json(folder / "dataset_dict.json").get("splits")
+    splits = json_object(folder / "dataset_dict.json").get("splits")
     if isinstance(splits, list):  # a DatasetDict: its split's folder alone (another, empty, split would not load)
         if split not in splits:
             raise DataError(f"{folder}: no split {split!r} (data.split); the folder's splits: "
                             f"{', '.join(map(str, splits)) or '(none)'}")
         target, where = folder / split, f"{folder} (split {split!r})"
-    if _json(target / "state.json").get("_data_files") == []:  # datasets cannot load it (an IndexError)
+    if json_object(target / "state.json").get("_data_files") == []:  # datasets cannot load it (an IndexError)
         raise DataError(f"{where}: the dataset has no rows (save_to_disk of an empty Dataset: its state.json "
                         f"lists no data files)")
     try:

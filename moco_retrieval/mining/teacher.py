@@ -18,13 +18,13 @@ cross-encoder reads every pair (what the ``filter_scores=teacher`` candidates co
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
 from moco_retrieval.errors import ConfigError, ModelNotFoundError
+from moco_retrieval.files import json_object
 
 
 class Teacher:
@@ -74,22 +74,16 @@ class CrossEncoderTeacher(Teacher):
         return np.asarray(self.predict(pairs, self.batch_size, self.progress), dtype=np.float64).reshape(len(pairs))
 
 
-def _json(path: Path) -> dict:
-    try:
-        found = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return found if isinstance(found, dict) else {}
 
 
 def is_cross_encoder(folder: Path) -> bool:
     """sentence-transformers >= 5 records ``model_type: CrossEncoder`` (such a folder has a
     ``modules.json`` too); older CrossEncoder folders are a sequence-classification model alone."""
-    model_type = _json(folder / "config_sentence_transformers.json").get("model_type")
+    model_type = json_object(folder / "config_sentence_transformers.json").get("model_type")
     if model_type:
         return model_type == "CrossEncoder"
     return not (folder / "modules.json").is_file() and any(
-        str(a).endswith("ForSequenceClassification") for a in _json(folder / "config.json").get("architectures") or [])
+        str(a).endswith("ForSequenceClassification") for a in json_object(folder / "config.json").get("architectures") or [])
 
 
 def _ours(encoder, description: dict) -> BiEncoderTeacher:
