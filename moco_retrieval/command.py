@@ -173,6 +173,11 @@ def composition_message(error: Exception) -> str:
     if isinstance(cause, ValidationError) and cause.full_key and choice:  # an Enum option: as the ranges say it
         return choice_message(cause.full_key, choice.group(1), choice.group(2).split(", "))
     lines = str(error).splitlines()
+    bare = re.fullmatch(r"Error parsing override '([^'=]+)'", lines[0]) if lines else None
+    if bare:  # a path given alone (`export RUN/last.ckpt`): Hydra's grammar error says nothing of keys
+        word = bare.group(1)
+        hint = (f"; a checkpoint is checkpoint={word} (train: ckpt_path={word})" if word.endswith(".ckpt") else "")
+        return f"{word!r} is not key=value: every argument sets a key (key=value, group=option){hint}; --help lists the keys"
     if isinstance(cause, OmegaConfBaseException):
         lines += str(cause).splitlines()
     return "\n".join(line for line in lines

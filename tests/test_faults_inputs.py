@@ -85,6 +85,19 @@ def test_an_option_not_among_its_choices_is_one_message_naming_them(override, sa
     assert composition_message(err.value) == says
 
 
+def test_a_path_given_alone_is_told_to_be_key_value(tmp_path):
+    """``export RUN/last.ckpt`` (no key): Hydra's grammar error named no key; ours says what to write."""
+    from moco_retrieval.command import composition_message
+
+    from hydra.errors import HydraException
+
+    with pytest.raises(HydraException) as err:
+        compose_cfg("export", ["/runs/a/checkpoints/last.ckpt"])
+    says = composition_message(err.value)
+    assert says.startswith("'/runs/a/checkpoints/last.ckpt' is not key=value")
+    assert "checkpoint=/runs/a/checkpoints/last.ckpt" in says
+
+
 def test_every_precision_we_allow_is_one_lightning_takes():
     """PRECISIONS mirrors Lightning's own list (not identifiers, so no Enum): each builds a Trainer."""
     import lightning as L

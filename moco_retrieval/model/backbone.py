@@ -9,6 +9,7 @@ Backbones load from local folders only (``local_files_only=True``): never a hub 
 from __future__ import annotations
 
 import hashlib
+import logging
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
@@ -73,17 +74,22 @@ def resolve_backbone_path(cfg: ModelConfig) -> Path:
 @contextmanager
 def quiet_transformers():
     """Hide transformers' load reports (e.g. the unused pooler weights) and its bars (loading weights,
-    writing shards: a bar per load or save, noise in a job's log) while loading or saving."""
+    writing shards: a bar per load or save, noise in a job's log) while loading or saving, and
+    sentence-transformers' info lines (its "Saving model to DIR" names the export's temp folder)."""
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
     bars = hf_logging.is_progress_bar_enabled()
+    st_logger = logging.getLogger("sentence_transformers")
+    st_level = st_logger.level
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    st_logger.setLevel(logging.WARNING)
     try:
         yield
     finally:
         hf_logging.set_verbosity(level)
+        st_logger.setLevel(st_level)
         if bars:
             hf_logging.enable_progress_bar()
 

@@ -13,6 +13,7 @@ saves the adapter alone (:func:`save_adapter`).
 from __future__ import annotations
 
 import hashlib
+import warnings
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -60,7 +61,11 @@ def apply_lora(backbone: nn.Module, cfg: Any) -> nn.Module:
     peft_cfg = PeftLoraConfig(r=int(cfg.r), lora_alpha=float(cfg.alpha), lora_dropout=float(cfg.dropout),
                               target_modules=targets, bias="none")
     try:
-        return get_peft_model(backbone, peft_cfg)
+        with warnings.catch_warnings():
+            # peft reads transformers' deprecated ``is_gradient_checkpointing`` alias: a FutureWarning
+            # on every LoRA start that is neither ours nor the user's to act on
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return get_peft_model(backbone, peft_cfg)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
         raise ConfigError(f"model.lora.target_modules={targets}: {e}") from e
 

@@ -107,11 +107,16 @@ def test_export_refuses_bag_of_wordpieces(tiny_dir, tmp_path):
         export_encoder(enc, tmp_path / "m")
 
 
-def test_export_prints_no_bar_per_written_file(tiny_dir, tmp_path, capfd):
-    """Issue 46, point 17: transformers' "Writing model shards" bar is noise in a job's log."""
+def test_export_prints_no_bar_per_written_file(tiny_dir, tmp_path, capfd, caplog):
+    """Issue 46, point 17: transformers' "Writing model shards" bar is noise in a job's log, and so is
+    sentence-transformers' "Saving model to /tmp/.moco-export-..." (a temp folder the user never sees)."""
+    import logging
+
     from moco_retrieval.export.__main__ import run_export
 
+    caplog.set_level(logging.INFO)  # as the commands' logging is set up
     run_export(compose_cfg("export", tiny_overrides(tiny_dir) + [f"out_dir={tmp_path / 'model'}"]))
     captured = capfd.readouterr()
     assert "exported the query encoder" in captured.out
     assert "Writing model shards" not in captured.err + captured.out and "Loading weights" not in captured.err
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("sentence_transformers")]

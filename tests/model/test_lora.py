@@ -84,6 +84,18 @@ def test_lora_refuses_a_frozen_backbone_and_unknown_targets(tiny_dir):
         LoraConfig(r=-1)
 
 
+
+def test_lora_start_prints_no_future_warning_from_peft(tiny_dir):
+    """peft reads transformers' deprecated ``is_gradient_checkpointing`` while wrapping: that
+    FutureWarning is noise on every LoRA start (issue 46, point 17), so building says nothing."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_encoder(lora_cfg(tiny_dir))
+    assert not [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+
+
 # --------------------------------------------------------------------------- checkpoints and resume
 
 
