@@ -88,7 +88,7 @@ def _data_line(data: dict) -> str:
     if kind == "debian":
         what = "Debian package descriptions (query: short description, document: long description, group: source package)"
     elif kind == "jsonl":
-        what = f"JSONL pairs `{data.get('train_path')}`, validated on `{data.get('eval_dir')}`"
+        what = f"JSONL pairs `{data.get('train_path')}`" + (f", validated on `{data['eval_dir']}`" if data.get("eval_dir") else "")
     elif kind == "beir":
         what = f"the BEIR folder `{data.get('dir')}` (qrels/{data.get('train_split')}.tsv, validated on qrels/{data.get('eval_split')}.tsv)"
     elif kind == "documents":

@@ -97,9 +97,11 @@ def test_a_missing_eval_folder_stops_the_run_before_the_model_loads(tmp_path, ti
 
 def test_two_sets_log_each_set_and_their_mean_and_the_best_checkpoint_follows_best_set(tmp_path, tiny_dir):
     run_dir = tmp_path / "run"
-    printed = train(config(tmp_path, tiny_dir, "trainer.best_set=large"), run_dir)
+    # 8 steps at a high rate, validated every 2: the small set scores best first, the mean later
+    printed = train(config(tmp_path, tiny_dir, "trainer.best_set=small", "optim.lr=1e-2", "optim.warmup_ratio=0",
+                           "trainer.val_check_interval=2", "trainer.max_steps=8"), run_dir)
     rows = validation_rows(run_dir)
-    assert [int(float(r["step"])) for r in rows] == [3, 6]
+    assert [int(float(r["step"])) for r in rows] == [2, 4, 6, 8]
     for r in rows:
         assert not r.get("val/recall@1")  # several sets: no unnamed metric
         assert (float(r["val/small/pool_queries"]), float(r["val/large/pool_queries"])) == (6, 15)
@@ -107,18 +109,22 @@ def test_two_sets_log_each_set_and_their_mean_and_the_best_checkpoint_follows_be
             per_set = [float(r[f"val/{s}/{metric}"]) for s in ("small", "large")]
             assert float(r[f"val/mean/{metric}"]) == pytest.approx(sum(per_set) / 2)
     for s in ("small", "large", "mean"):
-        assert re.search(rf"validation at step 6{' on ' + s if s != 'mean' else ', mean of 2 sets'}: recall@1", printed)
-    assert "best large/recall@1" in printed
+        assert re.search(rf"validation at step 8{' on ' + s if s != 'mean' else ', mean of 2 sets'}: recall@1", printed)
+    assert "best small/recall@1" in printed
     final = json.loads((run_dir / "metrics.json").read_text())
     assert {"val/small/recall@1", "val/large/recall@1", "val/mean/recall@1"} <= set(final)
-    # the best checkpoint is the first validation of the highest val/large/recall@1
-    scores = [(float(r["val/large/recall@1"]), -int(float(r["step"]))) for r in rows]
-    best_step = -max(scores)[1]
+    # the best checkpoint is the first validation of the highest val/small/recall@1, not of the mean's
+    def best(key: str) -> tuple[float, int]:
+        score, step = max((float(r[key]), -int(float(r["step"]))) for r in rows)
+        return score, -step
+
+    best_score, best_step = best("val/small/recall@1")
+    assert best_step != best("val/mean/recall@1")[1]  # (else this run could not tell them apart)
     assert [p.name for p in (run_dir / "checkpoints").glob("best-*.ckpt")] == [f"best-{best_step}.ckpt"]
     ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    state = next(v for k, v in ckpt["callbacks"].items() if "'monitor': 'val/large/recall@1'" in k)
-    assert float(state["best_model_score"]) == max(scores)[0]
-    assert (run_dir / "plots" / "cosines-small-step6.png").is_file() and (run_dir / "plots" / "cosines-large-step6.png").is_file()
+    state = next(v for k, v in ckpt["callbacks"].items() if "'monitor': 'val/small/recall@1'" in k)
+    assert float(state["best_model_score"]) == best_score
+    assert (run_dir / "plots" / "cosines-small-step8.png").is_file() and (run_dir / "plots" / "cosines-large-step8.png").is_file()
 
     # the model card of the exported best checkpoint lists each set and the mean
     from moco_retrieval.export.__main__ import run_export
@@ -127,7 +133,7 @@ def test_two_sets_log_each_set_and_their_mean_and_the_best_checkpoint_follows_be
     run_export(compose_cfg("export", [*tiny_overrides(tiny_dir), f"checkpoint={run_dir / 'checkpoints' / f'best-{best_step}.ckpt'}",
                                       f"out_dir={out}"]))
     card = (out / "README.md").read_text()
-    assert "validated on 2 sets: `small`, `large`" in card
+    assert f"- Data: JSONL pairs `{tmp_path / 'train.jsonl'}`; validated on 2 sets: `small`, `large`;" in card
     best_row = next(r for r in rows if int(float(r["step"])) == best_step)
     for s in ("small", "large", "mean"):
         line = next(l for l in card.splitlines() if l.startswith(f"| {s} |"))
