@@ -93,6 +93,28 @@ def test_a_missing_eval_folder_stops_the_run_before_the_model_loads(tmp_path, ti
         train(cfg, tmp_path / "run")
 
 
+# ---- the data: each set capped alike, each its own validation loader --------------------------------------------
+
+def test_each_set_is_named_by_its_folder_capped_alike_and_served_by_its_own_loader(tmp_path):
+    from moco_retrieval.config import DataConfig
+    from moco_retrieval.data.datamodule import RetrievalDataModule
+    from moco_retrieval.mine import eval_option
+
+    train, small, large = folders(tmp_path)
+    cfg = DataConfig(kind="jsonl", train_path=str(train), eval_dirs=[f"{large}/", str(small)], max_eval_queries=4,
+                     batch_size=4, eval_batch_size=5)
+    dm = RetrievalDataModule(cfg)
+    assert list(dm.eval_sets) == ["large", "small"]
+    assert [(len(ev.queries), len(ev.corpus)) for ev in dm.eval_sets.values()] == [(4, 30), (4, 12)]
+    with pytest.raises(ValueError, match="2 evaluation sets"):
+        dm.eval_set
+    loaders = dm.val_dataloader()
+    assert [sorted({b["kind"] for b in loader}) for loader in loaders] == [["doc", "query"]] * 2
+    assert [sum(len(b["ids"]) for b in loader) for loader in loaders] == [34, 16]
+    # mine's closing command validates on the same sets
+    assert eval_option(cfg) == f"data.eval_dirs=[{large}/,{small}]"
+
+
 # ---- training: per-set metrics, their mean, the best checkpoint by the chosen set -------------------------------
 
 def test_two_sets_log_each_set_and_their_mean_and_the_best_checkpoint_follows_best_set(tmp_path, tiny_dir):
