@@ -158,6 +158,7 @@ def _need(cfg: Any, key: str, kind: str, what: str, file: bool) -> Path:
 
 _TRAIN_FILE = "a {} file of training pairs"
 _EVAL_DIR = "a BEIR-layout folder for validation"
+_EVAL_DIRS = f"{_EVAL_DIR}; or several: data.eval_dirs=[DIR,...]"
 _BEIR_DIR = "a BEIR folder with corpus.jsonl, queries.jsonl, qrels/"
 _HF_DIR = "a datasets save_to_disk folder or a folder of Parquet shards"
 _DOCUMENTS = "documents: a JSONL, Parquet or CSV file, a datasets folder or a folder of .txt / .md files"
@@ -175,7 +176,7 @@ def _eval_location(cfg: Any, kind: str, folder: Optional[Path] = None) -> tuple[
     if kind == "debian":
         return (folder or debian_folder(cfg)) / "eval", "test"
     if kind in PAIR_KINDS or kind == "documents":
-        return _need(cfg, "eval_dir", kind, _EVAL_DIR, file=False), cfg.eval_split
+        return _need(cfg, "eval_dir", kind, _EVAL_DIRS, file=False), cfg.eval_split
     return _need(cfg, "dir", kind, _BEIR_DIR, file=False), cfg.eval_split
 
 
@@ -463,7 +464,7 @@ def check_paths(cfg: Any) -> str:
     if _value(cfg, "eval_dirs"):
         eval_folders(cfg)
     elif kind in PAIR_KINDS or (kind == "documents" and _value(cfg, "eval_dir")):
-        _need(cfg, "eval_dir", kind, _EVAL_DIR, file=False)
+        _need(cfg, "eval_dir", kind, _EVAL_DIRS, file=False)
     return kind
 
 

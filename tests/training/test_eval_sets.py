@@ -111,6 +111,10 @@ def test_each_set_is_named_by_its_folder_capped_alike_and_served_by_its_own_load
     loaders = dm.val_dataloader()
     assert [sorted({b["kind"] for b in loader}) for loader in loaders] == [["doc", "query"]] * 2
     assert [sum(len(b["ids"]) for b in loader) for loader in loaders] == [34, 16]
+    # neither eval_dir nor eval_dirs with pairs: the message offers both
+    with pytest.raises(DataError, match=re.escape("data.eval_dir is required with data=jsonl (a BEIR-layout folder "
+                                                  "for validation; or several: data.eval_dirs=[DIR,...])")):
+        RetrievalDataModule(DataConfig(kind="jsonl", train_path=str(train))).eval_sets
     # mine's closing command validates on the same sets
     assert eval_option(cfg) == f"data.eval_dirs=[{large}/,{small}]"
 
