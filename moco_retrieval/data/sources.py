@@ -448,14 +448,12 @@ def load_eval_pools(cfg: Any, data_folder: Optional[Path] = None, mapped: bool =
     kind = _check_kind(cfg)
     folders = eval_folders(cfg)
     if folders:
-        pools = {name: _finish_pool(cfg, kind, folder, cfg.eval_split, read_beir(folder, cfg.eval_split, reader))
-                 for name, folder in folders}
-    elif _holds_out(cfg):
-        pools = {Path(cfg.path).name: _held_out_pool(cfg)}
-    else:
-        folder, split = _eval_location(cfg, kind, data_folder)
-        pools = {folder.name: _finish_pool(cfg, kind, folder, split, read_beir(folder, split, reader))}
-    return pools
+        return {name: _finish_pool(cfg, kind, folder, cfg.eval_split, read_beir(folder, cfg.eval_split, reader))
+                for name, folder in folders}
+    if _holds_out(cfg):
+        return {Path(cfg.path).name: _held_out_pool(cfg)}
+    folder, split = _eval_location(cfg, kind, data_folder)
+    return {folder.name: _finish_pool(cfg, kind, folder, split, read_beir(folder, split, reader))}
 
 
 def check_paths(cfg: Any) -> str:
