@@ -207,3 +207,49 @@ def test_evaluate_on_two_sets_writes_each_sets_report_and_their_mean(tmp_path, t
     from moco_retrieval.evaluation.report import earlier_report
 
     assert {"small", "large", "eval.json", "report.md"} <= set(earlier_report(out))
+
+
+# ---- W&B: a histogram pair and a table of sample queries per set -------------------------------------------------
+
+def test_wandb_gets_each_sets_histograms_and_table(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from types import SimpleNamespace
+
+    import numpy as np
+    from lightning.pytorch.loggers import WandbLogger
+
+    from moco_retrieval.config import EvalConfig
+    from moco_retrieval.data.formats import read_beir
+    from moco_retrieval.evaluation.encode import evaluate_embeddings
+    from moco_retrieval.training import report
+
+    class Recorder(WandbLogger):  # what ValidationReport hands W&B, without a W&B run
+        def __init__(self):
+            self.logged = []
+
+        @property
+        def experiment(self):
+            return SimpleNamespace(log=self.logged.append)
+
+    _, small, large = folders(tmp_path)
+    sets = {"small": read_beir(small), "large": read_beir(large)}
+    rng = np.random.default_rng(0)
+    results = {name: evaluate_embeddings(list(ev.corpus), rng.normal(size=(len(ev.corpus), 8)).astype(np.float32),
+                                         list(ev.queries), rng.normal(size=(len(ev.queries), 8)).astype(np.float32),
+                                         ev.qrels, EvalConfig(top_k=5)) for name, ev in sets.items()}
+    metrics = {f"val/{s}/{m}": float(np.mean([r.metrics[m] for r in results.values()])) if s == "mean"
+               else float(results[s].metrics[m]) for s in ("small", "large", "mean") for m in ("recall@1", "ndcg@10")}
+    lines = []
+    monkeypatch.setattr(report, "log_line", lines.append)
+    recorder = Recorder()
+    trainer = SimpleNamespace(is_global_zero=True, sanity_checking=False, global_step=4, loggers=[recorder],
+                              datamodule=SimpleNamespace(eval_sets=sets), callback_metrics={}, checkpoint_callback=None)
+    callback = report.ValidationReport(tmp_path / "plots", sample_queries=3, monitor="val/large/recall@1")
+    callback.on_validation_end(trainer, SimpleNamespace(last_val_results=results, last_val_metrics=metrics))
+    keys = [set(payload) for payload in recorder.logged]
+    assert keys == [{f"val/{s}/cos_positive", f"val/{s}/cos_unrelated", f"val/{s}/top5", "trainer/global_step"}
+                    for s in ("small", "large")]
+    assert [len({row[0] for row in p[f"val/{s}/top5"].data}) for p, s in zip(recorder.logged, sets)] == [3, 3]
+    assert lines[0].startswith("validation at step 4 on small: ") and lines[1].startswith("validation at step 4 on large: ")
+    assert lines[2].startswith(f"validation at step 4, mean of 2 sets: recall@1 {metrics['val/mean/recall@1']:.4f}")
+    assert f"best large/recall@1 {metrics['val/large/recall@1']:.4f} (step 4)" in lines[2]
