@@ -378,6 +378,9 @@ class DataConfig(RangeChecked):
     # jsonl / parquet / csv / hf / documents: BEIR-layout evaluation directory (documents: optional,
     # else documents held out of training validate, data/documents.py)
     eval_dir: Optional[str] = None
+    # several BEIR-layout evaluation folders in place of eval_dir (or of the kind's pool), each named by
+    # its folder's name: metrics per set (val/<name>/...) and their unweighted mean (val/mean/...)
+    eval_dirs: list[str] = field(default_factory=list)
     columns: ColumnsConfig = field(default_factory=ColumnsConfig)  # parquet / csv / hf column names
     # hf: a `save_to_disk` folder (Dataset or DatasetDict) or a folder of Parquet shards; documents: that,
     # a JSONL / Parquet / CSV file or a folder of .txt / .md files
@@ -414,6 +417,30 @@ class DataConfig(RangeChecked):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_kind_options("data", self.kind, self.columns, self.views)
+        if self.eval_dirs and self.eval_dir:
+            raise ConfigError(f"data.eval_dir={self.eval_dir} and data.eval_dirs={list(self.eval_dirs)}: give one of "
+                              "them (a single folder is data.eval_dirs=[DIR] or data.eval_dir=DIR)")
+        eval_set_names(self.eval_dirs)
+
+
+MEAN_SET = "mean"  # the metrics' unweighted mean over several evaluation sets (val/mean/recall@1)
+
+
+def eval_set_names(eval_dirs: Any) -> list[str]:
+    """Each of ``data.eval_dirs`` named by its folder's name (``/data/scifact/`` -> ``scifact``): the
+    name its metrics carry. Two folders of one name, or a folder named ``mean``, are a ConfigError."""
+    names: list[str] = []
+    for i, d in enumerate(eval_dirs or []):
+        name = os.path.basename(os.path.normpath(os.path.abspath(os.path.expanduser(str(d)))))
+        if name == MEAN_SET:
+            raise ConfigError(f"data.eval_dirs[{i}]={d}: a set is named by its folder, and {MEAN_SET!r} names the "
+                              "mean over the sets; rename or link the folder under another name")
+        if name in names:
+            j = names.index(name)
+            raise ConfigError(f"data.eval_dirs[{i}]={d}: a set is named by its folder, and data.eval_dirs[{j}]="
+                              f"{eval_dirs[j]} is named {name!r} too; link one of them under another name")
+        names.append(name)
+    return names
 
 
 @dataclass
@@ -437,6 +464,9 @@ class TrainerConfig(RangeChecked):
     # best-by-val/recall@1 checkpoints kept besides last.ckpt (always kept, with its predecessor
     # last.prev.ckpt, the fallback when last.ckpt cannot be read); 0: none
     keep_best_checkpoints: int = setting(1, NON_NEGATIVE)
+    # with several data.eval_dirs: the set whose recall@1 picks the best checkpoints, by its folder's
+    # name, or mean (their unweighted mean); one pool: its recall@1 whatever this says
+    best_set: str = MEAN_SET
 
     SECTION: ClassVar[str] = "trainer"
 
@@ -525,6 +555,11 @@ class TrainConfig:
         if distill != Distill.none and not self.data.n_negatives:
             raise ConfigError(f"objective.distill={distill} learns the teacher's scores of each row's hard negatives: "
                               "set data.n_negatives=N (rows with 'negatives' and their scores)")
+        sets = eval_set_names(self.data.eval_dirs)
+        if self.trainer.best_set != MEAN_SET and self.trainer.best_set not in sets:
+            raise ConfigError(f"trainer.best_set={self.trainer.best_set!r}: expected {MEAN_SET}"
+                              + (f" or a set of data.eval_dirs ({', '.join(sets)})" if sets else
+                                 " (no data.eval_dirs: the run validates on one pool)"))
         kinds = [self.data.kind] + [s.kind for s in self.data.sources]
         if self.model.frozen_backbone and DataKind.documents in kinds[1 if self.data.sources else 0:]:
             raise ConfigError("model.frozen_backbone=true with documents (data/documents.py): a frozen backbone "
@@ -733,7 +768,7 @@ def register_command_schemas() -> None:
 
 __all__ = [
     "ConfigError", "Range", "setting", "RangeChecked", "POSITIVE", "NON_NEGATIVE", "AT_LEAST_ONE", "FRACTION",
-    "PROPER_FRACTION", "PRECISIONS", "Dtype", "Pooling", "Head", "HeadInit", "BackboneKind", "LrSchedule", "DataKind",
+    "PROPER_FRACTION", "PRECISIONS", "MEAN_SET", "eval_set_names", "Dtype", "Pooling", "Head", "HeadInit", "BackboneKind", "LrSchedule", "DataKind",
     "SourceMode", "ViewPairs", "IndexKind", "Which", "Sampling", "Format", "ModelFormat", "Quantize", "LoraConfig", "ModelConfig", "OptimConfig",
     "ColumnsConfig", "ViewsConfig", "check_kind_options", "PromptsConfig", "SourceConfig", "DataConfig", "TrainerConfig", "LoggerConfig", "EvalConfig",
     "TrainConfig", "MineConfig", "EvaluateConfig", "ExportConfig", "check_export", "SearchConfig", "COMMAND_SCHEMAS", "MISSING",

@@ -59,9 +59,15 @@ def load_training_pairs(data_cfg: Any) -> list[Pair]:
     return load_pairs(data_cfg).pairs
 
 
-def eval_dir_of(data_cfg: Any) -> str:
-    """The BEIR folder to validate on after mining: the built Debian set's eval/ folder, the data
-    config's eval_dir, else the placeholder DIR."""
+def eval_option(data_cfg: Any) -> str:
+    """The BEIR folder(s) to validate on after mining, as the training command's option: the data
+    config's eval_dirs, the built Debian set's eval/ folder, its eval_dir, else the placeholder DIR."""
+    if getattr(data_cfg, "eval_dirs", None):
+        return "data.eval_dirs=[" + ",".join(str(d) for d in data_cfg.eval_dirs) + "]"
+    return f"data.eval_dir={_eval_folder(data_cfg)}"
+
+
+def _eval_folder(data_cfg: Any) -> str:
     if data_cfg.kind == "debian":
         from moco_retrieval.data.sources import debian_folder
 
@@ -107,7 +113,7 @@ def check_mine_outputs(cfg: Any) -> tuple[Path, Path]:
 
 def next_command(stats: dict, out: Path, cfg: Any) -> str:
     """The training command for ``out``, saying what part of the pairs it trains on."""
-    command = (f"data=jsonl data.train_path={out} data.eval_dir={eval_dir_of(cfg.data)} "
+    command = (f"data=jsonl data.train_path={out} {eval_option(cfg.data)} "
                f"data.n_negatives={cfg.n_negatives}" + (" objective.distill=kl" if cfg.teacher else ""))
     with_negatives, total = stats["queries"] - stats["queries_without_negatives"], stats["queries"]
     if with_negatives == total:

@@ -3,7 +3,8 @@
 Composes the config (strict, ranges checked: see config.py), takes the run directory's lock
 (training/run_lock.py), checks the checkpoint to resume from, reads and checks the data, then builds the
 Lightning module -> trainer, fits, runs a final validation and writes into the run directory:
-``checkpoints/last.ckpt`` and ``checkpoints/best-*.ckpt`` (by val/recall@1), ``metrics.json``
+``checkpoints/last.ckpt`` and ``checkpoints/best-*.ckpt`` (by val/recall@1; with several ``data.eval_dirs``
+by val/mean/recall@1, or val/SET/recall@1 with ``trainer.best_set=SET``), ``metrics.json``
 (final validation metrics, flat keys; the run's training and validation seconds over all its attempts: training/records.py), ``config.yaml`` (resolved), ``metrics.csv`` (every attempt's logged metrics in step order: training/records.py) and
 the loggers' files. It prints, at its start, the command that resumes it; ``ckpt_path=last`` without ``run_dir``
 resumes the newest run of the same experiment among Hydra's folders (training/checkpoints.py).
@@ -45,7 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from moco_retrieval import distributed
 from moco_retrieval.command import command
-from moco_retrieval.config import TrainConfig, TrainerConfig
+from moco_retrieval.config import TrainConfig, TrainerConfig, eval_set_names
 from moco_retrieval.data.datamodule import RetrievalDataModule
 from moco_retrieval.data.multisource import source_names, source_prompts
 from moco_retrieval.data.prompts import apply_by_row, by_row, to_prompts
@@ -55,7 +56,7 @@ from moco_retrieval.files import checkpoint_step, previous_of, read_checkpoint
 from moco_retrieval.training.cluster import is_rank_zero, on_slurm, torchrun_devices
 from moco_retrieval.training.finite_guard import FiniteGuard
 from moco_retrieval.training.loggers import build_loggers, finish_loggers, log_config
-from moco_retrieval.training.module import RetrievalModule
+from moco_retrieval.training.module import RetrievalModule, monitored_metric
 from moco_retrieval.training.preemption import (
     Preempted,
     PreemptionCheckpoint,
@@ -77,8 +78,8 @@ logging.getLogger("lightning.pytorch.trainer.connectors.checkpoint_connector").a
     lambda r: "`weights_only` was not set" not in r.getMessage())
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
 warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
-# a checkpoint before the first validation (a preemption, a short run) has no val/recall@1 to rank by yet
-warnings.filterwarnings("ignore", message=r"`ModelCheckpoint\(monitor='val/recall@1'\)` could not find the monitored key")
+# a checkpoint before the first validation (a preemption, a short run) has no val/.../recall@1 to rank by yet
+warnings.filterwarnings("ignore", message=r"`ModelCheckpoint\(monitor='val/(.+/)?recall@1'\)` could not find the monitored key")
 
 
 def trainer_kwargs(cfg: TrainerConfig) -> dict:
@@ -149,10 +150,11 @@ def build(cfg: TrainConfig, run_dir: Path, dm: Optional[RetrievalDataModule] = N
     if dm is None:
         dm = data_module(cfg)
     dm.tokenize = enc.tokenize if enc.needs_tokens else None
+    monitor = monitored_metric(cfg.trainer.best_set, eval_set_names(cfg.data.eval_dirs))
     checkpoints = ModelCheckpoint(
         dirpath=checkpoints_dir(run_dir),
         filename="best-{step}",
-        monitor="val/recall@1",
+        monitor=monitor,
         mode="max",
         save_top_k=cfg.trainer.keep_best_checkpoints,
         auto_insert_metric_name=False,
@@ -164,7 +166,7 @@ def build(cfg: TrainConfig, run_dir: Path, dm: Optional[RetrievalDataModule] = N
     latest = ModelCheckpoint(dirpath=checkpoints_dir(run_dir), filename="last", save_top_k=1,
                              enable_version_counter=False)
     callbacks = [checkpoints, latest] + ([progress_callback(cfg.trainer.log_every_n_steps)] if cfg.trainer.enable_progress_bar else [])
-    callbacks.append(ValidationReport(run_dir / "plots", cfg.eval.sample_queries, cfg.logger.log_tables))
+    callbacks.append(ValidationReport(run_dir / "plots", cfg.eval.sample_queries, cfg.logger.log_tables, monitor))
     callbacks += [RunClock(), RecordAttempt(), ValidateLastStep()]
     # what the checkpoint trains with (a resume that changes it is refused), its paths after a move
     callbacks += [RecordTraining(cfg), RebaseCheckpointPaths(checkpoints_dir(run_dir))]
@@ -290,14 +292,16 @@ def announce_prompts(data) -> None:
 def warm_frozen_features(encoder, dm: RetrievalDataModule) -> int:
     """A frozen backbone's features of every text the run will embed, as its batches hold them
     (with their prompts: the cache is keyed by the text the model sees); returns how many were computed."""
-    queries, docs, ev = dm.train_texts("query"), dm.train_texts("positive"), dm.eval_set
+    queries, docs = dm.train_texts("query"), dm.train_texts("positive")
     if dm.source_offsets is None:
         queries, docs = dm.prompts.apply(queries, "query"), dm.prompts.apply(docs, "doc")
     else:  # each source's rows with its own prompts
         rows = by_row(source_prompts(dm.cfg), source_of(range(len(queries)), dm.source_offsets))
         queries, docs = apply_by_row(rows, queries, "query"), apply_by_row(rows, docs, "doc")
-    return encoder.warm_features(queries=queries + dm.prompts.apply(list(ev.queries.values()), "query"),
-                                 docs=docs + dm.prompts.apply(list(ev.corpus.values()), "doc"))
+    sets = dm.eval_sets.values()
+    return encoder.warm_features(
+        queries=queries + dm.prompts.apply([t for ev in sets for t in ev.queries.values()], "query"),
+        docs=docs + dm.prompts.apply([t for ev in sets for t in ev.corpus.values()], "doc"))
 
 
 def _fit(module: RetrievalModule, dm: RetrievalDataModule, trainer: L.Trainer, ckpt_path: Optional[str],

@@ -205,7 +205,10 @@ def test_eta_counts_the_validations_still_to_come():
     assert validations_left(0, 500, 100) == 5  # the last step is a validation point: no extra one
     assert validations_left(570, 570, 100) == 0
     assert validations_left(3, 10, None) == 1  # once per epoch, at the end
-    dm = SimpleNamespace(eval_set=SimpleNamespace(corpus=range(3283), queries=range(3283)), cfg=SimpleNamespace(batch_size=64))
+    # the pool's texts (several evaluation sets: all of theirs) estimate a validation's time
+    dm = SimpleNamespace(eval_sets={"a": SimpleNamespace(corpus=range(2000), queries=range(2000)),
+                                    "b": SimpleNamespace(corpus=range(1283), queries=range(1283))},
+                         cfg=SimpleNamespace(batch_size=64))
     trainer = SimpleNamespace(val_check_interval=100, check_val_every_n_epoch=None, accumulate_grad_batches=1,
                               num_training_batches=570, datamodule=dm)
     p = LogLineProgress()

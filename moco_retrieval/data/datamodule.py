@@ -25,7 +25,7 @@ trained batch (or ``sampler.advance()``). The training DataLoader also implement
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import lightning as L
 import numpy as np
@@ -40,14 +40,15 @@ from moco_retrieval.data.multisource import (check_same_schedule, has_sources, l
                           source_prompts, source_views, source_weights)
 from moco_retrieval.data.prompts import to_prompts
 from moco_retrieval.data.sampler import MultiSourceBatchSampler, ResumableDataLoader, RetrievalBatchSampler
-from moco_retrieval.data.sources import check_paths, debian_folder, load_eval_pool, load_training_rows
+from moco_retrieval.data.sources import check_paths, debian_folder, load_eval_pools, load_training_rows
 from moco_retrieval.data.store import ConcatStores, PairList, PairRows, PairRowsDataset
 
 
 class RetrievalDataModule(L.LightningDataModule):
-    """Training pairs and the evaluation set for ``cfg.kind`` (debian | jsonl | beir), read by
-    :func:`.sources.load` on first use (``prepare_data`` builds the Debian set), or given already
-    loaded (:meth:`from_loaded`).
+    """Training pairs and the evaluation sets for ``cfg.kind`` (debian | jsonl | beir), read by
+    :mod:`.sources` on first use (``prepare_data`` builds the Debian set), or given already
+    loaded (:meth:`from_loaded`). One evaluation pool (``eval_set``), or one set per folder of
+    ``data.eval_dirs`` (``eval_sets``, by name, each its own validation DataLoader).
 
     Caps (deterministic from ``cfg.seed``, original order kept, see :mod:`.sources`):
     ``max_train_examples`` rows; ``max_eval_queries`` queries; ``max_eval_docs`` documents, always
@@ -79,7 +80,7 @@ class RetrievalDataModule(L.LightningDataModule):
             raise ValueError("teacher scores are those of the hard negatives: give n_negatives")
         self._rank, self._world_size = rank, world_size
         self._train_rows: Optional[PairRows] = None
-        self._eval_set: Optional[EvalSet] = None
+        self._eval_sets: Optional[dict[str, EvalSet]] = None
         self._sampler: Optional[RetrievalBatchSampler] = None
         self._pending_state: Optional[dict] = None
         self.data_dir: Optional[Path] = None  # the built Debian folder (kind=debian, when loaded here)
@@ -91,7 +92,7 @@ class RetrievalDataModule(L.LightningDataModule):
         cls,
         cfg: Any,
         train_pairs: Sequence[Pair],
-        eval_set: EvalSet,
+        eval_set: EvalSet | Mapping[str, EvalSet],
         tokenize: Optional[Tokenize] = None,
         n_negatives: Optional[int] = None,
         *,
@@ -102,10 +103,11 @@ class RetrievalDataModule(L.LightningDataModule):
     ) -> "RetrievalDataModule":
         """A data module over pairs and an eval set loaded already (e.g. once for many runs, with
         :func:`.sources.load`): used as given, ``cfg``'s kind, paths and caps are not read again;
-        its batch, sampler and worker settings apply. ``where``: each pair's source location, for
-        the message about a row without negatives."""
+        its batch, sampler and worker settings apply. ``eval_set``: one pool, or several sets by name.
+        ``where``: each pair's source location, for the message about a row without negatives."""
         dm = cls(cfg, tokenize, n_negatives, teacher_scores=teacher_scores, rank=rank, world_size=world_size)
-        dm._set_data(PairRows(PairList(train_pairs, where)), eval_set)
+        sets = {"eval": eval_set} if isinstance(eval_set, EvalSet) else dict(eval_set)
+        dm._set_data(PairRows(PairList(train_pairs, where)), sets)
         return dm
 
     # -- loading
@@ -135,22 +137,32 @@ class RetrievalDataModule(L.LightningDataModule):
         return self.train_rows.column(field)
 
     @property
-    def eval_set(self) -> EvalSet:
-        if self._eval_set is None:
+    def eval_sets(self) -> dict[str, EvalSet]:
+        """The evaluation sets by name, in ``data.eval_dirs`` order (one: the pool, named by its folder)."""
+        if self._eval_sets is None:
             self._load()
-        assert self._eval_set is not None
-        return self._eval_set
+        assert self._eval_sets is not None
+        return self._eval_sets
+
+    @property
+    def eval_set(self) -> EvalSet:
+        """The one evaluation pool (several ``data.eval_dirs``: a ValueError; read ``eval_sets``)."""
+        sets = self.eval_sets
+        if len(sets) != 1:
+            raise ValueError(f"{len(sets)} evaluation sets ({', '.join(sets)}): read eval_sets")
+        return next(iter(sets.values()))
 
     def _load(self) -> None:
         if has_sources(self.cfg):  # one row space over every source's store (multisource.py)
-            pool = load_eval_pool(self.cfg)  # (a missing eval_dir before any source converts)
+            pools = load_eval_pools(self.cfg)  # (a missing eval_dir before any source converts)
             rows, self.source_offsets = load_source_rows(self.cfg)
-            self._set_data(rows, pool.eval_set)
+            self._set_data(rows, {name: pool.eval_set for name, pool in pools.items()})
             return
         check_paths(self.cfg)  # every required path, before any file is read
         train = load_training_rows(self.cfg)
         self.data_dir, self.store_dir = train.folder, train.store
-        self._set_data(train.rows, load_eval_pool(self.cfg, train.folder).eval_set)
+        pools = load_eval_pools(self.cfg, train.folder)
+        self._set_data(train.rows, {name: pool.eval_set for name, pool in pools.items()})
 
     def data_keys(self) -> dict[str, Optional[str]]:
         """Each training source's store key (convert.py: a hash of its content and conversion options),
@@ -160,7 +172,7 @@ class RetrievalDataModule(L.LightningDataModule):
         names = source_names(self.cfg) if has_sources(self.cfg) else ["data"]
         return {n: (Path(p.source.folder).name if hasattr(p.source, "folder") else None) for n, p in zip(names, parts)}
 
-    def _set_data(self, rows: PairRows, eval_set: EvalSet) -> None:
+    def _set_data(self, rows: PairRows, eval_sets: dict[str, EvalSet]) -> None:
         if self.n_negatives:
             empty = np.flatnonzero(rows.negative_counts == 0)
             if len(empty):  # the first row without negatives, named as select_negatives names it
@@ -175,7 +187,7 @@ class RetrievalDataModule(L.LightningDataModule):
                                 "them: give every row a 'positive_score' and a score for each negative "
                                 "('negative_scores', or each negative's 'score'; python -m moco_retrieval.mine "
                                 "teacher=MODEL writes them)")
-        self._train_rows, self._eval_set = rows, eval_set
+        self._train_rows, self._eval_sets = rows, eval_sets
 
     # -- loaders
     @property
@@ -246,25 +258,31 @@ class RetrievalDataModule(L.LightningDataModule):
         """``data.prompts`` (:mod:`.prompts`): the collate puts them before the texts."""
         return to_prompts(getattr(self.cfg, "prompts", None))
 
-    def eval_shard(self) -> tuple[int, int]:
-        """``(rank, world size)`` that validation splits the eval pool over: each rank encodes its
-        block of the documents and of the queries, and the module gathers them. ``(0, 1)`` (every
-        rank the whole pool) on one process, or when the pool has fewer documents or queries than
-        there are ranks: a rank without a batch would skip the validation loop and the gather."""
+    def eval_shard(self, index: int = 0) -> tuple[int, int]:
+        """``(rank, world size)`` that validation splits evaluation set ``index`` (of ``eval_sets``)
+        over: each rank encodes its block of the documents and of the queries, and the module
+        gathers them. ``(0, 1)`` (every rank the whole set) on one process, or when the set has fewer
+        documents or queries than there are ranks: a rank without a batch would skip the validation
+        loop and the gather."""
+        ev = list(self.eval_sets.values())[index]
         rank, world = rank_and_world()
-        if world == 1 or min(len(self.eval_set.corpus), len(self.eval_set.queries)) < world:
+        if world == 1 or min(len(ev.corpus), len(ev.queries)) < world:
             return 0, 1
         return rank, world
 
-    def val_dataloader(self) -> DataLoader:
-        """This rank's share of the eval pool (:meth:`eval_shard`): documents, then queries."""
-        items = EvalItems(self.eval_set)
-        return DataLoader(
-            items,
-            batch_sampler=items.batches(self.cfg.eval_batch_size, *self.eval_shard()),
-            collate_fn=EvalCollator(self.tokenize, self.prompts),
-            num_workers=self.cfg.num_workers,
-        )
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        """This rank's share of the eval pool (:meth:`eval_shard`): documents, then queries; with
+        several evaluation sets, one such DataLoader per set, in order (Lightning's dataloader_idx)."""
+        loaders = []
+        for index, ev in enumerate(self.eval_sets.values()):
+            items = EvalItems(ev)
+            loaders.append(DataLoader(
+                items,
+                batch_sampler=items.batches(self.cfg.eval_batch_size, *self.eval_shard(index)),
+                collate_fn=EvalCollator(self.tokenize, self.prompts),
+                num_workers=self.cfg.num_workers,
+            ))
+        return loaders[0] if len(loaders) == 1 else loaders
 
     # -- position in the epoch
     def _fit_progress(self) -> Optional[int]:

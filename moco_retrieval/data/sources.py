@@ -158,6 +158,7 @@ def _need(cfg: Any, key: str, kind: str, what: str, file: bool) -> Path:
 
 _TRAIN_FILE = "a {} file of training pairs"
 _EVAL_DIR = "a BEIR-layout folder for validation"
+_EVAL_DIRS = f"{_EVAL_DIR}; or several: data.eval_dirs=[DIR,...]"
 _BEIR_DIR = "a BEIR folder with corpus.jsonl, queries.jsonl, qrels/"
 _HF_DIR = "a datasets save_to_disk folder or a folder of Parquet shards"
 _DOCUMENTS = "documents: a JSONL, Parquet or CSV file, a datasets folder or a folder of .txt / .md files"
@@ -175,7 +176,7 @@ def _eval_location(cfg: Any, kind: str, folder: Optional[Path] = None) -> tuple[
     if kind == "debian":
         return (folder or debian_folder(cfg)) / "eval", "test"
     if kind in PAIR_KINDS or kind == "documents":
-        return _need(cfg, "eval_dir", kind, _EVAL_DIR, file=False), cfg.eval_split
+        return _need(cfg, "eval_dir", kind, _EVAL_DIRS, file=False), cfg.eval_split
     return _need(cfg, "dir", kind, _BEIR_DIR, file=False), cfg.eval_split
 
 
@@ -382,8 +383,8 @@ def load_training_rows(cfg: Any) -> TrainingRows:
 
 
 def _holds_out(cfg: Any) -> bool:
-    """Documents without ``data.eval_dir`` validate on documents held out of training (documents.py)."""
-    return _check_kind(cfg) == "documents" and not _value(cfg, "eval_dir")
+    """Documents without ``data.eval_dir`` (or ``eval_dirs``) validate on documents held out of training (documents.py)."""
+    return _check_kind(cfg) == "documents" and not _value(cfg, "eval_dir") and not _value(cfg, "eval_dirs")
 
 
 def _held_out_pool(cfg: Any) -> EvalPool:
@@ -400,32 +401,68 @@ def _held_out_pool(cfg: Any) -> EvalPool:
 def load_eval_pool(cfg: Any, data_folder: Optional[Path] = None) -> EvalPool:
     """The evaluation pool of a DataConfig, capped by ``max_eval_queries`` / ``max_eval_docs``,
     without reading training data (``kind=jsonl`` needs only ``eval_dir``; ``kind=beir`` reads only
-    ``qrels/<eval_split>.tsv``). ``data_folder``: the built Debian folder, when known."""
-    kind = _check_kind(cfg)
-    if _holds_out(cfg):
-        return _held_out_pool(cfg)
-    folder, split = _eval_location(cfg, kind, data_folder)
-    return _finish_pool(cfg, kind, folder, split, read_beir(folder, split))
+    ``qrels/<eval_split>.tsv``). ``data_folder``: the built Debian folder, when known. Several
+    ``data.eval_dirs``: a DataError (:func:`load_eval_pools` reads them)."""
+    return _one_pool(load_eval_pools(cfg, data_folder))
 
 
 def load_eval_pool_mapped(cfg: Any, data_folder: Optional[Path] = None) -> EvalPool:
     """:func:`load_eval_pool` with the corpus a memory-mapped store (corpus_store.py, converted once
     per content) instead of a dict: the same pool, errors and caps (a capped pool keeps only its
     documents' texts, in memory). ``evaluate`` reads this; training's validation the dict."""
-    from moco_retrieval.data.corpus_store import store_reader
+    return _one_pool(load_eval_pools(cfg, data_folder, mapped=True))
 
+
+def _one_pool(pools: dict[str, EvalPool]) -> EvalPool:
+    if len(pools) > 1:
+        raise DataError(f"data.eval_dirs names {len(pools)} sets ({', '.join(pools)}); this reads one pool: "
+                        "give one folder")
+    return next(iter(pools.values()))
+
+
+def eval_folders(cfg: Any) -> list[tuple[str, Path]]:
+    """``(name, folder)`` of each of ``data.eval_dirs`` (config.eval_set_names), every folder checked
+    to be there before any is read."""
+    from moco_retrieval.config import eval_set_names
+
+    dirs = [str(d) for d in _value(cfg, "eval_dirs") or []]
+    out = []
+    for i, (name, d) in enumerate(zip(eval_set_names(dirs), dirs)):
+        p = Path(d).expanduser()
+        if not p.is_dir():
+            raise DataError(f"data.eval_dirs[{i}]={d}: {'a file' if p.exists() else 'no such directory'}, "
+                            f"expected {_EVAL_DIR}")
+        out.append((name, p))
+    return out
+
+
+def load_eval_pools(cfg: Any, data_folder: Optional[Path] = None, mapped: bool = False) -> dict[str, EvalPool]:
+    """Every evaluation set of a DataConfig by name, each capped as :func:`load_eval_pool` caps its
+    pool: each of ``data.eval_dirs`` (split ``eval_split``), else the one pool of the kind, named by
+    its folder. ``mapped``: corpora as memory-mapped stores (:func:`load_eval_pool_mapped`)."""
+    reader = None
+    if mapped:
+        from moco_retrieval.data.corpus_store import store_reader
+
+        reader = store_reader(corpus_root(cfg))
     kind = _check_kind(cfg)
+    folders = eval_folders(cfg)
+    if folders:
+        return {name: _finish_pool(cfg, kind, folder, cfg.eval_split, read_beir(folder, cfg.eval_split, reader))
+                for name, folder in folders}
     if _holds_out(cfg):
-        return _held_out_pool(cfg)
+        return {Path(cfg.path).name: _held_out_pool(cfg)}
     folder, split = _eval_location(cfg, kind, data_folder)
-    return _finish_pool(cfg, kind, folder, split, read_beir(folder, split, store_reader(corpus_root(cfg))))
+    return {folder.name: _finish_pool(cfg, kind, folder, split, read_beir(folder, split, reader))}
 
 
 def check_paths(cfg: Any) -> str:
     """The kind of a data config, after checking that the paths both sides need are given and exist."""
     kind = check_train_paths(cfg)
-    if kind in PAIR_KINDS or (kind == "documents" and _value(cfg, "eval_dir")):
-        _need(cfg, "eval_dir", kind, _EVAL_DIR, file=False)
+    if _value(cfg, "eval_dirs"):
+        eval_folders(cfg)
+    elif kind in PAIR_KINDS or (kind == "documents" and _value(cfg, "eval_dir")):
+        _need(cfg, "eval_dir", kind, _EVAL_DIRS, file=False)
     return kind
 
 
@@ -446,10 +483,9 @@ def load(cfg: Any) -> tuple[TrainingPairs, EvalPool]:
     kind = check_paths(cfg)
     if kind == "documents":
         raise DataError("data=documents: its pairs are made as they are drawn (read them with load_training_rows)")
-    if kind != "beir":
+    if kind != "beir" or _value(cfg, "eval_dirs"):
         train = load_training_pairs(cfg)
-        folder, split = _eval_location(cfg, kind, train.folder)
-        return train, _finish_pool(cfg, kind, folder, split, read_beir(folder, split))
+        return train, load_eval_pool(cfg, train.folder)
     d = _need(cfg, "dir", kind, _BEIR_DIR, file=False)
     splits = read_beir_splits(d, [cfg.train_split, cfg.eval_split])
     train = _finish_pairs(cfg, kind, _beir_pairs(cfg, d, splits[cfg.train_split]))
@@ -528,6 +564,8 @@ __all__ = [
     "load_training_rows",
     "load_eval_pool",
     "load_eval_pool_mapped",
+    "load_eval_pools",
+    "eval_folders",
     "check_paths",
     "check_train_paths",
     "load",

@@ -13,6 +13,10 @@ Files written by :func:`write_report` into ``out_dir``:
 * ``cosine_hist.png`` (positive versus unrelated cosines, one panel per model) and
   ``recall_at_k.png`` (one curve per model).
 
+Several evaluation sets (:func:`write_sets_report`): each set's files as above in ``out_dir/<set>/``,
+and at the top ``eval.json`` (each model's metrics per set and their unweighted mean) and
+``report.md`` (a table per model: a row per set, then the mean).
+
 Plots use matplotlib's Agg canvas directly, so no display and no global backend switch.
 ``wandb`` is imported only by the W&B helpers.
 """
@@ -92,10 +96,17 @@ REPORT_FILES = ["eval.json", "report.md", "cosine_hist.png", "recall_at_k.png"]
 
 
 def earlier_report(folder: Path) -> Optional[list[str]]:
-    """What an earlier :func:`write_report` wrote into ``folder`` (its eval.json marks it), else None."""
+    """What an earlier :func:`write_report` or :func:`write_sets_report` wrote into ``folder`` (its
+    eval.json marks it), else None: a set's folder only when it holds a report of its own."""
     if not (folder / "eval.json").is_file():
         return None
-    return REPORT_FILES + sorted(p.name for p in folder.glob("run*.trec"))
+    try:
+        sets = json.loads((folder / "eval.json").read_text(encoding="utf-8")).get("sets") or {}
+    except (OSError, ValueError, AttributeError):
+        sets = {}
+    own = [n for n in sets if isinstance(n, str) and n not in ("", ".", "..") and "/" not in n and "\\" not in n
+           and (folder / n / "eval.json").is_file()]
+    return REPORT_FILES + sorted(p.name for p in folder.glob("run*.trec")) + sorted(own)
 
 
 def eval_json_dict(
@@ -347,6 +358,56 @@ def write_report(
     return files
 
 
+def mean_over_sets(results: Mapping[str, Mapping[str, EvalResult]]) -> dict[str, dict[str, float]]:
+    """Each model's retrieval metrics averaged over the sets, unweighted: ``{model: {metric: mean}}``."""
+    sets = list(results.values())
+    return {model: {m: float(np.mean([float(s[model].metrics[m]) for s in sets])) for m in METRIC_NAMES
+                    if all(m in s[model].metrics for s in sets)} for model in sets[0]}
+
+
+def write_sets_report(
+    out_dir: str | os.PathLike,
+    results: Mapping[str, Mapping[str, EvalResult]],
+    *,
+    models: Mapping[str, Mapping[str, Any]] | None = None,
+    datasets: Mapping[str, Mapping[str, Any]],
+    plots: bool = True,
+) -> dict[str, Path]:
+    """Several evaluation sets: ``results[set][model]``. Each set's report (:func:`write_report`) in
+    ``out_dir/<set>/``; ``eval.json`` (``sets``: each set's pool and each model's metrics; ``mean``:
+    each model's unweighted mean over the sets) and ``report.md`` at the top. Returns the paths
+    (a set's as ``<set>:<key>``)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, Path] = {}
+    for name, res in results.items():
+        files.update({f"{name}:{k}": v for k, v in
+                      write_report(out / name, res, models=models, dataset=datasets[name], plots=plots).items()})
+    mean = mean_over_sets(results)
+    data = {"sets": {name: {"dataset": dict(datasets[name]), "report": f"{name}/report.md",
+                            "metrics": {model: r.metrics for model, r in res.items()}} for name, res in results.items()},
+            "mean": mean, "models": {name: dict((models or {}).get(name) or {}) for name in mean}}
+    p = out / "eval.json"
+    p.write_text(json.dumps(_json_safe(data), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    files["eval_json"] = p
+    lines = ["# Retrieval evaluation", "",
+             f"{len(results)} sets; the mean is unweighted (each set counts once, whatever its size). "
+             "Each set's own report: " + ", ".join(f"[{n}]({n}/report.md)" for n in results) + ".", ""]
+    shown = [m for m in METRIC_NAMES if m in next(iter(mean.values()))]
+    for model in mean:
+        lines += [f"## {model}", "", "| set | queries | documents | " + " | ".join(shown) + " |",
+                  "|---|---:|---:|" + "---:|" * len(shown)]
+        for name, res in results.items():
+            d = datasets[name]
+            lines.append(f"| {name} | {d['queries']:,} | {d['documents']:,} | "
+                         + " | ".join(_fmt(res[model].metrics.get(m)) for m in shown) + " |")
+        lines += [f"| **mean** | | | " + " | ".join(f"**{_fmt(mean[model][m])}**" for m in shown) + " |", ""]
+    p = out / "report.md"
+    p.write_text("\n".join(lines), encoding="utf-8")
+    files["report_md"] = p
+    return files
+
+
 # --------------------------------------------------------------------------- W&B
 
 
@@ -435,6 +496,8 @@ __all__ = [
     "plot_cosine_histograms",
     "plot_recall_curves",
     "write_report",
+    "write_sets_report",
+    "mean_over_sets",
     "run_file_name",
     "sample_query_ids",
     "topk_rows",

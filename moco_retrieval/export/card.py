@@ -4,7 +4,8 @@ steps, the held-out metrics of the exported step, and how to load it.
 
 What a checkpoint does not hold is read from its run directory (``RUN/checkpoints/X.ckpt``):
 ``config.yaml`` (data) and ``metrics.csv`` (training/records.py; the validation of the exported step, else
-``metrics.json`` for ``last.ckpt``). Whatever is missing is left out, never guessed.
+``metrics.json`` for ``last.ckpt``). Whatever is missing is left out, never guessed. A run validated on
+several ``data.eval_dirs`` gets a row per set and one of their mean.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
+from moco_retrieval.config import MEAN_SET, eval_set_names
 from moco_retrieval.objectives.registry import OBJECTIVES
 
 # the packaged backbones by their published names
@@ -34,14 +36,18 @@ def validation_at(run_dir: Path, step: int, checkpoint_name: str) -> Optional[di
     merged = run_dir / "metrics.csv"
     for path in [merged] if merged.is_file() else sorted(run_dir.glob("csv/**/metrics.csv")):
         with open(path, newline="", encoding="utf-8") as f:
-            found = [row for row in csv.DictReader(f)
-                     if row.get("val/recall@1") and row.get("step") and int(float(row["step"])) == step]
+            found = [row for row in csv.DictReader(f) if _validation_row(row) and int(float(row["step"])) == step]
         if found:
             return {k[4:]: float(v) for k, v in found[-1].items() if k.startswith("val/") and v}
     final = run_dir / "metrics.json"
     if checkpoint_name == "last.ckpt" and final.is_file():
         return {k[4:]: float(v) for k, v in json.loads(final.read_text(encoding="utf-8")).items() if k.startswith("val/")}
     return None
+
+
+def _validation_row(row: dict) -> bool:
+    """A row of validation metrics (``val/recall@1``; several sets: ``val/SET/recall@1``) at a step."""
+    return bool(row.get("step")) and any(k.startswith("val/") and k.endswith("recall@1") and v for k, v in row.items())
 
 
 def training_record(checkpoint: Optional[str]) -> dict[str, Any]:
@@ -82,7 +88,7 @@ def _data_line(data: dict) -> str:
     if kind == "debian":
         what = "Debian package descriptions (query: short description, document: long description, group: source package)"
     elif kind == "jsonl":
-        what = f"JSONL pairs `{data.get('train_path')}`, validated on `{data.get('eval_dir')}`"
+        what = f"JSONL pairs `{data.get('train_path')}`" + (f", validated on `{data['eval_dir']}`" if data.get("eval_dir") else "")
     elif kind == "beir":
         what = f"the BEIR folder `{data.get('dir')}` (qrels/{data.get('train_split')}.tsv, validated on qrels/{data.get('eval_split')}.tsv)"
     elif kind == "documents":
@@ -92,6 +98,8 @@ def _data_line(data: dict) -> str:
                 f"word deletion {views.get('deletion')})")
     else:
         what = f"data kind {kind!r}"
+    if data.get("eval_dirs"):
+        what += f"; validated on {len(data['eval_dirs'])} sets: " + ", ".join(f"`{n}`" for n in eval_set_names(data["eval_dirs"]))
     cap = data.get("max_train_examples")
     return what + (f", capped at {cap:,} pairs" if cap else "") + f"; batch size {data.get('batch_size')}"
 
@@ -176,7 +184,11 @@ def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Op
         lines.append("- Source prompts (not in the model's `prompts`, which are `data.prompts`, those validation used): "
                      + "; ".join(own) + ". Put them before texts like that source's yourself")
     lines.append("")
-    if metrics:
+    sets = eval_set_names((record.get("data") or {}).get("eval_dirs")) if metrics else []
+    if len(sets) > 1:
+        lines += _sets_lines(sets, metrics, record.get("data") or {}, desc.get("global_step"))
+        metrics = {k[len(MEAN_SET) + 1:]: v for k, v in metrics.items() if k.startswith(f"{MEAN_SET}/")}
+    elif metrics:
         shown = [k for k in SHOWN_METRICS if k in metrics]
         lines += [f"## Held-out metrics (validation at step {desc.get('global_step')})", "",
                   "| " + " | ".join(shown) + " | mean unrelated cosine |",
@@ -193,6 +205,26 @@ def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Op
               "`encode_query` / `encode_document` truncate as in training; the moco-retrieval commands "
               f"also read this folder: `python -m moco_retrieval.evaluate model_dir={out_name}`.", ""]
     return "\n".join(lines)
+
+
+def _sets_lines(sets: list[str], metrics: dict, data: dict, step: Any) -> list[str]:
+    """The held-out metrics of several evaluation sets: a row per set (with its pool's size), then their mean."""
+    shown = [k for k in SHOWN_METRICS if f"{MEAN_SET}/{k}" in metrics]
+
+    def row(name: str, pool: str) -> str:
+        return f"| {name} | {pool} | " + " | ".join(
+            f"{metrics[f'{name}/{k}']:.4f}" if f"{name}/{k}" in metrics else "" for k in shown) + " |"
+
+    def pool(name: str) -> str:
+        q, d = metrics.get(f"{name}/pool_queries"), metrics.get(f"{name}/pool_docs")
+        return f"{int(q):,} / {int(d):,}" if q is not None and d is not None else ""
+
+    caps = ", ".join(f"`data.{k}={data[k]}`" for k in ("max_eval_queries", "max_eval_docs") if data.get(k))
+    return [f"## Held-out metrics (validation at step {step}, {len(sets)} sets)", "",
+            "| set | queries / documents | " + " | ".join(shown) + " |", "|" + "---|" * (len(shown) + 2),
+            *[row(n, pool(n)) for n in sets], row(MEAN_SET, "(unweighted)"), "",
+            "Measured during training on each set of `data.eval_dirs`" + (f", capped by {caps}" if caps else "")
+            + "; the mean counts each set once, whatever its size.", ""]
 
 
 def _pool_line(metrics: dict, data: dict, out_name: str) -> str:

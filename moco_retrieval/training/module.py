@@ -6,14 +6,14 @@ needs and returns the loss, and after backward the objective's memories write th
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import lightning as L
 import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from moco_retrieval.config import EvalConfig, LrSchedule, ModelConfig, OptimConfig, TrainConfig, to_config
+from moco_retrieval.config import MEAN_SET, EvalConfig, LrSchedule, ModelConfig, OptimConfig, TrainConfig, to_config
 from moco_retrieval.data.prompts import to_prompts
 from moco_retrieval.distributed import all_gather_rows, row_counts, shard_range
 from moco_retrieval.evaluation.encode import evaluate_embeddings, metrics_by_dim
@@ -144,8 +144,9 @@ class RetrievalModule(L.LightningModule):
         # see an ordinary loss.backward().
         chunk = self.model_cfg.grad_cache_chunk
         self.grad_cache = GradCache(chunk) if chunk is not None else None
-        self._val_outputs: dict[str, list] = {}
-        self.last_val_result = None
+        self._val_outputs: dict[int, dict[str, list]] = {}  # by evaluation set (dataloader_idx)
+        self.last_val_results: dict = {}  # the last validation's EvalResult of each set, by name
+        self.last_val_metrics: dict[str, float] = {}  # and its logged metrics
         self.last_val_step = -1
         # Hugging Face loads models in eval mode and Lightning (>= 2.2) keeps each submodule's mode
         # at fit start: without this the query encoder would train with dropout off. Frozen
@@ -265,51 +266,86 @@ class RetrievalModule(L.LightningModule):
         mix = ((self.seed * 1_000_003 + epoch) * 1_000_003 + batch_idx) * 1009 + self.global_rank
         torch.manual_seed(mix % (2**63 - 1))
 
-    # ---- validation: the whole held-out pool on every rank, metrics computed once ----------
+    # ---- validation: each evaluation set whole on every rank, metrics computed once -----------
     def on_validation_epoch_start(self) -> None:
-        self._val_outputs = {"doc_ids": [], "doc": [], "query_ids": [], "query": []}
-
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        kind = batch["kind"]
-        emb = self.encoder(batch, kind).float().cpu()
-        self._val_outputs[f"{kind}_ids"].extend(batch["ids"])
-        self._val_outputs[kind].append(emb)
-
-    def on_validation_epoch_end(self) -> None:
-        if not self._val_outputs.get("doc"):
-            return
-        dm = self.trainer.datamodule
-        doc_ids, docs = self._val_rows("doc", dm)
-        query_ids, queries = self._val_rows("query", dm)
-        result = evaluate_embeddings(
-            doc_ids, docs, query_ids, queries, dm.eval_set.qrels, self.eval_cfg, normalize=self.encoder.normalize,
-        )
-        if self.objective_cfg.matryoshka_dims:  # the metrics at each Matryoshka prefix too
-            result.metrics_by_dim = metrics_by_dim(doc_ids, docs, query_ids, queries, dm.eval_set.qrels, self.eval_cfg,
-                                                   self.objective_cfg.matryoshka_dims, bool(self.encoder.normalize))
-        self.last_val_result, self.last_val_step = result, self.global_step
-        logged = {f"val/{k}": float(v) for k, v in result.metrics.items()}
-        logged.update({f"val/dim{d}/{k}": float(v) for d, m in result.metrics_by_dim.items() for k, v in m.items()})
-        logged.update({f"val/{k}": float(v) for k, v in result.geometry.items() if isinstance(v, (int, float))})
-        logged.update({f"val/{k}": v for k, v in self.objective.stats(self.global_step).items()})
-        # what these numbers were measured on (a capped pool is easier than the full held-out set)
-        logged.update({"val/pool_queries": float(len(query_ids)), "val/pool_docs": float(len(doc_ids))})
-        # identical on every rank (each holds the whole pool's embeddings), so no reduction is needed
-        logged["step"] = float(self.global_step)  # the steps completed, as in best-STEP.ckpt
-        self.log_dict(logged, sync_dist=False)
         self._val_outputs = {}
 
-    def _val_rows(self, kind: str, dm) -> tuple[list, np.ndarray]:
-        """``(ids, embeddings)`` of the validated ``kind`` rows: this rank's, gathered from every
-        rank in rank order when the data module split the pool (``eval_shard``)."""
-        ids, parts = self._val_outputs[f"{kind}_ids"], self._val_outputs[kind]
+    def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
+        kind = batch["kind"]
+        emb = self.encoder(batch, kind).float().cpu()
+        out = self._val_outputs.setdefault(dataloader_idx, {"doc_ids": [], "doc": [], "query_ids": [], "query": []})
+        out[f"{kind}_ids"].extend(batch["ids"])
+        out[kind].append(emb)
+
+    def on_validation_epoch_end(self) -> None:
+        dm = self.trainer.datamodule
+        sets = list(dm.eval_sets.items())
+        results, logged = {}, {}
+        for index, (name, ev) in enumerate(sets):
+            if not self._val_outputs.get(index, {}).get("doc"):
+                continue
+            doc_ids, docs = self._val_rows("doc", dm, index)
+            query_ids, queries = self._val_rows("query", dm, index)
+            result = evaluate_embeddings(doc_ids, docs, query_ids, queries, ev.qrels, self.eval_cfg,
+                                         normalize=self.encoder.normalize)
+            if self.objective_cfg.matryoshka_dims:  # the metrics at each Matryoshka prefix too
+                result.metrics_by_dim = metrics_by_dim(doc_ids, docs, query_ids, queries, ev.qrels, self.eval_cfg,
+                                                       self.objective_cfg.matryoshka_dims, bool(self.encoder.normalize))
+            results[name] = result
+            prefix = metric_prefix(len(sets), name)
+            logged.update(set_metrics(result, prefix))
+            # what these numbers were measured on (a capped pool is easier than the full held-out set)
+            logged.update({f"{prefix}pool_queries": float(len(query_ids)), f"{prefix}pool_docs": float(len(doc_ids))})
+        if not results:
+            return
+        if len(sets) > 1:
+            logged.update(mean_metrics(results.values()))
+        self.last_val_results, self.last_val_metrics, self.last_val_step = results, logged, self.global_step
+        logged.update({f"val/{k}": v for k, v in self.objective.stats(self.global_step).items()})
+        # identical on every rank (each holds the whole pool's embeddings), so no reduction is needed
+        logged["step"] = float(self.global_step)  # the steps completed, as in best-STEP.ckpt
+        self.log_dict(logged, sync_dist=False, add_dataloader_idx=False)
+        self._val_outputs = {}
+
+    def _val_rows(self, kind: str, dm, index: int) -> tuple[list, np.ndarray]:
+        """``(ids, embeddings)`` of the validated ``kind`` rows of evaluation set ``index``: this
+        rank's, gathered from every rank in rank order when the data module split the set (``eval_shard``)."""
+        ids, parts = self._val_outputs[index][f"{kind}_ids"], self._val_outputs[index][kind]
         local = torch.cat(parts).numpy() if parts else np.zeros((0, self.encoder.dim), np.float32)
-        rank, world = dm.eval_shard()
+        rank, world = dm.eval_shard(index)
         if world == 1:
             return ids, local
-        pool = list(dm.eval_set.corpus if kind == "doc" else dm.eval_set.queries)
+        ev = list(dm.eval_sets.values())[index]
+        pool = list(ev.corpus if kind == "doc" else ev.queries)
         blocks = [shard_range(len(pool), r, world) for r in range(world)]
         if ids != pool[blocks[rank][0] : blocks[rank][0] + len(ids)]:
             raise RuntimeError(f"rank {rank} validated {kind} rows that are not its block of the pool")
         counts = row_counts(len(local))
         return [i for (start, _), n in zip(blocks, counts) for i in pool[start : start + n]], all_gather_rows(local)
+
+
+def metric_prefix(n_sets: int, name: str) -> str:
+    """Where a set's validation metrics are logged: ``val/`` for the one pool, ``val/<name>/`` among several."""
+    return "val/" if n_sets < 2 else f"val/{name}/"
+
+
+def monitored_metric(best_set: str, sets: Sequence[str]) -> str:
+    """The metric that picks the best checkpoints: recall@1 of the one pool, else of ``best_set``
+    (a set's name, or the mean over the sets: trainer.best_set)."""
+    return metric_prefix(len(sets), best_set) + "recall@1"
+
+
+def set_metrics(result, prefix: str) -> dict[str, float]:
+    """One set's logged numbers: retrieval metrics, at each Matryoshka prefix, and the geometry."""
+    out = {f"{prefix}{k}": float(v) for k, v in result.metrics.items()}
+    out.update({f"{prefix}dim{d}/{k}": float(v) for d, m in result.metrics_by_dim.items() for k, v in m.items()})
+    out.update({f"{prefix}{k}": float(v) for k, v in result.geometry.items() if isinstance(v, (int, float))})
+    return out
+
+
+def mean_metrics(results) -> dict[str, float]:
+    """``val/mean/<metric>``: each retrieval metric (and at each Matryoshka prefix) averaged over the
+    sets, unweighted (a set of 50 queries counts as much as one of 5,000, as NanoBEIR's mean)."""
+    per_set = [{**r.metrics, **{f"dim{d}/{k}": v for d, m in r.metrics_by_dim.items() for k, v in m.items()}}
+               for r in results]
+    return {f"val/{MEAN_SET}/{k}": float(np.mean([float(m[k]) for m in per_set])) for k in per_set[0]}

@@ -6,7 +6,9 @@
 * After each validation: one time-stamped line (recall@1, nDCG@10, mean unrelated cosine, best
   recall@1 so far), a PNG histogram of positive versus unrelated cosines in the run directory, and
   on W&B the same as histograms plus a table of a fixed sample of queries with their top-5
-  documents, each marked relevant or not.
+  documents, each marked relevant or not. With several evaluation sets (``data.eval_dirs``): a line,
+  a histogram and a table per set, then a line of their mean; "best" is the monitored metric's
+  (``trainer.best_set``).
 """
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ from moco_retrieval.evaluation.report import (
     wandb_cosine_histograms,
     wandb_topk_table,
 )
+from moco_retrieval.config import MEAN_SET
 from moco_retrieval.progress import log_line
+from moco_retrieval.training.module import metric_prefix
 
 # Before the first validation has been timed, one is taken to cost the time of this many
 # training steps per (pool texts / batch size): forward-only encoding of the pool against
@@ -84,7 +88,7 @@ class LogLineProgress(ProgressBar):
             return sum(self._val_seconds) / len(self._val_seconds)
         dm = getattr(trainer, "datamodule", None)
         try:
-            texts = len(dm.eval_set.corpus) + len(dm.eval_set.queries)
+            texts = sum(len(ev.corpus) + len(ev.queries) for ev in dm.eval_sets.values())
             batch = int(dm.cfg.batch_size)
         except (AttributeError, TypeError, ValueError):
             return 0.0
@@ -199,12 +203,15 @@ def trained_for(trainer) -> str:
 
 
 class ValidationReport(Callback):
-    """Args: plots_dir: where ``cosines-step{N}.png`` go; sample_queries: rows of the W&B table
-    (the same queries at every validation); tables: log the W&B table at all."""
+    """Args: plots_dir: where ``cosines-step{N}.png`` go (several sets: ``cosines-{set}-step{N}.png``);
+    sample_queries: rows of the W&B table (the same queries at every validation); tables: log the
+    W&B table at all; monitor: the metric best checkpoints are chosen by (train.py's)."""
 
-    def __init__(self, plots_dir: str | Path, sample_queries: int = 20, tables: bool = True):
+    def __init__(self, plots_dir: str | Path, sample_queries: int = 20, tables: bool = True,
+                 monitor: str = "val/recall@1"):
         self.plots_dir, self.sample_queries, self.tables = Path(plots_dir), sample_queries, tables
-        self.best: tuple[float, int] | None = None  # (recall@1, step)
+        self.monitor = monitor
+        self.best: tuple[float, int] | None = None  # (the monitored metric, step)
 
     def _update_best(self, trainer, recall: float, step: int) -> tuple[float, int]:
         if self.best is None:  # a resumed run: the checkpoint callback restored the best score
@@ -216,24 +223,34 @@ class ValidationReport(Callback):
         return self.best
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        result = getattr(pl_module, "last_val_result", None)
-        if result is None or not trainer.is_global_zero or trainer.sanity_checking:
+        results = getattr(pl_module, "last_val_results", None)
+        if not results or not trainer.is_global_zero or trainer.sanity_checking:
             return
         step = trainer.global_step
-        m, g = result.metrics, result.geometry
-        best, at = self._update_best(trainer, m["recall@1"], step)
-        log_line(f"validation at step {step}: recall@1 {m['recall@1']:.4f}  ndcg@10 {m['ndcg@10']:.4f}  "
-                 f"unrelated cos {g.get('unrelated_cos_mean', float('nan')):+.3f}  "
-                 f"best recall@1 {best:.4f} ({'before this attempt' if at < 0 else f'step {at}'})"
-                 f"{trained_for(trainer)}")
+        several = len(results) > 1
+        best, at = self._update_best(trainer, pl_module.last_val_metrics[self.monitor], step)
+        best_text = (f"best {self.monitor[4:]} {best:.4f} ({'before this attempt' if at < 0 else f'step {at}'})"
+                     f"{trained_for(trainer)}")
         self.plots_dir.mkdir(parents=True, exist_ok=True)
-        plot_cosine_histograms({f"step {step}": result}, self.plots_dir / f"cosines-step{step}.png")
+        for name, result in results.items():
+            m, g = result.metrics, result.geometry
+            log_line(f"validation at step {step}{f' on {name}' if several else ''}: recall@1 {m['recall@1']:.4f}  "
+                     f"ndcg@10 {m['ndcg@10']:.4f}  unrelated cos {g.get('unrelated_cos_mean', float('nan')):+.3f}"
+                     + ("" if several else f"  {best_text}"))
+            plot_cosine_histograms({f"step {step}": result},
+                                   self.plots_dir / (f"cosines-{name}-step{step}.png" if several else f"cosines-step{step}.png"))
+            self._log_wandb(trainer, result, trainer.datamodule.eval_sets[name], metric_prefix(len(results), name), step)
+        if several:
+            mean = {k: pl_module.last_val_metrics[f"val/{MEAN_SET}/{k}"] for k in ("recall@1", "ndcg@10")}
+            log_line(f"validation at step {step}, mean of {len(results)} sets: recall@1 {mean['recall@1']:.4f}  "
+                     f"ndcg@10 {mean['ndcg@10']:.4f}  {best_text}")
+
+    def _log_wandb(self, trainer, result, ev, prefix: str, step: int) -> None:
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
-                payload = dict(wandb_cosine_histograms(result))
+                payload = dict(wandb_cosine_histograms(result, prefix))
                 if self.tables:
-                    ev = trainer.datamodule.eval_set
-                    payload["val/top5"] = wandb_topk_table(
+                    payload[f"{prefix}top5"] = wandb_topk_table(
                         result.run, ev.qrels, ev.queries, ev.corpus, n=self.sample_queries, k=5
                     )
                 # on Lightning's step axis (not wandb's own step counter, which Lightning does not set)

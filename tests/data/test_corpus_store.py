@@ -209,7 +209,8 @@ def test_evaluate_from_the_store_writes_todays_metrics_and_run_file(tmp_path, ti
     stored = outputs(tmp_path / "store")
     assert list((tmp_path / "cache" / "corpora").glob("*/manifest.json"))
     monkeypatch.setattr(formats, "_read_corpus", real_read_corpus)
-    monkeypatch.setattr(sources, "load_eval_pool_mapped", sources.load_eval_pool)  # today's path
+    unmapped = sources.load_eval_pools
+    monkeypatch.setattr(sources, "load_eval_pools", lambda cfg, folder=None, mapped=False: unmapped(cfg, folder))  # today's path
     today = outputs(tmp_path / "dict")
     assert stored == today
     assert stored[1]["documents"] == (15 if caps else 40)

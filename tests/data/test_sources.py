@@ -41,11 +41,11 @@ def test_caps_and_order_are_pinned_for_a_fixed_seed(tmp_path):
     # the data module, mining and evaluate read the same through sources
     dm = RetrievalDataModule(cfg)
     assert dm.train_pairs == train.pairs and dm.eval_set == ev
-    from moco_retrieval.evaluate import load_eval_set
+    from moco_retrieval.evaluate import load_eval_sets
     from moco_retrieval.mine import load_training_pairs as mining_pairs
 
     assert mining_pairs(cfg) == train.pairs
-    assert load_eval_set(cfg) == (ev, pool.description)
+    assert load_eval_sets(cfg) == {"eval": (ev, pool.description)}
     # capping an uncapped pool the same way gives the same pool
     full = load_eval_pool(make_cfg(tmp_path, n=40, seed=3)).eval_set
     assert cap_eval_set(full, 3, 5, seed=3) == ev and "capped_from" not in load_eval_pool(make_cfg(tmp_path)).description

@@ -27,10 +27,13 @@ def _texts(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS, size=int(rng.integers(1, 12)))) for _ in range(n)]
 
 
-def _evalset() -> EvalSet:
-    docs, queries = _texts(23, 1), _texts(9, 2)  # odd sizes: the ranks' blocks differ by one
+def _evalset(n_docs: int = 23, n_queries: int = 9, seed: int = 1) -> EvalSet:
+    docs, queries = _texts(n_docs, seed), _texts(n_queries, seed + 1)  # odd sizes: the ranks' blocks differ by one
     return EvalSet(corpus={f"d{i}": t for i, t in enumerate(docs)}, queries={f"q{i}": t for i, t in enumerate(queries)},
-                   qrels={f"q{i}": {f"d{(3 * i) % 23}": 1} for i in range(9)})
+                   qrels={f"q{i}": {f"d{(3 * i) % n_docs}": 1} for i in range(n_queries)})
+
+
+SETS = {"main": {}, "second": dict(n_docs=11, n_queries=5, seed=7)}  # validation on two sets: each split over the ranks
 
 
 def _encoder(tiny_dir: str):
@@ -45,8 +48,9 @@ def _rows(rank: int, n: int) -> np.ndarray:
 
 
 def _validate(tiny_dir: str) -> dict:
-    """The module's validation pass as Lightning drives it: this rank's val batches through
-    ``validation_step``, then the rows the epoch end scores (gathered when the pool is split)."""
+    """The module's validation pass on two evaluation sets as Lightning drives it: this rank's val
+    batches of each set's loader through ``validation_step``, then the rows the epoch end scores of
+    each set (gathered when the set is split)."""
     from moco_retrieval.config import DataConfig, OptimConfig
     from moco_retrieval.objectives.inbatch import InBatchConfig
     from moco_retrieval.data.datamodule import RetrievalDataModule
@@ -54,15 +58,20 @@ def _validate(tiny_dir: str) -> dict:
 
     torch.manual_seed(0)
     module = RetrievalModule(ModelConfig(backbone="tiny", path=tiny_dir), InBatchConfig(), OptimConfig()).eval()
-    dm = RetrievalDataModule.from_loaded(DataConfig(kind="jsonl", eval_batch_size=4), [], _evalset(),
+    dm = RetrievalDataModule.from_loaded(DataConfig(kind="jsonl", eval_batch_size=4), [],
+                                         {name: _evalset(**kw) for name, kw in SETS.items()},
                                          tokenize=module.encoder.tokenize)
     module.on_validation_epoch_start()
+    out = {}
     with torch.no_grad():
-        batches = list(dm.val_dataloader())
-        for i, batch in enumerate(batches):
-            module.validation_step(batch, i)
-    return {"shard": dm.eval_shard(), "local_docs": sum((b["ids"] for b in batches if b["kind"] == "doc"), []),
-            "doc": module._val_rows("doc", dm), "query": module._val_rows("query", dm)}
+        for index, (name, loader) in enumerate(zip(SETS, dm.val_dataloader())):
+            batches = list(loader)
+            for i, batch in enumerate(batches):
+                module.validation_step(batch, i, index)
+            out[name] = {"shard": dm.eval_shard(index),
+                         "local_docs": sum((b["ids"] for b in batches if b["kind"] == "doc"), []),
+                         "doc": module._val_rows("doc", dm, index), "query": module._val_rows("query", dm, index)}
+    return out
 
 
 def _rank(tiny_dir, folder, rank, world):
@@ -97,12 +106,14 @@ def test_two_gloo_ranks_encode_half_each_and_gather_what_one_process_encodes(tin
         np.testing.assert_array_equal(got["empty_rank"], _rows(0, 5))
         np.testing.assert_array_equal(got["unequal"], np.concatenate([_rows(0, 5), _rows(1, 3)]))
         assert got["metrics"] == pytest.approx(reference.metrics, abs=1e-6)
-        val, pool = got["validation"], _evalset()
-        assert val["shard"] == (rank, W) and val["local_docs"] == list(pool.corpus)[[0, 12][rank] : [12, 23][rank]]
-        for kind, texts in (("doc", pool.corpus), ("query", pool.queries)):
-            ids, rows = val[kind]
-            assert ids == list(texts)  # every rank scores the whole pool, in pool order
-            np.testing.assert_allclose(rows, encode_texts(enc, list(texts.values()), kind, 4, False), rtol=0, atol=1e-5)
+        for name, kw in SETS.items():
+            val, pool = got["validation"][name], _evalset(**kw)
+            a, b = shard_range(len(pool.corpus), rank, W)
+            assert val["shard"] == (rank, W) and val["local_docs"] == list(pool.corpus)[a:b]
+            for kind, texts in (("doc", pool.corpus), ("query", pool.queries)):
+                ids, rows = val[kind]
+                assert ids == list(texts)  # every rank scores the whole set, in its order
+                np.testing.assert_allclose(rows, encode_texts(enc, list(texts.values()), kind, 4, False), rtol=0, atol=1e-5)
         assert {q: list(hits) for q, hits in got["run"].items()} == {q: list(hits) for q, hits in reference.run.items()}
 
 
