@@ -220,7 +220,7 @@ def summary(doc: Optional[str]) -> str:
 # user sets first (data.train_path / eval_dir: data=jsonl, csv, parquet; data.path: hf, documents)
 MAIN_KEYS: dict[str, tuple[str, ...]] = {
     "train": ("trainer.max_steps", "trainer.max_epochs", "trainer.val_check_interval", "trainer.devices",
-              "data.train_path", "data.eval_dir", "data.path", "data.batch_size", "data.max_train_examples",
+              "data.train_path", "data.eval_dir", "data.eval_dirs", "data.path", "data.batch_size", "data.max_train_examples",
               "data.n_negatives", "optim.lr"),
 }
 
