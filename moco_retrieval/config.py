@@ -408,12 +408,36 @@ class DataConfig(RangeChecked):
     # hard negatives per training row (rows need a 'negatives' list, e.g. from moco_retrieval.mine);
     # None: train without hard negatives
     n_negatives: Optional[int] = setting(None, AT_LEAST_ONE)
+    # train from litdata chunks (data/stream.py) instead of the memory-mapped store: each rank streams its
+    # share, memory stays flat; duplicates in a batch are masked, not avoided (unique_in_batch is the store's)
+    stream: bool = False
+    # data.stream: the chunks' folder, or an object-store URL (s3://, gs://, r2://); prepared there when missing
+    stream_dir: Optional[str] = None
 
     SECTION: ClassVar[str] = "data"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_kind_options("data", self.kind, self.columns, self.views)
+        check_stream(self)
+
+
+def check_stream(cfg: Any) -> None:
+    """``data.stream`` and ``data.stream_dir`` go together, on pairs that a store holds."""
+    if cfg.stream_dir is not None and not cfg.stream:
+        raise ConfigError(f"data.stream_dir={cfg.stream_dir} is read with data.stream=true only: add data.stream=true "
+                          "(or drop data.stream_dir to train from the store)")
+    if not cfg.stream:
+        return
+    if not cfg.stream_dir:
+        raise ConfigError("data.stream=true streams from chunks: give their folder or URL, data.stream_dir=DIR")
+    kinds = [s.kind for s in cfg.sources] if cfg.sources else [cfg.kind]
+    for kind in kinds:
+        if kind in (DataKind.beir, DataKind.documents):
+            why = ("its pairs come from qrels, in memory" if kind == DataKind.beir else
+                   "its pairs are made from each document as it is drawn")
+            raise ConfigError(f"data.stream=true streams stored pairs, not data.kind={kind} ({why}): "
+                              "train it from the store (data.stream=false)")
 
 
 @dataclass
@@ -525,6 +549,10 @@ class TrainConfig:
         if distill != Distill.none and not self.data.n_negatives:
             raise ConfigError(f"objective.distill={distill} learns the teacher's scores of each row's hard negatives: "
                               "set data.n_negatives=N (rows with 'negatives' and their scores)")
+        if self.data.stream and self.model.frozen_backbone:
+            raise ConfigError("model.frozen_backbone=true with data.stream=true: a frozen backbone computes the "
+                              "features of every training text up front, which streaming never holds; train it "
+                              "from the store (data.stream=false)")
         kinds = [self.data.kind] + [s.kind for s in self.data.sources]
         if self.model.frozen_backbone and DataKind.documents in kinds[1 if self.data.sources else 0:]:
             raise ConfigError("model.frozen_backbone=true with documents (data/documents.py): a frozen backbone "
@@ -735,7 +763,7 @@ __all__ = [
     "ConfigError", "Range", "setting", "RangeChecked", "POSITIVE", "NON_NEGATIVE", "AT_LEAST_ONE", "FRACTION",
     "PROPER_FRACTION", "PRECISIONS", "Dtype", "Pooling", "Head", "HeadInit", "BackboneKind", "LrSchedule", "DataKind",
     "SourceMode", "ViewPairs", "IndexKind", "Which", "Sampling", "Format", "ModelFormat", "Quantize", "LoraConfig", "ModelConfig", "OptimConfig",
-    "ColumnsConfig", "ViewsConfig", "check_kind_options", "PromptsConfig", "SourceConfig", "DataConfig", "TrainerConfig", "LoggerConfig", "EvalConfig",
+    "ColumnsConfig", "ViewsConfig", "check_kind_options", "check_stream", "PromptsConfig", "SourceConfig", "DataConfig", "TrainerConfig", "LoggerConfig", "EvalConfig",
     "TrainConfig", "MineConfig", "EvaluateConfig", "ExportConfig", "check_export", "SearchConfig", "COMMAND_SCHEMAS", "MISSING",
     "register_command_schemas", "to_config", "check_known_keys", "unknown_key", "cache_root",
 ]

@@ -240,7 +240,8 @@ def _train(cfg: TrainConfig, run_dir: Path) -> dict:
     if ckpt_path is not None:  # the same rows as it trained on, not only the same options
         check_same_data(read_checkpoint(ckpt_path, "ckpt_path", verify=False), ckpt_path, dm.data_keys())
     if is_rank_zero():
-        announce_negatives(dm.train_rows.negative_counts, cfg.data.n_negatives)
+        if not cfg.data.stream:  # (a stream's rows are not in memory; its manifest holds the checks' counts)
+            announce_negatives(dm.train_rows.negative_counts, cfg.data.n_negatives)
         announce_prompts(cfg.data)
     L.seed_everything(cfg.seed, workers=True)
     module, dm, trainer = build(cfg, run_dir, dm, resuming=ckpt_path is not None)
