@@ -21,6 +21,10 @@ validation and at the end of an epoch), so the lightning module need not call an
 Lightning (a hand-written loop) call :meth:`RetrievalDataModule.on_train_batch_end` after each
 trained batch (or ``sampler.advance()``). The training DataLoader also implements
 ``state_dict``/``load_state_dict`` (the same state), which tells Lightning it is resumable.
+
+Streaming (``data.stream``): the rows come from litdata chunks instead (:mod:`.stream` opens or
+prepares them; :mod:`.stream_batches` makes this rank's batches with the same collate), the position
+is the same ``{"epoch", "batches_done"}``, and the rows' checks read the chunks' manifest.
 """
 from __future__ import annotations
 

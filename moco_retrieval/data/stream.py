@@ -12,7 +12,8 @@ negatives, rows without teacher scores, the first of each by its file and line).
 
 Training (:func:`open_stream`) compares the manifest with this config: chunks of other data are
 refused, naming the folder; missing ones (or an interrupted preparation's) are prepared first,
-under a lock, as the store is converted. The chunk files listed in litdata's ``index.json`` are
+under a lock, as the store is converted (the lock is the node's: prepare ahead of a job of several
+nodes). The key needs the input files (their content hashes, remembered as the store's are). The chunk files listed in litdata's ``index.json`` are
 checked for presence and size before the model loads. The batches: stream_batches.py.
 """
 from __future__ import annotations
@@ -76,13 +77,16 @@ def _source_configs(cfg: Any) -> list[Any]:
 
 def _each(cfg: Any, fn: Any) -> list:
     """``fn(source's data config)`` for every source, an error prefixed with the source it is about."""
-    out = []
-    for name, c in zip(stream_names(cfg), _source_configs(cfg)):
-        try:
-            out.append(fn(c))
-        except DataError as exc:
-            raise DataError(f"data.sources ({name}): {exc}" if has_sources(cfg) else str(exc)) from None
-    return out
+    return [_each_one(cfg, i, lambda: fn(c)) for i, c in enumerate(_source_configs(cfg))]
+
+
+def _each_one(cfg: Any, i: int, fn: Any) -> Any:
+    try:
+        return fn()
+    except DataError as exc:
+        if not has_sources(cfg):
+            raise
+        raise DataError(f"data.sources[{i}] ({stream_names(cfg)[i]}): {exc}") from None
 
 
 def _source_key(c: Any) -> dict:
@@ -232,8 +236,8 @@ def prepare_stream(cfg: Any, workers: int = 1) -> dict:
         _write_manifest(where, {**want, "complete": False})  # claims the folder: a stop from here on is ours to redo
         _clear(where, names)
         t0, sources = time.monotonic(), {}
-        for name, c in zip(names, _source_configs(cfg)):
-            rows = _each_one(cfg, name, lambda: load_training_rows(c).rows)
+        for i, (name, c) in enumerate(zip(names, _source_configs(cfg))):
+            rows = _each_one(cfg, i, lambda: load_training_rows(c).rows)
             spans = [(a, min(a + SPAN, len(rows))) for a in range(0, len(rows), SPAN)]
             log_line(f"writing the chunks of {name}: {len(rows):,} rows into {join(where, name)} "
                      f"({workers} worker{'s' if workers != 1 else ''})", file=sys.stderr)
@@ -248,13 +252,6 @@ def prepare_stream(cfg: Any, workers: int = 1) -> dict:
         _write_manifest(where, manifest)
     log_line(f"prepared {manifest['rows']:,} rows as chunks in {where} in {manifest['prepared_s']:.1f}s", file=sys.stderr)
     return manifest
-
-
-def _each_one(cfg: Any, name: str, fn: Any) -> Any:
-    try:
-        return fn()
-    except DataError as exc:
-        raise DataError(f"data.sources ({name}): {exc}" if has_sources(cfg) else str(exc)) from None
 
 
 def _holds_files(where: str) -> bool:

@@ -60,6 +60,7 @@ class StreamBatches(EpochPosition, IterableDataset):
         self.rank, self.world_size, self.cache_dir = int(rank), int(world_size), cache_dir
         self.epoch, self.batches_done = 0, 0
         self._batches: dict[tuple[int, int, int], int] = {}  # (source, epoch, pass) -> batches of every rank
+        self.given_starts: Optional[dict] = None  # starts() made by the loader for its worker
 
     # -- litdata
     def _seed(self, s: int) -> int:
@@ -109,13 +110,32 @@ class StreamBatches(EpochPosition, IterableDataset):
     def __len__(self) -> int:
         return len(self.plan(self.epoch))
 
+    def starts(self) -> dict[int, tuple[int, int, Optional[dict]]]:
+        """Where each source of the epoch resumes: ``(pass, batches done in it, litdata's replay state
+        of this rank's rows read so far)``. Made in the training process (litdata makes a state only
+        there) and sent with the dataset to a DataLoader worker."""
+        epoch, start = self.epoch, self.batches_done
+        plan, out = self.plan(epoch), {}
+        for s in sorted(set(plan)):
+            done, pass_ = plan[:start].count(s), 0
+            while done >= self.pass_batches(s, epoch, pass_):
+                done -= self.pass_batches(s, epoch, pass_)
+                pass_ += 1
+            state = None
+            if done:  # litdata's replay of one worker, a batch of one row: this rank's rows read so far
+                ds = self.dataset(s, epoch, pass_)
+                state = ds.state_dict(num_samples_yielded=done * self.batch_size, num_workers=1, batch_size=1)
+            out[s] = (pass_, done, state)
+        return out
+
     def __iter__(self) -> Iterator[dict]:
         epoch, start = self.epoch, self.batches_done
         plan = self.plan(epoch)
         readers: dict[int, _Reader] = {}
         try:
-            for s in sorted(set(plan)):  # each source from the row this rank reached in it
-                readers[s] = _Reader(self, s, epoch, plan[:start].count(s))
+            starts = self.given_starts if self.given_starts is not None else self.starts()
+            for s, (pass_, done, state) in starts.items():  # each source from the row this rank reached in it
+                readers[s] = _Reader(self, s, epoch, pass_, done, state)
             for s in plan[start:]:
                 yield self.collate(readers[s].batch())
         except DataError as e:
@@ -130,26 +150,22 @@ class _Reader:
     """Source ``s``'s rows for this rank, ``batch_size`` at a time, from batch ``done`` of the epoch
     on, pass after pass."""
 
-    def __init__(self, owner: StreamBatches, s: int, epoch: int, done: int):
-        self.owner, self.s, self.epoch = owner, s, epoch
-        self.pass_ = 0
-        while done >= owner.pass_batches(s, epoch, self.pass_):
-            done -= owner.pass_batches(s, epoch, self.pass_)
-            self.pass_ += 1
-        self._open(done)
+    def __init__(self, owner: StreamBatches, s: int, epoch: int, pass_: int, done: int, state: Optional[dict]):
+        self.owner, self.s, self.epoch, self.pass_ = owner, s, epoch, pass_
+        self._open(done, state)
 
-    def _open(self, done: int) -> None:
+    def _open(self, done: int, state: Optional[dict]) -> None:
         o = self.owner
         ds = o.dataset(self.s, self.epoch, self.pass_)
-        if done:  # litdata's replay of one worker, a batch of one row: this rank's rows read so far
-            ds.load_state_dict(ds.state_dict(num_samples_yielded=done * o.batch_size, num_workers=1, batch_size=1))
+        if state is not None:
+            ds.load_state_dict(dict(state))
         self.left = o.pass_batches(self.s, self.epoch, self.pass_) - done
         self.items = iter(ds)
 
     def batch(self) -> list:
         if self.left == 0:
             self.pass_ += 1
-            self._open(0)
+            self._open(0, None)
         self.left -= 1
         base = int(self.owner.offsets[self.s])
         return [(base + int(item["index"]), json_pair(item["pair"])) for item in
@@ -173,6 +189,8 @@ class StreamLoader(ResumableDataLoader):
         epoch = self._epoch_fn()
         if epoch is not None:
             self.dataset.set_epoch(epoch)
+        # (a worker cannot make litdata's replay state: made here, it travels with the dataset)
+        self.dataset.given_starts = self.dataset.starts() if self.num_workers else None
         for batch in super().__iter__():
             if ERROR in batch:
                 raise DataError(batch[ERROR])

@@ -74,6 +74,20 @@ def test_batches_carry_ids_groups_and_every_row_once(tmp_path):
     assert again == [b["index"].tolist() for b in batches] and other != again  # seeded, reshuffled per epoch
 
 
+def test_a_worker_process_gives_the_same_batches_and_names_a_read_error(tmp_path):
+    cfg = streamed(make_cfg(tmp_path, n=24, batch_size=4), tmp_path / "chunks")
+    here = epoch(module(cfg), 0, 2)
+    cfg.num_workers = 1  # the stream read and collated in one DataLoader worker
+    dm = module(cfg)
+    assert epoch(dm, 0, 2) == here and len(here) == 4
+    loader = dm.train_dataloader()
+    for chunk in (tmp_path / "chunks" / "data").glob("chunk-*.bin"):
+        chunk.unlink()
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'chunks'}: cannot read the stream's chunks")) as e:
+        list(loader)
+    assert "Traceback" not in str(e.value)
+
+
 def test_ranks_read_disjoint_shares_of_equal_length(tmp_path):
     cfg = streamed(make_cfg(tmp_path, n=42, batch_size=4), tmp_path / "chunks")
     per_rank = [epoch(module(cfg, rank=r, world=2)) for r in range(2)]
