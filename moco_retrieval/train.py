@@ -79,6 +79,8 @@ warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` 
 warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 # a checkpoint before the first validation (a preemption, a short run) has no val/recall@1 to rank by yet
 warnings.filterwarnings("ignore", message=r"`ModelCheckpoint\(monitor='val/recall@1'\)` could not find the monitored key")
+# a stream (data.stream) is read by one loader worker at most, so its length holds
+warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
 
 
 def trainer_kwargs(cfg: TrainerConfig) -> dict:

@@ -27,6 +27,7 @@ iterates the stream and collates, the training process only trains. A chunk that
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -71,6 +72,9 @@ class StreamBatches(EpochPosition, IterableDataset):
         """Source ``s``'s stream for pass ``pass_`` of ``epoch``, as rank ``rank`` (this one) reads it."""
         ld = litdata()
         from litdata.utilities.env import _DistributedEnv
+
+        # litdata's info lines (its cache budget, how it reads a folder) come for every pass of every source
+        logging.getLogger("litdata").setLevel(logging.WARNING)
 
         rank = self.rank if rank is None else rank
         try:
