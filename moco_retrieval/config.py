@@ -422,6 +422,13 @@ class DataConfig(RangeChecked):
         check_stream(self)
 
 
+def check_not_streamed(data: Any, command: str) -> None:
+    """``data.stream`` is training's (and prepare's): another command would read the files unstreamed."""
+    if data.stream:
+        raise ConfigError(f"data.stream=true: {command} does not stream (only training reads the chunks); "
+                          "drop data.stream and data.stream_dir")
+
+
 def check_stream(cfg: Any) -> None:
     """``data.stream`` and ``data.stream_dir`` go together, on pairs that a store holds."""
     if cfg.stream_dir is not None and not cfg.stream:
@@ -596,6 +603,10 @@ class MineConfig(RangeChecked):
     batch_size: int = setting(256, AT_LEAST_ONE)  # encoding batch
     progress: bool = True  # progress lines while encoding
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_not_streamed(self.data, "mine")
+
 
 @dataclass
 class EvaluateConfig:
@@ -615,6 +626,9 @@ class EvaluateConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     plots: bool = True  # write the PNG plots
     progress: bool = True  # progress lines while encoding
+
+    def __post_init__(self) -> None:
+        check_not_streamed(self.data, "evaluate")
 
 
 @dataclass
@@ -671,6 +685,7 @@ class SearchConfig(RangeChecked):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_queries(self)
+        check_not_streamed(self.data, "search")
 
 
 def check_queries(cfg: Any) -> None:
@@ -763,7 +778,7 @@ __all__ = [
     "ConfigError", "Range", "setting", "RangeChecked", "POSITIVE", "NON_NEGATIVE", "AT_LEAST_ONE", "FRACTION",
     "PROPER_FRACTION", "PRECISIONS", "Dtype", "Pooling", "Head", "HeadInit", "BackboneKind", "LrSchedule", "DataKind",
     "SourceMode", "ViewPairs", "IndexKind", "Which", "Sampling", "Format", "ModelFormat", "Quantize", "LoraConfig", "ModelConfig", "OptimConfig",
-    "ColumnsConfig", "ViewsConfig", "check_kind_options", "check_stream", "PromptsConfig", "SourceConfig", "DataConfig", "TrainerConfig", "LoggerConfig", "EvalConfig",
+    "ColumnsConfig", "ViewsConfig", "check_kind_options", "check_stream", "check_not_streamed", "PromptsConfig", "SourceConfig", "DataConfig", "TrainerConfig", "LoggerConfig", "EvalConfig",
     "TrainConfig", "MineConfig", "EvaluateConfig", "ExportConfig", "check_export", "SearchConfig", "COMMAND_SCHEMAS", "MISSING",
     "register_command_schemas", "to_config", "check_known_keys", "unknown_key", "cache_root",
 ]

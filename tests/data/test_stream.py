@@ -246,3 +246,13 @@ def test_resume_under_lightning_over_two_epochs(tmp_path):
         root = tmp_path / f"cut{k}"
         first = fit(root, max_steps=k)
         assert first + fit(root, ckpt=str(root / "ck" / "last.ckpt")) == full, k
+
+
+def test_other_commands_refuse_a_stream():
+    from moco_retrieval.config import EvaluateConfig, MineConfig, SearchConfig
+
+    data = DataConfig(kind="jsonl", stream=True, stream_dir="x")
+    for cls, command, args in ((EvaluateConfig, "evaluate", {}), (SearchConfig, "search", {}),
+                               (MineConfig, "mine", {"output": "o.jsonl"})):
+        with pytest.raises(ConfigError, match=f"data.stream=true: {command} does not stream"):
+            cls(data=data, **args)
