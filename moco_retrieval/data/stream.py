@@ -13,7 +13,9 @@ negatives, rows without teacher scores, the first of each by its file and line).
 Training (:func:`open_stream`) compares the manifest with this config: chunks of other data are
 refused, naming the folder; missing ones (or an interrupted preparation's) are prepared first,
 under a lock, as the store is converted (the lock is the node's: prepare ahead of a job of several
-nodes). The key needs the input files (their content hashes, remembered as the store's are). The chunk files listed in litdata's ``index.json`` are
+nodes). The key needs the input files (their content hashes, remembered as the store's are); where
+they are missing (a node that only streams), finished chunks are trained on as they are, with a
+line saying so. The chunk files listed in litdata's ``index.json`` are
 checked for presence and size before the model loads. The batches: stream_batches.py.
 """
 from __future__ import annotations
@@ -277,8 +279,16 @@ def open_stream(cfg: Any) -> dict:
     holds none (or an interrupted preparation), refused when it holds other data; each source's
     chunk files checked against litdata's index (present, of their size)."""
     where = str(cfg.stream_dir)
-    want = expected(cfg)
     found = read_manifest(where)
+    try:
+        want = expected(cfg)
+    except DataError as e:  # the input files are not here (a node that only streams): the chunks as prepared
+        if found is None or not found.get("complete"):
+            raise
+        log_line(f"{e}; training on the chunks in data.stream_dir={where} as they were prepared "
+                 f"({found['rows']:,} rows; sources {', '.join(found['sources'])}), unchecked against the input",
+                 file=sys.stderr)
+        want = found
     if found is not None and found.get("key") != want["key"]:
         raise _stale(where, found, want)
     if found is None or not found.get("complete"):

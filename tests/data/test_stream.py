@@ -161,6 +161,17 @@ def test_a_stream_of_other_data_is_refused(tmp_path):
     assert (foreign / "notes.txt").read_text() == "mine"
 
 
+def test_a_node_without_the_input_files_trains_on_finished_chunks(tmp_path, capsys):
+    cfg = streamed(make_cfg(tmp_path, n=20), tmp_path / "chunks")
+    with pytest.raises(DataError, match="no such file"):  # nothing to prepare from
+        module(streamed(make_cfg(tmp_path, n=20, train_path=str(tmp_path / "elsewhere.jsonl")), tmp_path / "none"))
+    rows = epoch(module(cfg), 0)
+    (tmp_path / "train.jsonl").rename(tmp_path / "moved.jsonl")
+    assert epoch(module(cfg), 0) == rows
+    assert (f"training on the chunks in data.stream_dir={tmp_path / 'chunks'} as they were prepared (20 rows; "
+            "sources data), unchecked against the input") in capsys.readouterr().err
+
+
 def test_missing_or_cut_chunks_are_named(tmp_path):
     cfg = streamed(make_cfg(tmp_path, n=40, batch_size=4), tmp_path / "chunks")
     module(cfg)
