@@ -62,6 +62,7 @@ class StreamBatches(EpochPosition, IterableDataset):
         self.epoch, self.batches_done = 0, 0
         self._batches: dict[tuple[int, int, int], int] = {}  # (source, epoch, pass) -> batches of every rank
         self.given_starts: Optional[dict] = None  # starts() made by the loader for its worker
+        self.num_nodes: Optional[int] = None  # litdata's node count (dataset())
 
     # -- litdata
     def _seed(self, s: int) -> int:
@@ -82,10 +83,10 @@ class StreamBatches(EpochPosition, IterableDataset):
                                      drop_last=True, seed=self._seed(s))
         except Exception as e:  # its index unreadable, an object store out of reach
             raise DataError(f"{join(self.where, self.names[s])}: cannot open the stream ({type(e).__name__}: {e})") from None
-        env = _DistributedEnv.detect()  # (its node count, under a real process group)
-        if (env.world_size, env.global_rank) != (self.world_size, rank):
-            env = _DistributedEnv(self.world_size, rank, 1)
-        ds.distributed_env = env
+        if self.num_nodes is None:  # litdata's count under the process group (it shapes the shuffle), made once
+            env = _DistributedEnv.detect()  # here: a DataLoader worker has no group and would count one node
+            self.num_nodes = env.num_nodes if (env.world_size, env.global_rank) == (self.world_size, self.rank) else 1
+        ds.distributed_env = _DistributedEnv(self.world_size, rank, self.num_nodes)
         ds.set_epoch(litdata_epoch(epoch, pass_))
         return ds
 
@@ -95,8 +96,9 @@ class StreamBatches(EpochPosition, IterableDataset):
         if key not in self._batches:
             ds = self.dataset(s, epoch, pass_)
             ds.get_len(1, 1)  # (creates its shuffler)
-            lengths = [ds.shuffler.get_len(type(ds.distributed_env)(self.world_size, r, ds.distributed_env.num_nodes), 1, 1,
-                                           ds.current_epoch) for r in range(self.world_size)]
+            env = type(ds.distributed_env)
+            lengths = [ds.shuffler.get_len(env(self.world_size, r, self.num_nodes), 1, 1, ds.current_epoch)
+                       for r in range(self.world_size)]
             self._batches[key] = min(lengths) // self.batch_size
             if self._batches[key] == 0:
                 raise DataError(f"{join(self.where, self.names[s])}: {int(self.offsets[s + 1] - self.offsets[s])} rows "
