@@ -279,6 +279,7 @@ def open_stream(cfg: Any) -> dict:
     holds none (or an interrupted preparation), refused when it holds other data; each source's
     chunk files checked against litdata's index (present, of their size)."""
     where = str(cfg.stream_dir)
+    litdata()  # not installed: said now, before the model loads
     found = read_manifest(where)
     try:
         want = expected(cfg)
