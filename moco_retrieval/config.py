@@ -411,6 +411,11 @@ class DataConfig(RangeChecked):
     # hard negatives per training row (rows need a 'negatives' list, e.g. from moco_retrieval.mine);
     # None: train without hard negatives
     n_negatives: Optional[int] = setting(None, AT_LEAST_ONE)
+    # train from litdata chunks (data/stream.py) instead of the memory-mapped store: each rank streams its
+    # share, memory stays flat; duplicates in a batch are masked, not avoided (unique_in_batch is the store's)
+    stream: bool = False
+    # data.stream: the chunks' folder, or an object-store URL (s3://, gs://, r2://); prepared there when missing
+    stream_dir: Optional[str] = None
 
     SECTION: ClassVar[str] = "data"
 
@@ -421,6 +426,7 @@ class DataConfig(RangeChecked):
             raise ConfigError(f"data.eval_dir={self.eval_dir} and data.eval_dirs={list(self.eval_dirs)}: give one of "
                               "them (a single folder is data.eval_dirs=[DIR] or data.eval_dir=DIR)")
         eval_set_names(self.eval_dirs)
+        check_stream(self)
 
 
 MEAN_SET = "mean"  # the metrics' unweighted mean over several evaluation sets (val/mean/recall@1)
@@ -441,6 +447,31 @@ def eval_set_names(eval_dirs: Any) -> list[str]:
                               f"{eval_dirs[j]} is named {name!r} too; link one of them under another name")
         names.append(name)
     return names
+
+
+def check_not_streamed(data: Any, command: str) -> None:
+    """``data.stream`` is training's (and prepare's): another command would read the files unstreamed."""
+    if data.stream:
+        raise ConfigError(f"data.stream=true: {command} does not stream (only training reads the chunks); "
+                          "drop data.stream and data.stream_dir")
+
+
+def check_stream(cfg: Any) -> None:
+    """``data.stream`` and ``data.stream_dir`` go together, on pairs that a store holds."""
+    if cfg.stream_dir is not None and not cfg.stream:
+        raise ConfigError(f"data.stream_dir={cfg.stream_dir} is read with data.stream=true only: add data.stream=true "
+                          "(or drop data.stream_dir to train from the store)")
+    if not cfg.stream:
+        return
+    if not cfg.stream_dir:
+        raise ConfigError("data.stream=true streams from chunks: give their folder or URL, data.stream_dir=DIR")
+    kinds = [s.kind for s in cfg.sources] if cfg.sources else [cfg.kind]
+    for kind in kinds:
+        if kind in (DataKind.beir, DataKind.documents):
+            why = ("its pairs come from qrels, in memory" if kind == DataKind.beir else
+                   "its pairs are made from each document as it is drawn")
+            raise ConfigError(f"data.stream=true streams stored pairs, not data.kind={kind} ({why}): "
+                              "train it from the store (data.stream=false)")
 
 
 @dataclass
@@ -560,6 +591,10 @@ class TrainConfig:
             raise ConfigError(f"trainer.best_set={self.trainer.best_set!r}: expected {MEAN_SET}"
                               + (f" or a set of data.eval_dirs ({', '.join(sets)})" if sets else
                                  " (no data.eval_dirs: the run validates on one pool)"))
+        if self.data.stream and self.model.frozen_backbone:
+            raise ConfigError("model.frozen_backbone=true with data.stream=true: a frozen backbone computes the "
+                              "features of every training text up front, which streaming never holds; train it "
+                              "from the store (data.stream=false)")
         kinds = [self.data.kind] + [s.kind for s in self.data.sources]
         if self.model.frozen_backbone and DataKind.documents in kinds[1 if self.data.sources else 0:]:
             raise ConfigError("model.frozen_backbone=true with documents (data/documents.py): a frozen backbone "
@@ -603,6 +638,10 @@ class MineConfig(RangeChecked):
     batch_size: int = setting(256, AT_LEAST_ONE)  # encoding batch
     progress: bool = True  # progress lines while encoding
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_not_streamed(self.data, "mine")
+
 
 @dataclass
 class EvaluateConfig:
@@ -622,6 +661,9 @@ class EvaluateConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     plots: bool = True  # write the PNG plots
     progress: bool = True  # progress lines while encoding
+
+    def __post_init__(self) -> None:
+        check_not_streamed(self.data, "evaluate")
 
 
 @dataclass
@@ -678,6 +720,7 @@ class SearchConfig(RangeChecked):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_queries(self)
+        check_not_streamed(self.data, "search")
 
 
 def check_queries(cfg: Any) -> None:
@@ -770,7 +813,7 @@ __all__ = [
     "ConfigError", "Range", "setting", "RangeChecked", "POSITIVE", "NON_NEGATIVE", "AT_LEAST_ONE", "FRACTION",
     "PROPER_FRACTION", "PRECISIONS", "MEAN_SET", "eval_set_names", "Dtype", "Pooling", "Head", "HeadInit", "BackboneKind", "LrSchedule", "DataKind",
     "SourceMode", "ViewPairs", "IndexKind", "Which", "Sampling", "Format", "ModelFormat", "Quantize", "LoraConfig", "ModelConfig", "OptimConfig",
-    "ColumnsConfig", "ViewsConfig", "check_kind_options", "PromptsConfig", "SourceConfig", "DataConfig", "TrainerConfig", "LoggerConfig", "EvalConfig",
+    "ColumnsConfig", "ViewsConfig", "check_kind_options", "check_stream", "check_not_streamed", "PromptsConfig", "SourceConfig", "DataConfig", "TrainerConfig", "LoggerConfig", "EvalConfig",
     "TrainConfig", "MineConfig", "EvaluateConfig", "ExportConfig", "check_export", "SearchConfig", "COMMAND_SCHEMAS", "MISSING",
     "register_command_schemas", "to_config", "check_known_keys", "unknown_key", "cache_root",
 ]

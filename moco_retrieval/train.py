@@ -80,6 +80,8 @@ warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` 
 warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 # a checkpoint before the first validation (a preemption, a short run) has no val/.../recall@1 to rank by yet
 warnings.filterwarnings("ignore", message=r"`ModelCheckpoint\(monitor='val/(.+/)?recall@1'\)` could not find the monitored key")
+# a stream (data.stream) is read by one loader worker at most, so its length holds
+warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
 
 
 def trainer_kwargs(cfg: TrainerConfig) -> dict:
@@ -242,7 +244,8 @@ def _train(cfg: TrainConfig, run_dir: Path) -> dict:
     if ckpt_path is not None:  # the same rows as it trained on, not only the same options
         check_same_data(read_checkpoint(ckpt_path, "ckpt_path", verify=False), ckpt_path, dm.data_keys())
     if is_rank_zero():
-        announce_negatives(dm.train_rows.negative_counts, cfg.data.n_negatives)
+        if not cfg.data.stream:  # (a stream's rows are not in memory; its manifest holds the checks' counts)
+            announce_negatives(dm.train_rows.negative_counts, cfg.data.n_negatives)
         announce_prompts(cfg.data)
     L.seed_everything(cfg.seed, workers=True)
     module, dm, trainer = build(cfg, run_dir, dm, resuming=ckpt_path is not None)

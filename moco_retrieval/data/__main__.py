@@ -3,11 +3,13 @@
     python -m moco_retrieval.data debian --out DIR [--lists DIR | --translation FILE --packages FILE]
     python -m moco_retrieval.data pydoc --out DIR [--stdlib DIR] [--modules a,b.c]
     python -m moco_retrieval.data prepare data=KIND data.KEY=VALUE ... [--verify]
+    python -m moco_retrieval.data prepare ... data.stream=true data.stream_dir=DIR [workers=N]
 
 ``debian`` and ``pydoc`` build a retrieval set (``DIR/train.jsonl``, ``DIR/eval/`` in the BEIR layout,
 ``DIR/manifest.json``); ``prepare`` converts a run's training pairs (each source's, with
 ``data.sources``) into their store (convert.py) ahead of a cluster job, with the same ``data.*``
-overrides as the run; ``--verify`` checks every byte of a store already there against its manifest
+overrides as the run (``data.stream=true``: the store, then its chunks in ``data.stream_dir``, written
+by ``workers=N`` processes, stream.py); ``--verify`` checks every byte of a store already there against its manifest
 (every open checks sizes, row counts and the numeric arrays) and converts one that differs again.
 
 Not a Hydra command: its subcommands take files and flags (docs/design.md, Layout). It shares
@@ -186,7 +188,16 @@ def prepare(args: argparse.Namespace) -> int:
     from moco_retrieval.data.multisource import has_sources, prepare_sources, source_names
     from moco_retrieval.data.sources import prepare_store
 
-    cfg = _data_config(args.overrides)
+    workers = [o for o in args.overrides if o.startswith("workers=")]
+    cfg = _data_config([o for o in args.overrides if o not in workers])
+    if cfg.stream:  # the chunks of data.stream_dir (stream.py), written by `workers` processes
+        from moco_retrieval.data.stream import prepare_stream
+
+        m = prepare_stream(cfg, _workers(workers[-1]) if workers else 1)
+        print(f"stream {cfg.stream_dir}: {m['rows']:,} rows of {', '.join(m['sources'])}")
+        return 0
+    if workers:
+        raise ConfigError("workers=N writes a stream's chunks in parallel: give it with data.stream=true")
     if has_sources(cfg):  # every source's store (a beir source reads qrels: nothing to convert)
         for name, folder in zip(source_names(cfg), prepare_sources(cfg, args.verify)):
             _print_store(folder, args.verify, f"source {name}: ")
@@ -195,6 +206,13 @@ def prepare(args: argparse.Namespace) -> int:
         raise DataError("data=beir: its training pairs come from qrels and need no preparing")
     _print_store(prepare_store(cfg, verify=args.verify), args.verify)
     return 0
+
+
+def _workers(override: str) -> int:
+    text = override.split("=", 1)[1]
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"{override}: expected a number of processes (1, 2, ...)")
+    return int(text)
 
 
 def _print_store(folder, verified: bool, prefix: str = "") -> None:

@@ -21,6 +21,10 @@ validation and at the end of an epoch), so the lightning module need not call an
 Lightning (a hand-written loop) call :meth:`RetrievalDataModule.on_train_batch_end` after each
 trained batch (or ``sampler.advance()``). The training DataLoader also implements
 ``state_dict``/``load_state_dict`` (the same state), which tells Lightning it is resumable.
+
+Streaming (``data.stream``): the rows come from litdata chunks instead (:mod:`.stream` opens or
+prepares them; :mod:`.stream_batches` makes this rank's batches with the same collate), the position
+is the same ``{"epoch", "batches_done"}``, and the rows' checks read the chunks' manifest.
 """
 from __future__ import annotations
 
@@ -40,8 +44,10 @@ from moco_retrieval.data.multisource import (check_same_schedule, has_sources, l
                           source_prompts, source_views, source_weights)
 from moco_retrieval.data.prompts import to_prompts
 from moco_retrieval.data.sampler import MultiSourceBatchSampler, ResumableDataLoader, RetrievalBatchSampler
-from moco_retrieval.data.sources import check_paths, debian_folder, load_eval_pools, load_training_rows
+from moco_retrieval.data.sources import check_paths, debian_folder, load_eval_pools, load_training_rows, store_root
 from moco_retrieval.data.store import ConcatStores, PairList, PairRows, PairRowsDataset
+from moco_retrieval.data.stream import open_stream, stream_names
+from moco_retrieval.data.stream_batches import StreamBatches, StreamLoader
 
 
 class RetrievalDataModule(L.LightningDataModule):
@@ -86,6 +92,7 @@ class RetrievalDataModule(L.LightningDataModule):
         self.data_dir: Optional[Path] = None  # the built Debian folder (kind=debian, when loaded here)
         self.source_offsets = None  # data.sources: source s is rows [offsets[s], offsets[s + 1]) (multisource.py)
         self.store_dir: Optional[Path] = None  # the converted store of the training pairs (one source, when loaded here)
+        self.stream: Optional[dict] = None  # data.stream: the manifest of the chunks it trains on (stream.py)
 
     @classmethod
     def from_loaded(
@@ -116,12 +123,14 @@ class RetrievalDataModule(L.LightningDataModule):
             debian_folder(self.cfg)
 
     def setup(self, stage: Optional[str] = None) -> None:
-        if self._train_rows is None:
+        if self._eval_sets is None:
             self._load()
 
     @property
     def train_rows(self) -> PairRows:
         """The training rows: ids, groups and negative counts as arrays, texts read on demand."""
+        if self.cfg.stream:
+            raise RuntimeError("data.stream=true: the training rows are read from the chunks a batch at a time")
         if self._train_rows is None:
             self._load()
         assert self._train_rows is not None
@@ -153,6 +162,15 @@ class RetrievalDataModule(L.LightningDataModule):
         return next(iter(sets.values()))
 
     def _load(self) -> None:
+        if self.cfg.stream:  # the chunks' manifest (chunks prepared first when missing) and the pool
+            pools = load_eval_pools(self.cfg, debian_folder(self.cfg) if self.cfg.kind == "debian" and
+                                    not has_sources(self.cfg) else None)
+            self._eval_sets = {name: pool.eval_set for name, pool in pools.items()}
+            self.stream = open_stream(self.cfg)
+            self._check_stream(self.stream)
+            rows = [self.stream["sources"][n]["rows"] for n in stream_names(self.cfg)]
+            self.source_offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64) if has_sources(self.cfg) else None
+            return
         if has_sources(self.cfg):  # one row space over every source's store (multisource.py)
             pools = load_eval_pools(self.cfg)  # (a missing eval_dir before any source converts)
             rows, self.source_offsets = load_source_rows(self.cfg)
@@ -167,10 +185,29 @@ class RetrievalDataModule(L.LightningDataModule):
     def data_keys(self) -> dict[str, Optional[str]]:
         """Each training source's store key (convert.py: a hash of its content and conversion options),
         by source name ("data": a single source); None for rows read without a store (beir)."""
+        if self.cfg.stream:
+            self.setup()
+            return {n: self.stream["sources"][n]["store"] for n in stream_names(self.cfg)}
         rows = self.train_rows
         parts = rows.source.sources if isinstance(rows.source, ConcatStores) else [rows]
         names = source_names(self.cfg) if has_sources(self.cfg) else ["data"]
         return {n: (Path(p.source.folder).name if hasattr(p.source, "folder") else None) for n, p in zip(names, parts)}
+
+    def _check_stream(self, manifest: dict) -> None:
+        """The checks of :meth:`_set_data`, from the counts the manifest keeps (no row is read)."""
+        for name in stream_names(self.cfg):
+            m = manifest["sources"][name]
+            for on, key, what, fix in (
+                    (self.n_negatives, "without_negatives", "no hard negatives",
+                     f"data.n_negatives={self.n_negatives} trains each row with hard negatives (give every row a "
+                     "'negatives' list, or train without hard negatives)"),
+                    (self.teacher_scores, "unscored", "no teacher scores",
+                     "objective.distill trains on them (python -m moco_retrieval.mine teacher=MODEL writes them)")):
+                if on and m[key]:
+                    first = m[f"first_{key}"]
+                    raise DataError(f"{first['where'] + ': ' if first['where'] else ''}training example {first['index']} "
+                                    f"(query {first['query']!r}) of the stream {self.cfg.stream_dir} ({name}) has {what} "
+                                    f"({m[key]:,} of {m['rows']:,} rows lack them), but {fix}")
 
     def _set_data(self, rows: PairRows, eval_sets: dict[str, EvalSet]) -> None:
         if self.n_negatives:
@@ -199,8 +236,16 @@ class RetrievalDataModule(L.LightningDataModule):
             if (self._sampler.rank, self._sampler.world_size) != rank_and_world():
                 self._pending_state, self._sampler = self._sampler.state_dict(), None
         if self._sampler is None:
-            rows = self.train_rows
             cfg = self.cfg
+            if cfg.stream:
+                self.setup()
+                self._sampler = self._stream_batches()
+                if self._pending_state is not None:
+                    self._sampler.load_state_dict(self._pending_state)
+                    self._pending_state = None
+                len(self._sampler)  # (a source too small for a batch: refused here)
+                return self._sampler
+            rows = self.train_rows
             self._sampler = self._new_sampler(rows)
             if self._pending_state is not None:
                 self._sampler.load_state_dict(self._pending_state)
@@ -229,14 +274,35 @@ class RetrievalDataModule(L.LightningDataModule):
         return MultiSourceBatchSampler(ids, groups, self.source_offsets, cfg.batch_size, weights=source_weights(cfg),
                                        mode=cfg.source_mode, names=names, **kw)
 
+    def _stream_batches(self) -> StreamBatches:
+        """The stream's batches of this rank (stream_batches.py): the same collate as the store's."""
+        cfg, names = self.cfg, stream_names(self.cfg)
+        rank, world = rank_and_world()
+        rank = self._rank if self._rank is not None else rank
+        world = self._world_size if self._world_size is not None else world
+        return StreamBatches(cfg.stream_dir, names, [self.stream["sources"][n]["rows"] for n in names], cfg.batch_size,
+                             self._collator(), seed=cfg.seed, shuffle=cfg.shuffle,
+                             weights=source_weights(cfg) if has_sources(cfg) else None, mode=str(cfg.source_mode),
+                             rank=rank, world_size=world, cache_dir=str(store_root(cfg).parent / "stream-cache"))
+
+    def _collator(self) -> Collator:
+        return Collator(self.tokenize, self.n_negatives, self.cfg.seed, self.source_offsets, self.prompts,
+                        source_prompts(self.cfg) if self.source_offsets is not None else None, self.teacher_scores)
+
+    def _fit_epoch(self) -> Optional[int]:
+        """The fit loop's epoch (what a stream's loader starts), None outside a fit."""
+        trainer = getattr(self, "trainer", None)
+        return None if trainer is None else int(trainer.current_epoch)
+
     def train_dataloader(self) -> DataLoader:
+        if self.cfg.stream:
+            return StreamLoader(self.batch_sampler, self.cfg.num_workers, self._fit_epoch, state_fn=self.state_dict,
+                                load_fn=self.load_state_dict)
         self.train_rows.open()  # mapped before the workers fork: they share the maps
         return ResumableDataLoader(
             self._dataset(),
             batch_sampler=self.batch_sampler,
-            collate_fn=Collator(self.tokenize, self.n_negatives, self.cfg.seed, self.source_offsets, self.prompts,
-                                source_prompts(self.cfg) if self.source_offsets is not None else None,
-                                self.teacher_scores),
+            collate_fn=self._collator(),
             num_workers=self.cfg.num_workers,
             state_fn=self.state_dict,
             load_fn=self.load_state_dict,

@@ -238,6 +238,22 @@ def source_of(rows: Sequence[int], source_offsets: Sequence[int]) -> np.ndarray:
     return np.searchsorted(np.asarray(source_offsets), np.asarray(rows, dtype=np.int64), side="right") - 1
 
 
+def source_schedule(epoch: int, passes: Sequence[int], *, weights: Optional[Sequence[float]], mode: str, seed: int,
+                    shuffle: bool) -> list[int]:
+    """The source of each global batch of ``epoch``, given each source's batches in one pass: the rule
+    of :class:`MultiSourceBatchSampler` (and of streaming, stream_batches.py)."""
+    n_sources = len(passes)
+    if str(mode) == "round_robin":
+        return list(range(n_sources)) * min(passes)
+    counts = apportion(sum(passes), weights if weights is not None else passes)
+    if shuffle:
+        order = np.repeat(np.arange(n_sources), counts)
+        return np.random.default_rng([int(seed), int(epoch), _SCHEDULE_STREAM]).permutation(order).tolist()
+    # even interleave: the k-th batch of source s at (k + 0.5) / counts[s] of the epoch
+    slots = [((k + 0.5) / c, s) for s, c in enumerate(counts) for k in range(c)]
+    return [s for _, s in sorted(slots)]
+
+
 class MultiSourceBatchSampler(EpochPosition, Sampler[list[int]]):
     """Batches from several sources, every global batch from one source (its in-batch negatives are
     of one kind). Source ``s`` is rows ``[source_offsets[s], source_offsets[s + 1])``.
@@ -302,16 +318,7 @@ class MultiSourceBatchSampler(EpochPosition, Sampler[list[int]]):
     # -- epoch plan
     def schedule(self, epoch: int, passes: Sequence[int]) -> list[int]:
         """The source of each global batch of ``epoch``, given each source's batches in one pass."""
-        n_sources = len(self.sources)
-        if self.mode == "round_robin":
-            return list(range(n_sources)) * min(passes)
-        counts = apportion(sum(passes), self.weights if self.weights is not None else passes)
-        if self.shuffle:
-            order = np.repeat(np.arange(n_sources), counts)
-            return np.random.default_rng([self.seed, int(epoch), _SCHEDULE_STREAM]).permutation(order).tolist()
-        # even interleave: the k-th batch of source s at (k + 0.5) / counts[s] of the epoch
-        slots = [((k + 0.5) / c, s) for s, c in enumerate(counts) for k in range(c)]
-        return [s for _, s in sorted(slots)]
+        return source_schedule(epoch, passes, weights=self.weights, mode=self.mode, seed=self.seed, shuffle=self.shuffle)
 
     def _source_batches(self, s: int, epoch: int, n: int) -> list[np.ndarray]:
         """The first ``n`` global batches of source ``s`` in ``epoch`` (rows of the source: add
@@ -403,5 +410,6 @@ __all__ = [
     "apportion",
     "check_offsets",
     "source_of",
+    "source_schedule",
     "source_seed",
 ]
