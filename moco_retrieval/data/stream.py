@@ -41,7 +41,6 @@ from moco_retrieval.data.sources import (check_train_paths, debian_folder, load_
 STREAM_VERSION = 1
 MANIFEST = "moco_stream.json"
 INDEX = "index.json"  # litdata's list of a dataset's chunks
-LITDATA = "litdata==0.2.76"
 CHUNK_BYTES = "64MB"  # litdata's advice for object stores; tests write smaller chunks
 SPAN = 1024  # rows a preparation worker reads from the store at once
 
@@ -52,8 +51,8 @@ def litdata() -> Any:
         import litdata as ld
     except ImportError as e:
         raise DataError(f"data.stream=true streams with litdata, which is not installed ({e}): "
-                        f"pip install --no-deps {LITDATA} (its other dependencies come with "
-                        "pip install 'moco-retrieval[stream]')") from None
+                        "pip install --no-deps -r requirements-nodeps.txt in the repository (its declared "
+                        "dependencies would replace torch; what it imports comes with moco-retrieval[stream])") from None
     return ld
 
 
@@ -323,6 +322,6 @@ def check_chunks(where: str) -> None:
                             f"{c['chunk_bytes']:,} (truncated or changed); prepare the stream again")
 
 
-__all__ = ["STREAM_VERSION", "MANIFEST", "LITDATA", "CHUNK_BYTES", "litdata", "is_url", "join", "stream_names",
+__all__ = ["STREAM_VERSION", "MANIFEST", "CHUNK_BYTES", "litdata", "is_url", "join", "stream_names",
            "expected", "read_manifest", "pair_json", "json_pair", "RowItems", "prepare_stream", "open_stream",
            "check_chunks"]

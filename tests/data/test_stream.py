@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-pytest.importorskip("litdata", reason="data.stream needs litdata (pip install --no-deps litdata==0.2.76)")
+pytest.importorskip("litdata", reason="data.stream needs litdata (pip install --no-deps -r requirements-nodeps.txt)")
 
 from moco_retrieval.config import DataConfig  # noqa: E402
 from moco_retrieval.data import stream  # noqa: E402

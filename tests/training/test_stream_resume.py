@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("litdata", reason="data.stream needs litdata (pip install --no-deps litdata==0.2.76)")
+pytest.importorskip("litdata", reason="data.stream needs litdata (pip install --no-deps -r requirements-nodeps.txt)")
 
 from tests.helpers import compose_cfg  # noqa: E402
 
