@@ -117,10 +117,17 @@ def arrange(ids: Sequence[int], groups: Sequence[int], k: int, size: int) -> lis
     an open batch. A position left out of that (its doc id or group already in every batch) is not
     drawn; only then a batch is completed with a position already in another batch (drawn twice).
     Raises ValueError if even that cannot complete it. Deterministic."""
+    if k == 0:
+        return []
+    ids_a, groups_a = np.asarray(ids, dtype=np.int64), np.asarray(groups, dtype=np.int64)
+    # a row whose doc id and group are the block's only ones clashes with nothing: it just takes the next place
+    shared = (_repeated(ids_a) | (_repeated(groups_a) & (groups_a != NO_GROUP))).tolist()
+    ids, groups = ids_a.tolist(), groups_a.tolist()
     batches: list[list[int]] = [[] for _ in range(k)]
-    used_ids: list[set] = [set() for _ in range(k)]
+    used_ids: list[set] = [set() for _ in range(k)]  # the doc ids and groups of the rows that share them
     used_groups: list[set] = [set() for _ in range(k)]
-    after: dict[tuple[int, int], int] = {}  # (0, doc id) / (1, group): one past the last batch it went to
+    after_id: dict[int, int] = {}  # one past the last batch a doc id / group went to
+    after_group: dict[int, int] = {}
 
     def fits(x: int, b: int) -> bool:
         g = groups[x]
@@ -134,22 +141,32 @@ def arrange(ids: Sequence[int], groups: Sequence[int], k: int, size: int) -> lis
 
     first, spill = 0, []
     for x in range(len(ids)):
-        while first < k and len(batches[first]) == size:
-            first += 1
-        if first == k:
-            break
+        if not shared[x]:
+            batch = batches[first]
+            batch.append(x)
+            if len(batch) == size:
+                while first < k and len(batches[first]) == size:
+                    first += 1
+                if first == k:
+                    break
+            continue
         i, g = ids[x], groups[x]
-        b = max(first, after.get((0, i), 0), after.get((1, g), 0) if g != NO_GROUP else 0)
+        b = max(first, after_id.get(i, 0), after_group.get(g, 0) if g != NO_GROUP else 0)
         while b < k and (len(batches[b]) == size or not fits(x, b)):
             b += 1
         if b == k:
             spill.append(x)
             continue
         put(x, b)
-        after[(0, i)] = b + 1
+        after_id[i] = b + 1
         if g != NO_GROUP:
-            after[(1, g)] = b + 1
-    del after
+            after_group[g] = b + 1
+        if b == first and len(batches[b]) == size:
+            while first < k and len(batches[first]) == size:
+                first += 1
+            if first == k:
+                break
+    del after_id, after_group
     open_ = [b for b in range(k) if len(batches[b]) < size]
     if not open_:
         return batches
@@ -247,6 +264,12 @@ class _Relocate:
                     batch[t] = y
                 self._take(b, y, True)
         return False
+
+
+def _repeated(values: np.ndarray) -> np.ndarray:
+    """Whether each value occurs more than once."""
+    _, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
+    return counts[inverse] > 1
 
 
 def _numbers(values: Sequence[int]) -> np.ndarray:
@@ -351,7 +374,7 @@ class RetrievalBatchSampler(EpochPosition, Sampler[list[int]]):
         if not self.unique_in_batch:
             plan = rows[: k * self.global_size].reshape(k, self.global_size)
         else:
-            ids, groups = np.asarray(self.doc_ids[rows]).tolist(), np.asarray(self.groups[rows]).tolist()
+            ids, groups = np.asarray(self.doc_ids[rows]), np.asarray(self.groups[rows])
             plan = rows[np.asarray(arrange(ids, groups, k, self.global_size), dtype=np.int64).reshape(k, -1)]
         self._block = (epoch, block, plan)
         return plan
