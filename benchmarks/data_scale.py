@@ -294,7 +294,8 @@ def sampler_report(res: dict) -> list[str]:
             "id and group files read, i.e. page cache). *now*: blocks of ~32k rows arranged one at a time "
             "(moco_retrieval/data/sampler.py); *before*: the whole epoch planned at the first batch.", "",
             md_table(["rows", "sampler", "first batch s", f"next {res['batches']:,} batches s", "tracemalloc peak MB",
-                      "anon growth MB", "RSS growth MB", "batches / epoch"], rows)]
+                      "anon growth MB", "RSS growth MB", "batches / epoch"], rows)] + \
+        [line for note in res.get("notes", []) for line in ("", note)]
 
 
 # ------------------------------------------------------------------------------------------ runs
