@@ -101,6 +101,13 @@ def test_unique_in_batch(tmp_path):
     assert any(_conflicts(b, ids, groups) for b in epoch_indices(free, 0))
 
 
+def test_too_few_distinct_ids_for_a_batch_is_said_when_the_sampler_is_made(tmp_path):
+    # 7 doc ids, a batch of 8 (4 x 2 ranks) with distinct ones: none; said before any step
+    dm = RetrievalDataModule(make_cfg(tmp_path, n=60, repeat_ids=True, batch_size=4), rank=0, world_size=2)
+    with pytest.raises(DataError, match=r"data: 60 training pairs: no batch of 8 rows with distinct doc ids and groups"):
+        dm.batch_sampler
+
+
 def test_rank_shards_disjoint_same_count(tmp_path):
     cfg = make_cfg(tmp_path, n=50, repeat_ids=True, batch_size=3)
     shards = [RetrievalDataModule(cfg, rank=r, world_size=2).batch_sampler for r in (0, 1)]
