@@ -15,8 +15,18 @@ negatives are other rows' documents, as mined negatives are), written as JSONL. 
   waits) and warm, next to the same run on a 1k-pair file. ``before``: today's loader at the same
   size (the data module's load patched back to ``sources.load``, i.e. every pair a Python object).
 
+* sampler (``--sampler-sizes``, alone): the training batch sampler on synthetic ids and groups
+  memory-mapped from int64 files (each doc id on two rows, a third of the rows in groups of 4), rank 0
+  of 2, batch 64, in a fresh process per size: the time to the first batch, to the next 1,000, the
+  tracemalloc peak over those batches (a second sampler, the same batches) and the growth of the
+  process's anonymous memory and RSS (RSS also counts the id/group pages read: page cache); the
+  sampler of ``--sampler-before`` (a commit) at ``--sampler-before-sizes`` beside it. The files are
+  deleted after each size. Written under the results' ``sampler`` key, the other sections kept.
+
     OMP_NUM_THREADS=1 nice -n 10 python -m benchmarks.data_scale --sizes 1000000 [--before 1000000]
         [--negatives 30 --neg-rows 100000] [--work /tmp/data_scale]
+    OMP_NUM_THREADS=1 nice -n 10 python -m benchmarks.data_scale --sampler-sizes 1000000,10000000,100000000
+        [--sampler-before 25b5201 --sampler-before-sizes 1000000,10000000]
 """
 from __future__ import annotations
 
@@ -29,6 +39,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -177,6 +188,114 @@ def open_probe(file: Path, cache: Path, work: Path) -> dict:
     out = subprocess.run(["nice", "-n", "10", sys.executable, "-c", OPEN_PROBE, str(file), str(cache)], check=True,
                          env=env(work), capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------------------- sampler
+
+
+SAMPLER_PROBE = r"""
+import json, sys, time, tracemalloc
+import numpy as np
+ids_path, groups_path, n, batches, before = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+if before:
+    sys.path.insert(0, before)
+    from old_sampler import RetrievalBatchSampler
+else:
+    from moco_retrieval.data.sampler import RetrievalBatchSampler
+def mem():
+    s = open("/proc/self/status").read()
+    return [int(s.split(k + ":")[1].split()[0]) / 1024 for k in ("VmRSS", "RssAnon")]
+ids = np.memmap(ids_path, dtype=np.int64, mode="r", shape=(n,))
+groups = np.memmap(groups_path, dtype=np.int64, mode="r", shape=(n,))
+def make():
+    return RetrievalBatchSampler(ids, groups, 64, seed=0, rank=0, world_size=2)
+(r0, a0), t0 = mem(), time.perf_counter()
+it = iter(make())
+next(it)
+t1 = time.perf_counter()
+for _ in range(batches):
+    next(it)
+t2, (r1, a1) = time.perf_counter(), mem()
+del it
+tracemalloc.start()
+it = iter(make())
+for _ in range(batches + 1):
+    next(it)
+peak = tracemalloc.get_traced_memory()[1]
+tracemalloc.stop()
+print(json.dumps({"first_batch_s": round(t1 - t0, 3), "per_1000_batches_s": round((t2 - t1) * 1000 / batches, 3),
+                  "tracemalloc_peak_mb": round(peak / 1e6, 1), "anon_growth_mb": round(a1 - a0, 1),
+                  "rss_growth_mb": round(r1 - r0, 1), "batches_per_epoch": len(make()), "batches": batches}))
+"""
+
+
+def synthetic_ids(work: Path, n: int) -> tuple[Path, Path]:
+    """int64 doc ids (each on two rows, far apart) and groups (a third of the rows, 4 to a group),
+    written a chunk at a time."""
+    work.mkdir(parents=True, exist_ok=True)
+    paths = work / f"ids_{n}.i64", work / f"groups_{n}.i64"
+    ids = np.memmap(paths[0], dtype=np.int64, mode="w+", shape=(n,))
+    groups = np.memmap(paths[1], dtype=np.int64, mode="w+", shape=(n,))
+    half, n_groups = (n + 1) // 2, max(1, n // 12)
+    for a in range(0, n, 1 << 22):
+        i = np.arange(a, min(n, a + (1 << 22)), dtype=np.int64)
+        ids[a : a + len(i)] = (i % half) * 1_000_003 + 17
+        groups[a : a + len(i)] = np.where(i % 3 == 0, (i // 3) % n_groups, -1)
+    ids.flush(), groups.flush()
+    del ids, groups
+    return paths
+
+
+def sampler_probe(work: Path, n: int, batches: int, before: Optional[Path]) -> dict:
+    ids, groups = synthetic_ids(work, n)
+    try:
+        proc = subprocess.run(["nice", "-n", "10", sys.executable, "-c", SAMPLER_PROBE, str(ids), str(groups), str(n),
+                               str(batches), str(before or "")], env=env(work), capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"sampler probe at {n:,} rows failed:\n{proc.stderr[-3000:]}")
+        out = proc.stdout
+    finally:
+        ids.unlink(), groups.unlink()
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def sampler_section(sizes: list[int], before_sizes: list[int], before: str, work: Path, batches: int = 1000) -> dict:
+    """The sampler at each size (and the one of commit ``before`` at ``before_sizes``), each in a fresh process."""
+    res = {"env": environment(), "batches": batches, "batch": "64 x 2 ranks (rank 0)", "now": {}, "before": {}}
+    old_dir = None
+    if before and before_sizes:
+        old_dir = work / "old_sampler"
+        old_dir.mkdir(parents=True, exist_ok=True)
+        code = subprocess.run(["git", "show", f"{before}:moco_retrieval/data/sampler.py"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout
+        (old_dir / "old_sampler.py").write_text(code)
+        res["before_commit"] = before
+    for n in sizes:
+        res["now"][f"{n:,}"] = sampler_probe(work, n, batches, None)
+        print("sampler", n, res["now"][f"{n:,}"], flush=True)
+    for n in before_sizes:
+        res["before"][f"{n:,}"] = sampler_probe(work, n, batches, old_dir)
+        print("sampler before", n, res["before"][f"{n:,}"], flush=True)
+    return res
+
+
+def sampler_report(res: dict) -> list[str]:
+    cols = ("first_batch_s", "per_1000_batches_s", "tracemalloc_peak_mb", "anon_growth_mb", "rss_growth_mb",
+            "batches_per_epoch")
+    rows = [[k, "now"] + [v[c] for c in cols] for k, v in res["now"].items()]
+    rows += [[k, f"before ({res.get('before_commit', '')})"] + [v[c] for c in cols] for k, v in res["before"].items()]
+    return ["", "## The training batch sampler at 1M to 100M rows", "",
+            f"Synthetic ids and groups memory-mapped from int64 files (each doc id on two rows, a third of the rows "
+            f"in groups of 4), batch {res['batch']}, duplicate-free; a fresh process per size "
+            f"({res['env']['date_utc']} UTC, {res['env']['cpu_count']} shared cores, OMP_NUM_THREADS=1, nice 10). "
+            f"*first batch*: from creating the sampler to its first batch; then the next {res['batches']:,} "
+            "batches; the tracemalloc peak over the same batches drawn again by a new sampler; the process's "
+            "anonymous memory and RSS after them minus before the sampler (RSS also counts the pages of the "
+            "id and group files read, i.e. page cache). *now*: blocks of ~32k rows arranged one at a time "
+            "(moco_retrieval/data/sampler.py); *before*: the whole epoch planned at the first batch.", "",
+            md_table(["rows", "sampler", "first batch s", f"next {res['batches']:,} batches s", "tracemalloc peak MB",
+                      "anon growth MB", "RSS growth MB", "batches / epoch"], rows)] + \
+        [line for note in res.get("notes", []) for line in ("", note)]
 
 
 # ------------------------------------------------------------------------------------------ runs
@@ -342,6 +461,10 @@ def report(res: dict) -> str:
         lines += ["", "Not measured: " + res["cut"]]
     for note in res.get("notes", []):
         lines += ["", note]
+    for section in res.get("sections", []):  # written by hand into the results (kept in the JSON)
+        lines += ["", section.rstrip()]
+    if res.get("sampler"):
+        lines += sampler_report(res["sampler"])
     return "\n".join(lines)
 
 
@@ -362,9 +485,20 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from the JSON (with --note)")
     ap.add_argument("--debian-batches", type=int, default=0,
                     help="only: ms per batch on the Debian set, store vs in memory (added to the results)")
+    ap.add_argument("--sampler-sizes", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+                    help="only: the batch sampler at these row counts (comma-separated), added to the results")
+    ap.add_argument("--sampler-before", default="25b5201", help="the commit whose sampler is measured beside it")
+    ap.add_argument("--sampler-before-sizes", type=lambda v: [int(x) for x in v.split(",") if x],
+                    default=[1_000_000, 10_000_000])
     cli.add_out(ap)  # no --threads: the measured processes are torchrun's; the Debian set: $MOCO_RETRIEVAL_DEBIAN_DIR
     args = ap.parse_args()
     out = cli.out_dir(args)
+    if args.sampler_sizes:
+        res = json.loads((out / "data_scale.json").read_text())
+        res["sampler"] = sampler_section(args.sampler_sizes, args.sampler_before_sizes, args.sampler_before,
+                                         Path(args.work) / "sampler")
+        write_results("data_scale", report(res), res, out)
+        return
     if args.debian_batches:
         res = json.loads((out / "data_scale.json").read_text())
         res["debian_batches"] = {"batches": args.debian_batches, **debian_batches(Path(args.work), args.debian_batches)}
@@ -418,7 +552,8 @@ def merged(old: dict, new: dict) -> dict:
     labels = {r["label"] for r in new["runs"]}
     return {"env": new["env"], "conversion": {**old["conversion"], **new["conversion"]}, "open": {**old["open"], **new["open"]},
             "runs": [r for r in old["runs"] if r["label"] not in labels] + new["runs"],
-            "cut": new["cut"] or old.get("cut", ""), "notes": old.get("notes", []) + new.get("notes", [])}
+            "cut": new["cut"] or old.get("cut", ""), "notes": old.get("notes", []) + new.get("notes", []),
+            **{k: old[k] for k in ("debian_batches", "sections", "sampler") if k in old}}
 
 
 if __name__ == "__main__":

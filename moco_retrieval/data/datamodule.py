@@ -252,8 +252,11 @@ class RetrievalDataModule(L.LightningDataModule):
                 self._pending_state = None
             try:
                 n_batches = len(self._sampler)
-            except ValueError as exc:  # a source too small for a batch (MultiSourceBatchSampler)
-                raise DataError(str(exc)) from None
+                if n_batches:
+                    self._sampler.check()  # said now, not at the first training step
+            except ValueError as exc:  # a source too small for a batch, or too few distinct doc ids / groups for one
+                prefix = "" if self.source_offsets is not None else f"data: {len(rows)} training pairs: "
+                raise DataError(prefix + str(exc)) from None
             if n_batches == 0:
                 raise DataError(
                     f"data: {len(rows)} training pairs make no full batch of data.batch_size={cfg.batch_size} "

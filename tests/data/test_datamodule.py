@@ -101,6 +101,13 @@ def test_unique_in_batch(tmp_path):
     assert any(_conflicts(b, ids, groups) for b in epoch_indices(free, 0))
 
 
+def test_too_few_distinct_ids_for_a_batch_is_said_when_the_sampler_is_made(tmp_path):
+    # 7 doc ids, a batch of 8 (4 x 2 ranks) with distinct ones: none; said before any step
+    dm = RetrievalDataModule(make_cfg(tmp_path, n=60, repeat_ids=True, batch_size=4), rank=0, world_size=2)
+    with pytest.raises(DataError, match=r"data: 60 training pairs: no batch of 8 rows with distinct doc ids and groups"):
+        dm.batch_sampler
+
+
 def test_rank_shards_disjoint_same_count(tmp_path):
     cfg = make_cfg(tmp_path, n=50, repeat_ids=True, batch_size=3)
     shards = [RetrievalDataModule(cfg, rank=r, world_size=2).batch_sampler for r in (0, 1)]
@@ -359,51 +366,3 @@ def test_val_dataloader_whole_pool_docs_first(tmp_path):
     assert batches[3]["input_ids"].shape == (5, 3)
     plain = next(iter(RetrievalDataModule(cfg).val_dataloader()))
     assert set(plain) == {"kind", "ids", "texts"}
-
-
-def _reference_unique_batches(ids, groups, order, gb):
-    """The duplicate-free plan as first written (Python lists of the whole set), to pin the streamed one."""
-    batches, pending, stream = [], [], iter(order)
-    while True:
-        batch, used_ids, used_groups = [], set(), set()
-
-        def fits(i):
-            return ids[i] not in used_ids and (groups[i] == -1 or groups[i] not in used_groups)
-
-        def add(i):
-            batch.append(i)
-            used_ids.add(ids[i])
-            if groups[i] != -1:
-                used_groups.add(groups[i])
-
-        still = []
-        for k, i in enumerate(pending):
-            if len(batch) == gb:
-                still.extend(pending[k:])
-                break
-            add(i) if fits(i) else still.append(i)
-        pending = still
-        while len(batch) < gb:
-            i = next(stream, None)
-            if i is None:
-                break
-            add(i) if fits(i) else pending.append(i)
-        if len(batch) < gb:
-            return batches
-        batches.append(batch)
-
-
-def test_streamed_plan_is_the_reference_plan(monkeypatch):
-    """The plan reads ids and groups a chunk at a time (memory at scale): the same batches as reading all."""
-    import numpy as np
-
-    import moco_retrieval.data.sampler as sampler_module
-
-    monkeypatch.setattr(sampler_module, "_ROWS_CHUNK", 37)  # many chunks, deferred rows across chunk ends
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, 60, 700).tolist()
-    groups = np.where(rng.random(700) < 0.5, -1, rng.integers(0, 40, 700)).tolist()
-    for world in (1, 3):
-        s = RetrievalBatchSampler(ids, groups, 4, seed=5, rank=0, world_size=world)
-        want = _reference_unique_batches(ids, groups, s.order(2).tolist(), 4 * world)
-        assert len(want) > 10 and [g.tolist() for g in s.global_batches(2)] == want
