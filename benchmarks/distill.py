@@ -220,14 +220,14 @@ _ROWS: dict[str, object] = {}
 
 def rows(bench, args):
     """(the rows with raw scores, with logits): the Bench with its training pairs replaced by the mined rows."""
-    if not _ROWS:
+    path, stats = mine_rows(args)
+    if _ROWS.get("path") != path:  # read once a process (for these mined rows)
         from moco_retrieval.data.formats import read_pairs_jsonl
 
-        path, stats = mine_rows(args)
         pairs = read_pairs_jsonl(path)
         raw, logits = copy.copy(bench), copy.copy(bench)
         raw.train_pairs, logits.train_pairs = pairs, scaled(pairs, kl_scale(stats))
-        _ROWS.update(raw=raw, logits=logits, stats=stats)
+        _ROWS.update(path=path, raw=raw, logits=logits, stats=stats)
     return _ROWS["raw"], _ROWS["logits"]
 
 
@@ -347,7 +347,7 @@ def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str]
         rows_.append([name, what, len(xs), fmt(xs, "recall@1"), fmt(xs, "ndcg@10"), fmt(xs, "mrr@10"),
                       f"{med_std([x['s_per_step'] for x in xs])[0]:.2f}" if trained_ else "",
                       f"{med_std([x['train_s'] for x in xs])[0]:.0f}" if trained_ else ""])
-    stats = _ROWS.get("stats") or (mined_stats(args) or {})
+    stats = mined_stats(args) or {}
     t = stats.get("teacher", {})
     md = [f"# B16: distillation into a 3-layer student ({'dry run, tiny random model' if args.dry_run else 'all-MiniLM-L6-v2'})", "",
           f"Teacher: `{args.teacher}` ({t.get('kind', '?')}, {t.get('source', '?')}); student: "
