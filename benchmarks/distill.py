@@ -150,9 +150,12 @@ def default_teacher(args) -> Path:
         return out
     exported = cli.bench_cache(NAME) / "teacher"
     if exported.is_dir():
+        args.teacher_why = "the main job exported into the cache"
         return exported
     b9 = [c for c in sorted((ROOT / "outputs" / "main_job").glob("**/queue65k/checkpoints/last.ckpt"))
           if (c.parents[1] / "metrics.json").is_file()]
+    args.teacher_why = ("B9's finished main job" if b9 else
+                        "all-MiniLM-L6-v2 itself: no main job exported into the cache, no finished B9 run")
     return b9[-1] if b9 else base_model(args)
 
 
@@ -350,7 +353,8 @@ def report(records: list[dict], args, out_dir: Path, prefix: str, cut: list[str]
     stats = mined_stats(args) or {}
     t = stats.get("teacher", {})
     md = [f"# B16: distillation into a 3-layer student ({'dry run, tiny random model' if args.dry_run else 'all-MiniLM-L6-v2'})", "",
-          f"Teacher: `{args.teacher}` ({t.get('kind', '?')}, {t.get('source', '?')}); student: "
+          f"Teacher: `{args.teacher}` ({getattr(args, 'teacher_why', None) or 'given'}; "
+          f"{t.get('kind', 'the rows are not mined yet')}{', ' + t['source'] if t.get('source') else ''}); student: "
           f"{'the tiny 4-layer model' if args.dry_run else 'all-MiniLM-L6-v2'} cut to its first {LAYERS} layers. Rows: the "
           f"Debian training pairs with {N_NEG} hard negatives each mined by the untrained base model and scored by the teacher "
           f"({stats.get('rows_written', '?')} rows); every run the first {args.pairs:,} in B6's order at batch 32; KL rows learn "
@@ -396,6 +400,7 @@ def main(argv=None) -> int:
         args.mine_pairs = args.mine_pairs or 256
     args.out_dir, prefix, cache = equal_data.settle(args, NAME)
     cli.names(args.only, [*REFERENCES, *RUNS])  # before anything loads: a typo exits at once
+    args.teacher_why = "--teacher" if args.teacher else ("the tiny base model, exported" if args.dry_run else None)
     args.teacher = Path(args.teacher).expanduser().resolve() if args.teacher else default_teacher(args)
     args.teacher_tag = teacher_tag(args.teacher)
     student = truncate(base_model(args), work_dir(args) / f"student-{LAYERS}layers")

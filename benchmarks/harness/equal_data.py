@@ -14,8 +14,9 @@ from the positive's group, against the training seconds so far, evaluation not c
   ``MAIN_RUN``, ``HEADLINE`` and ``CANDIDATES``; ``retired(runs)``: the runs of a table that use a
   retired option (``training.RETIRED``), name -> why: read from the caches, never run again;
 * ``trained``: one run of such a table over given batches (``run_ours``: our module through a
-  quiet Lightning trainer; ``run_peer``: sentence-transformers' MNRL / CachedMNRL /
-  MatryoshkaLoss), the record every script built on B6 stores;
+  quiet Lightning trainer, with hard negatives and teacher scores when the config asks; ``run_peer``:
+  sentence-transformers' MNRL / CachedMNRL / MatryoshkaLoss, or B16's DistillKLDivLoss / MarginMSELoss),
+  the record every script built on B6 stores;
 * ``add_run_args`` and ``runner``: the options of every B6-style script and the data loaded once.
 """
 from __future__ import annotations
