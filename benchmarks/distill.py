@@ -48,6 +48,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -103,7 +104,7 @@ def truncate(src: Path, dst: Path, layers: int = LAYERS) -> Path:
         raise SystemExit(f"{src}: {model.config.num_hidden_layers} layers, fewer than {layers}")
     model.encoder.layer = model.encoder.layer[:layers]
     model.config.num_hidden_layers = layers
-    tmp = dst.with_name(dst.name + ".tmp")
+    tmp = dst.with_name(f"{dst.name}.tmp{os.getpid()}")  # parallel processes: each its own, the first in place wins
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(tmp)
@@ -112,7 +113,12 @@ def truncate(src: Path, dst: Path, layers: int = LAYERS) -> Path:
             shutil.copytree(src / extra, tmp / extra)
         elif (src / extra).is_file():
             shutil.copy(src / extra, tmp / extra)
-    tmp.replace(dst)
+    try:
+        tmp.replace(dst)
+    except OSError:  # another process put its copy in place first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (dst / "config.json").is_file():
+            raise
     return dst
 
 
