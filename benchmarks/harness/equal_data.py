@@ -14,8 +14,9 @@ from the positive's group, against the training seconds so far, evaluation not c
   ``MAIN_RUN``, ``HEADLINE`` and ``CANDIDATES``; ``retired(runs)``: the runs of a table that use a
   retired option (``training.RETIRED``), name -> why: read from the caches, never run again;
 * ``trained``: one run of such a table over given batches (``run_ours``: our module through a
-  quiet Lightning trainer; ``run_peer``: sentence-transformers' MNRL / CachedMNRL /
-  MatryoshkaLoss), the record every script built on B6 stores;
+  quiet Lightning trainer, with hard negatives and teacher scores when the config asks; ``run_peer``:
+  sentence-transformers' MNRL / CachedMNRL / MatryoshkaLoss, or B16's DistillKLDivLoss / MarginMSELoss),
+  the record every script built on B6 stores;
 * ``add_run_args`` and ``runner``: the options of every B6-style script and the data loaded once.
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 
 from benchmarks.harness import cli
 from benchmarks.harness.report import log
-from benchmarks.harness.steps import PeerTrainer, step_clock
+from benchmarks.harness.steps import DISTILL_LOSSES, PeerTrainer, step_clock
 from benchmarks.harness.training import TRAINER, Bench, compose_cfg, quiet_trainer, retired_reason
 
 DEFAULT_BASE = [f"trainer={TRAINER}", "logger=none", "data=debian", "trainer.val_check_interval=null"]
@@ -129,11 +130,14 @@ def main_objective_at(batch: int, *extra: str) -> list[str]:
 
 
 
-def use_model(preset: str | None) -> None:
+def use_model(preset: str | None, path: str | None = None) -> None:
     """Every config composed from ``BASE`` on the model preset ``preset`` (e.g. "tiny", the random
-    test model of small_batch.py's dry run); None: the default, all-MiniLM-L6-v2."""
+    test model of small_batch.py's dry run); None: the default, all-MiniLM-L6-v2; ``path``: its
+    weights from that folder (``model.path``; B16's 3-layer student), our runs' and the peers'."""
     global BASE
     BASE = [*DEFAULT_BASE, f"model={preset}"] if preset else list(DEFAULT_BASE)
+    if path:
+        BASE.append(f"model.path={path}")
 
 
 def retired(runs: dict) -> dict[str, str]:
@@ -249,7 +253,10 @@ def run_ours(bench, overrides, batches, seed, ev: Evaluator) -> dict:
                                                 f"seed={seed}", f"data.seed={seed}"])
     L.seed_everything(seed, verbose=False)
     module = RetrievalModule.from_config(cfg)
-    loader = DataLoader(PairDataset(bench.train_pairs), batch_sampler=batches, collate_fn=Collator(module.encoder.tokenize))
+    # hard negatives and the teacher's scores when the config asks for them (B16's rows), else pairs alone
+    collator = Collator(module.encoder.tokenize, cfg.data.n_negatives, cfg.data.seed,
+                        scores=getattr(cfg.objective, "distill", "none") != "none")
+    loader = DataLoader(PairDataset(bench.train_pairs), batch_sampler=batches, collate_fn=collator)
 
     clock = step_clock(on_start=ev.start, on_end=lambda trainer, m: ev.step_done(trainer.global_step, m.encoder))
     trainer = quiet_trainer(cfg, callbacks=[clock])
@@ -262,7 +269,13 @@ def run_ours(bench, overrides, batches, seed, ev: Evaluator) -> dict:
 
 def run_peer(bench, kind, options, batches, seed, ev: Evaluator) -> dict:
     """sentence-transformers' MNRL / CachedMNRL / MatryoshkaLoss over the same batches (the clock
-    includes tokenisation, as ours includes collation)."""
+    includes tokenisation, as ours includes collation); a distillation loss (``steps.DISTILL_LOSSES``,
+    option ``n_negatives``) on each row's query, positive and its hard negatives as our collator
+    picks them, the teacher's scores as labels."""
+    from moco_retrieval.data.collate import select_negatives
+
+    options = dict(options)
+    n_neg = options.pop("n_negatives", None) if kind in DISTILL_LOSSES else None
     from moco_retrieval.model.backbone import resolve_backbone_path
     from moco_retrieval.model.encoder import build_encoder
 
@@ -277,12 +290,18 @@ def run_peer(bench, kind, options, batches, seed, ev: Evaluator) -> dict:
     pairs = bench.train_pairs
     for step, idx in enumerate(batches, start=1):
         ev.start()
-        peer.step(peer.features([pairs[i].query for i in idx], [pairs[i].positive for i in idx]))
+        if n_neg:
+            negs = [select_negatives(pairs[i], i, n_neg, seed) for i in idx]
+            labels = torch.tensor([[pairs[i].positive_score] + [n.score for n in ns] for i, ns in zip(idx, negs)])
+            peer.step(peer.features([pairs[i].query for i in idx], [pairs[i].positive for i in idx],
+                                    *[[ns[j].text for ns in negs] for j in range(n_neg)]), labels)
+        else:
+            peer.step(peer.features([pairs[i].query for i in idx], [pairs[i].positive for i in idx]))
         if step in ev.at:
             peer.copy_into(scorer)
         ev.step_done(step, scorer)
     return {"objective": kind, "temperature": peer.temperature, "lr": cfg.optim.lr,
-            **{k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}}
+            **({"n_negatives": n_neg} if n_neg else {}), **{k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}}
 
 
 def trained(bench, pool, label: str, run: tuple, batches: list[list[int]], seed: int, eval_every: int,

@@ -50,14 +50,23 @@ class OurStep:
             return self.m.shared_step(batch)
 
 
+DISTILL_LOSSES = ("st_kl", "st_margin_mse")  # kinds whose rows carry hard negatives and the teacher's scores
+
+
 def peer_loss(model, kind: str, options: dict):
     """sentence-transformers' MNRL (``mnrl``), CachedMNRL (``cmnrl``) or ``MatryoshkaLoss`` around
     MNRL (``mnrl_mrl``, options ``matryoshka_dims``) at their defaults: scale 20 = 1 / 0.05,
-    cosine similarity."""
+    cosine similarity; or a distillation loss on (query, positive, negatives...) with the teacher's
+    scores as labels: ``DistillKLDivLoss`` (``st_kl``) or ``MarginMSELoss`` (``st_margin_mse``),
+    both on the cosine (as our objective's scores are)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from sentence_transformers import losses
+        from sentence_transformers.util import pairwise_cos_sim
 
+    if kind in DISTILL_LOSSES:
+        cls = losses.DistillKLDivLoss if kind == "st_kl" else losses.MarginMSELoss
+        return cls(model, similarity_fct=pairwise_cos_sim, **options)
     if kind == "mnrl_mrl":
         return losses.MatryoshkaLoss(model, losses.MultipleNegativesRankingLoss(model), **options)
     cls = losses.CachedMultipleNegativesRankingLoss if kind == "cmnrl" else losses.MultipleNegativesRankingLoss
@@ -85,18 +94,23 @@ class PeerTrainer:
 
     @property
     def temperature(self) -> float:
-        return 1 / getattr(self.loss_fn, "loss", self.loss_fn).scale  # MatryoshkaLoss wraps MNRL
+        loss = getattr(self.loss_fn, "loss", self.loss_fn)  # MatryoshkaLoss wraps MNRL
+        if hasattr(loss, "scale"):
+            return 1 / loss.scale
+        return getattr(loss, "student_temperature", None)  # DistillKLDivLoss; MarginMSELoss has none
 
-    def features(self, queries: Sequence[str], docs: Sequence[str]) -> list[dict]:
-        """Both sides tokenised at their own maximum length, on the model's device."""
+    def features(self, queries: Sequence[str], docs: Sequence[str], *more_docs: Sequence[str]) -> list[dict]:
+        """Both sides tokenised at their own maximum length, on the model's device; ``more_docs``:
+        further document columns (a distillation loss's hard negatives, one column each)."""
         out = []
-        for length, texts in zip(self.lengths, (queries, docs)):
+        for length, texts in zip((self.lengths[0], *[self.lengths[1]] * (1 + len(more_docs))), (queries, docs, *more_docs)):
             self.model.max_seq_length = length
             out.append({k: v.to(self.device) if torch.is_tensor(v) else v for k, v in self.model.tokenize(list(texts)).items()})
         return out
 
-    def step(self, features: list[dict]) -> torch.Tensor:
-        loss = self.loss_fn(features, torch.empty(0))
+    def step(self, features: list[dict], labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One step; ``labels``: a distillation loss's teacher scores, [batch, columns - 1]."""
+        loss = self.loss_fn(features, torch.empty(0) if labels is None else labels.to(self.device))
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
