@@ -2,12 +2,12 @@
 
     python -m moco_retrieval.data debian --out DIR [--lists DIR | --translation FILE --packages FILE]
     python -m moco_retrieval.data pydoc --out DIR [--stdlib DIR] [--modules a,b.c]
-    python -m moco_retrieval.data prepare data=KIND data.KEY=VALUE ... [--verify]
+    python -m moco_retrieval.data prepare data=KIND data.KEY=VALUE ... [workers=N] [--verify]
 
 ``debian`` and ``pydoc`` build a retrieval set (``DIR/train.jsonl``, ``DIR/eval/`` in the BEIR layout,
 ``DIR/manifest.json``); ``prepare`` converts a run's training pairs (each source's, with
 ``data.sources``) into their store (convert.py) ahead of a cluster job, with the same ``data.*``
-overrides as the run; ``--verify`` checks every byte of a store already there against its manifest
+overrides as the run, in ``workers=N`` processes (``data.prepare_workers``); ``--verify`` checks every byte of a store already there against its manifest
 (every open checks sizes, row counts and the numeric arrays) and converts one that differs again.
 
 Not a Hydra command: its subcommands take files and flags (docs/design.md, Layout). It shares
@@ -93,7 +93,8 @@ def _parser(prepare_help: bool = False) -> argparse.ArgumentParser:
         description=(
             "Convert the training pairs of a data config into the store training opens (Arrow + numpy, keyed by\n"
             "the input's content; an existing store of the same content is kept). Takes the training command's\n"
-            "data overrides, e.g. data=hf data.path=DIR, or data=jsonl data.train_path=FILE."
+            "data overrides, e.g. data=hf data.path=DIR, or data=jsonl data.train_path=FILE; workers=N converts in N\n"
+            "processes (data.prepare_workers: JSONL and Parquet files, folders of Parquet shards)."
         ),
         epilog=_data_options() if prepare_help else None,
     )
@@ -101,7 +102,7 @@ def _parser(prepare_help: bool = False) -> argparse.ArgumentParser:
                    help="check the sha256 of every file of a store already there (texts too; each open checks "
                         "sizes, row counts and the numeric arrays) and convert one that differs again")
     r.add_argument("overrides", nargs="*", metavar="OVERRIDE",
-                   help="data=KIND and data.KEY=VALUE overrides, as for training")
+                   help="data=KIND and data.KEY=VALUE overrides, as for training; workers=N")
     return ap
 
 
@@ -169,9 +170,11 @@ def _data_config(overrides: Sequence[str]):
     from moco_retrieval.command import composition_message, register_configs
     from moco_retrieval.config import DataConfig, to_config
 
-    bad = [o for o in overrides if not (o.startswith("data=") or o.startswith("data."))]
+    bad = [o for o in overrides if not (o.startswith(("data=", "data.", "workers=")))]
     if bad:
-        raise ConfigError(f"prepare takes data=KIND and data.KEY=VALUE overrides only, got {' '.join(bad)}")
+        raise ConfigError(f"prepare takes data=KIND, data.KEY=VALUE and workers=N overrides only, got {' '.join(bad)}")
+    # workers=N is data.prepare_workers=N, the key a training run converts with (its range is checked there)
+    overrides = [f"data.prepare_{o}" if o.startswith("workers=") else o for o in overrides]
     register_configs()
     with initialize_config_module("moco_retrieval.conf", version_base="1.3"):
         try:
