@@ -159,14 +159,17 @@ def text_lines(path: Path, span: Optional[Span] = None) -> Iterator[tuple[int, s
 
 def line_spans(path: Path, n: int) -> list[Span]:
     """``path`` cut into at most ``n`` spans of about equal bytes, each starting at a line's first byte
-    (a cut inside a line moves to the next line), numbered as the whole file numbers them."""
+    (a cut inside a line moves to the next line; one falling inside a line that holds two cuts is
+    dropped), numbered as the whole file numbers them."""
     size = path.stat().st_size
     starts = [0]
     with open(path, "rb") as fh:
         for k in range(1, n):
-            fh.seek(max(size * k // n - 1, starts[-1]))
+            if size * k // n - 1 < starts[-1]:
+                continue  # the cut is in the line that moved the one before past it
+            fh.seek(size * k // n - 1)
             fh.readline()  # to the end of the line holding the byte before the cut
-            if starts[-1] < fh.tell() < size:
+            if fh.tell() < size:
                 starts.append(fh.tell())
         lines = [1]
         fh.seek(0)
