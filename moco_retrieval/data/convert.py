@@ -118,6 +118,9 @@ def write_store(spec: PairSpec, folder: Path) -> dict:
     bar.close()
     n = len(arrays["doc_id"])
     if n == 0:
+        if split is not None:  # no part has a row: the whole input read as one process reads it says why (an empty file)
+            for _ in spec.rows():
+                break
         raise DataError(f"{spec.name}: no training pairs")
     for k, v in arrays.items():
         np.save(folder / f"{k}.npy", v)

@@ -148,6 +148,8 @@ def write_parts(split: Split, table: Path, bar: Any) -> dict[str, np.ndarray]:
         _follow(procs, dirs, bar)
         failed = next((k for k, d in enumerate(dirs) if not (d / "done").is_file()), None)
         upto = dirs if failed is None else dirs[: failed + 1]
+        if failed is not None and not (dirs[failed] / "failed.pkl").is_file():
+            raise _failure(dirs[failed], procs[failed], failed)  # (a worker that crashed left no rows to check)
         if split.check is not None:
             given = [np.concatenate([np.load(d / f"{g}.npy") for d in upto]) for g in GIVEN]
             if (conflict := split.check(*given)) is not None:

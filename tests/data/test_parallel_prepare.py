@@ -153,3 +153,48 @@ def test_workers_is_a_checked_option_of_prepare(tmp_path, capsys):
         assert stop.value.code == USER_ERROR_STATUS and err.count("error:") == 1, err
         assert re.search(rf"data\.prepare_workers={bad}\b.*1", err), err
     assert not (tmp_path / "pairs").exists()
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_worker_and_leaves_no_temporary_folder(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "t.jsonl"
+    path.write_text(("\n".join(lines(rich_rows(1000))) + "\n") * 150)  # long enough to be stopped midway
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen([sys.executable, "-m", "moco_retrieval.data", "prepare", "data=jsonl", f"data.train_path={path}",
+                             f"data.cache_dir={cache}", "workers=2"], cwd=Path(__file__).resolve().parents[2],
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(cache.glob("pairs/.*/.part1/pairs.arrow")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    workers = children(proc.pid)
+    assert len(workers) == 2 and proc.poll() is None
+    proc.send_signal(signal.SIGINT)  # to the parent alone: it stops its workers
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert [p.name for p in (cache / "pairs").iterdir()] == ["fingerprints"]
+    assert not [w for w in workers if Path(f"/proc/{w}").exists()]
+
+
+def test_a_file_of_blank_lines_is_the_empty_file_of_one_process(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n" * 40 + "   \n" * 40)
+    one = conversion_error(path, tmp_path, 1)
+    assert one == f"{path}: empty file (expected at least one line of training pairs)"
+    assert conversion_error(path, tmp_path, 2) == one
