@@ -17,12 +17,19 @@ negatives are other rows' documents, as mined negatives are), written as JSONL. 
 
     OMP_NUM_THREADS=1 nice -n 10 python -m benchmarks.data_scale --sizes 1000000 [--before 1000000]
         [--negatives 30 --neg-rows 100000] [--work /tmp/data_scale]
+
+``--prepare-workers 1,2 --prepare-size 2000000 [--prepare-repeats 2]`` only (B18, issue 48): the same
+file prepared with each ``workers=N`` (data/parallel.py), a fresh cache each time, the settings
+interleaved in each repeat; the conversion's own seconds (manifest: the parts and their join) and the
+command's wall time (with the content hash, one process), the median of the repeats and the speed-up
+over one process. Added to data_scale.json under ``prepare_workers``; the rest is kept.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -111,6 +118,51 @@ def convert(file: Path, cache: Path, work: Path) -> dict:
     m = json.loads((stores[0] / "manifest.json").read_text())
     return {"rows": m["rows"], "convert_s": m["converted_s"], "rows_per_s": m["rows_per_s"], "command_s": round(wall, 1),
             "input_mb": round(file.stat().st_size / 1e6, 1), "store_mb": round(du(stores[0]) / 1e6, 1)}
+
+
+def prepare_workers(file: Path, workers: list[int], repeats: int, work: Path) -> dict:
+    """``prepare workers=N`` of ``file`` for each N, ``repeats`` times interleaved (each from an empty
+    cache, nice, one thread per process): rows/s, seconds and the speed-up over the first N, medians."""
+    runs: dict[int, list[dict]] = {w: [] for w in workers}
+    for r in range(repeats):
+        for w in workers if r % 2 == 0 else workers[::-1]:
+            cache = work / "stores" / f"workers{w}"
+            subprocess.run(["rm", "-rf", str(cache)], check=True)
+            t0, cpu0 = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
+            done = subprocess.run(["nice", "-n", "10", sys.executable, "-m", "moco_retrieval.data", "prepare", "data=jsonl",
+                                   f"data.train_path={file}", f"data.cache_dir={cache}", f"workers={w}"],
+                                  check=True, env=env(work), capture_output=True, text=True)
+            wall, cpu1 = time.monotonic() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+            m = json.loads(next((cache / "pairs").glob("*/manifest.json")).read_text())
+            rows_s = float(re.findall(r"rows done in ([\d.]+)s", done.stderr)[-1])  # the progress line: every row read
+            runs[w].append({"convert_s": m["converted_s"], "rows_per_s": m["rows_per_s"], "command_s": round(wall, 1),
+                            "rows_s": rows_s, "join_s": round(m["converted_s"] - rows_s, 1),
+                            "cpu_s": round(cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime, 1)})
+            print(f"workers={w}", runs[w][-1], flush=True)
+            subprocess.run(["rm", "-rf", str(cache)], check=True)
+    med = {w: {k: float(np.median([x[k] for x in rs])) for k in rs[0]} for w, rs in runs.items()}
+    base = med[workers[0]]
+    return {"rows": m["rows"], "input_mb": round(file.stat().st_size / 1e6, 1), "repeats": repeats,
+            "load_average": os.getloadavg(), "runs": {str(w): rs for w, rs in runs.items()},
+            "median": {str(w): {**v, "speedup_convert": round(base["convert_s"] / v["convert_s"], 2),
+                                "speedup_command": round(base["command_s"] / v["command_s"], 2)} for w, v in med.items()}}
+
+
+def prepare_workers_report(p: dict) -> list[str]:
+    return ["", "## Parallel preparation (prepare workers=N)", "",
+            f"{p['rows']:,} synthetic pairs ({p['input_mb']:,} MB of JSONL), each setting from an empty cache, "
+            f"interleaved, median of {p['repeats']}; one thread per process, nice 10. *convert s*: the conversion "
+            "(manifest: the parts side by side, then their join into one store); *rows s*: until every row was "
+            "read (the progress line); *join s*: the rest; *command s*: the whole command, with the content hash "
+            "and the imports; *CPU s*: user + system seconds of the command and its workers. The machine was "
+            "shared with other jobs (load average "
+            f"{', '.join(f'{x:.1f}' for x in p['load_average'])} at the end, on {p.get('cores', 2)} cores): a "
+            "second worker competes with them for the second core.", "",
+            md_table(["workers", "convert s", "rows/s", "speed-up", "rows s", "join s", "command s", "speed-up (command)",
+                      "CPU s"],
+                     [[w, f"{m['convert_s']:.1f}", f"{m['rows_per_s']:,.0f}", m["speedup_convert"], m.get("rows_s", "-"),
+                       m.get("join_s", "-"), f"{m['command_s']:.1f}", m["speedup_command"], m.get("cpu_s", "-")]
+                      for w, m in p["median"].items()])]
 
 
 OPEN_PROBE = r"""
@@ -338,6 +390,8 @@ def report(res: dict) -> str:
                   f"Read + collate + tokenize (MiniLM's tokenizer, batch 64, num_workers=0), ms per batch, median of "
                   f"3 interleaved rounds of {d['batches']} batches: store {d['store']} ms, the same pairs in memory "
                   f"(today's loader) {d['memory']} ms."]
+    if res.get("prepare_workers"):
+        lines += prepare_workers_report(res["prepare_workers"])
     if res.get("cut"):
         lines += ["", "Not measured: " + res["cut"]]
     for note in res.get("notes", []):
@@ -362,12 +416,23 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from the JSON (with --note)")
     ap.add_argument("--debian-batches", type=int, default=0,
                     help="only: ms per batch on the Debian set, store vs in memory (added to the results)")
+    ap.add_argument("--prepare-workers", default="", help="only: prepare with each workers=N (e.g. 1,2), added to the results")
+    ap.add_argument("--prepare-size", type=int, default=2_000_000, help="pairs of --prepare-workers' file")
+    ap.add_argument("--prepare-repeats", type=int, default=2)
     cli.add_out(ap)  # no --threads: the measured processes are torchrun's; the Debian set: $MOCO_RETRIEVAL_DEBIAN_DIR
     args = ap.parse_args()
     out = cli.out_dir(args)
     if args.debian_batches:
         res = json.loads((out / "data_scale.json").read_text())
         res["debian_batches"] = {"batches": args.debian_batches, **debian_batches(Path(args.work), args.debian_batches)}
+        write_results("data_scale", report(res), res, out)
+        return
+    if args.prepare_workers:
+        res = json.loads((out / "data_scale.json").read_text())
+        work = Path(args.work)
+        f = generate(work / f"pairs_{args.prepare_size}.jsonl", args.prepare_size)
+        res["prepare_workers"] = {**prepare_workers(f, [int(w) for w in args.prepare_workers.split(",")],
+                                                    args.prepare_repeats, work), "cores": os.cpu_count()}
         write_results("data_scale", report(res), res, out)
         return
     if args.report_only:
@@ -418,7 +483,8 @@ def merged(old: dict, new: dict) -> dict:
     labels = {r["label"] for r in new["runs"]}
     return {"env": new["env"], "conversion": {**old["conversion"], **new["conversion"]}, "open": {**old["open"], **new["open"]},
             "runs": [r for r in old["runs"] if r["label"] not in labels] + new["runs"],
-            "cut": new["cut"] or old.get("cut", ""), "notes": old.get("notes", []) + new.get("notes", [])}
+            "cut": new["cut"] or old.get("cut", ""), "notes": old.get("notes", []) + new.get("notes", []),
+            **({"prepare_workers": old["prepare_workers"]} if "prepare_workers" in old else {})}
 
 
 if __name__ == "__main__":

@@ -66,10 +66,9 @@ def jsonl_rows(path: Path, span: Span) -> Iterator[Row]:
 
 def jsonl_split(path: Path, n: int) -> Split:
     spans = line_spans(path, n)
-    size = max(path.stat().st_size, 1)
-    lines = spans[-1].line  # (a guess for the last span: the average of the others)
-    per_byte = (lines - 1) / max(spans[-1].start, 1) if len(spans) > 1 else 0
-    counts = [b.line - a.line for a, b in zip(spans, spans[1:])] + [round((size - spans[-1].start) * per_byte)]
+    last = spans[-1]  # its lines are not counted: as many a byte as in the others (progress only)
+    per_byte = (last.line - 1) / max(last.start, 1)
+    counts = [b.line - a.line for a, b in zip(spans, spans[1:])] + [round((last.stop - last.start) * per_byte)]
     return Split([Part(jsonl_rows, (path, s), c) for s, c in zip(spans, counts)],
                  lambda d, t, line: doc_id_conflict(path, d, t, line, spans))
 

@@ -35,7 +35,7 @@ real = convert.write_store
 def counted(spec, folder):
     with open(sys.argv[3], "a") as f:
         f.write(f"{os.getpid()}\\n")
-    time.sleep(3)
+    time.sleep(2)
     return real(spec, folder)
 convert.write_store = counted
 while time.time() < float(sys.argv[4]):  # both processes ask at the same moment
