@@ -207,12 +207,13 @@ def ensure_store(spec: Any, root: Path, write: Optional[Callable[[Any, Path], di
             # (ready: a store published while waiting, not the one already judged above)
             with cache_lock(root / f"{final.name}.lock", f"{spec.name} into {final}",
                             lambda: _stamp(final / MANIFEST) not in (None, before)) as held_here:
-                if final.exists():  # (another process may have converted it while this one waited)
-                    if (problem := check_folder(final, full=verify)) is None:
-                        return final
-                    if not held_here:
-                        before = _stamp(final / MANIFEST)
-                        continue
+                # (another process may have converted it while this one waited)
+                if final.exists() and (problem := check_folder(final, full=verify)) is None:
+                    return final
+                if not held_here:  # what appeared is not whole: wait for the lock itself
+                    before = _stamp(final / MANIFEST)
+                    continue
+                if final.exists():
                     discard_dir(final)
                     log_line(f"{final}: the store of {spec.name} cannot be trusted: {problem}; converting it again",
                              file=sys.stderr)

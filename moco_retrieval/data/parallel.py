@@ -120,8 +120,8 @@ def split_input(spec: Any, workers: int) -> Optional[Split]:
     if spec.split is None:
         from moco_retrieval.progress import log_line
 
-        log_line(f"converting {spec.name} in one process: {spec.options.get('kind', 'this')} input is not cut into "
-                 "parts (JSONL and Parquet files and folders of Parquet shards are)", file=sys.stderr)
+        log_line(f"converting {spec.name} in one process: only JSONL and Parquet files and folders of Parquet "
+                 "shards are cut into parts for workers", file=sys.stderr)
         return None
     split = spec.split(workers)
     return split if len(split.parts) > 1 else None
