@@ -129,18 +129,17 @@ def prepare_workers(file: Path, workers: list[int], repeats: int, work: Path) ->
             cache = work / "stores" / f"workers{w}"
             subprocess.run(["rm", "-rf", str(cache)], check=True)
             t0, cpu0 = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
-            done = subprocess.run(["nice", "-n", "10", sys.executable, "-m", "moco_retrieval.data", "prepare", "data=jsonl",
-                                   f"data.train_path={file}", f"data.cache_dir={cache}", f"workers={w}"],
-                                  check=True, env=env(work), capture_output=True, text=True)
+            subprocess.run(["nice", "-n", "10", sys.executable, "-m", "moco_retrieval.data", "prepare", "data=jsonl",
+                            f"data.train_path={file}", f"data.cache_dir={cache}", f"workers={w}"],
+                           check=True, env=env(work), capture_output=True)
             wall, cpu1 = time.monotonic() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
             m = json.loads(next((cache / "pairs").glob("*/manifest.json")).read_text())
-            rows_s = float(re.findall(r"rows done in ([\d.]+)s", done.stderr)[-1])  # the progress line: every row read
             runs[w].append({"convert_s": m["converted_s"], "rows_per_s": m["rows_per_s"], "command_s": round(wall, 1),
-                            "rows_s": rows_s, "join_s": round(m["converted_s"] - rows_s, 1),
                             "cpu_s": round(cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime, 1)})
             print(f"workers={w}", runs[w][-1], flush=True)
             subprocess.run(["rm", "-rf", str(cache)], check=True)
-    med = {w: {k: float(np.median([x[k] for x in rs])) for k in rs[0]} for w, rs in runs.items()}
+    med = {w: {k: float(np.median([x[k] for x in rs])) for k in ("convert_s", "rows_per_s", "command_s", "cpu_s")}
+           for w, rs in runs.items()}
     base = med[workers[0]]
     return {"rows": m["rows"], "input_mb": round(file.stat().st_size / 1e6, 1), "repeats": repeats,
             "load_average": os.getloadavg(), "runs": {str(w): rs for w, rs in runs.items()},
@@ -152,17 +151,15 @@ def prepare_workers_report(p: dict) -> list[str]:
     return ["", "## Parallel preparation (prepare workers=N)", "",
             f"{p['rows']:,} synthetic pairs ({p['input_mb']:,} MB of JSONL), each setting from an empty cache, "
             f"interleaved, median of {p['repeats']}; one thread per process, nice 10. *convert s*: the conversion "
-            "(manifest: the parts side by side, then their join into one store); *rows s*: until every row was "
-            "read (the progress line); *join s*: the rest; *command s*: the whole command, with the content hash "
-            "and the imports; *CPU s*: user + system seconds of the command and its workers. The machine was "
-            "shared with other jobs (load average "
-            f"{', '.join(f'{x:.1f}' for x in p['load_average'])} at the end, on {p.get('cores', 2)} cores): a "
-            "second worker competes with them for the second core.", "",
-            md_table(["workers", "convert s", "rows/s", "speed-up", "rows s", "join s", "command s", "speed-up (command)",
-                      "CPU s"],
-                     [[w, f"{m['convert_s']:.1f}", f"{m['rows_per_s']:,.0f}", m["speedup_convert"], m.get("rows_s", "-"),
-                       m.get("join_s", "-"), f"{m['command_s']:.1f}", m["speedup_command"], m.get("cpu_s", "-")]
-                      for w, m in p["median"].items()])]
+            "(manifest: the parts side by side and their join into one store); *command s*: the whole command, "
+            "with the content hash and the imports; *CPU s*: user + system seconds of the command and its workers. "
+            "The machine was shared with other jobs (load average "
+            f"{', '.join(f'{x:.1f}' for x in p['load_average'])} at the end, on {p.get('cores', 2)} cores): the "
+            "processes got a fraction of a core each, and a second worker competes with them for the second core.",
+            "", md_table(["workers", "convert s", "rows/s", "speed-up", "command s", "speed-up (command)", "CPU s"],
+                         [[w, f"{m['convert_s']:.1f}", f"{m['rows_per_s']:,.0f}", m["speedup_convert"],
+                           f"{m['command_s']:.1f}", m["speedup_command"], m.get("cpu_s", "-")]
+                          for w, m in p["median"].items()])]
 
 
 OPEN_PROBE = r"""

@@ -198,3 +198,13 @@ def test_a_file_of_blank_lines_is_the_empty_file_of_one_process(tmp_path):
     one = conversion_error(path, tmp_path, 1)
     assert one == f"{path}: empty file (expected at least one line of training pairs)"
     assert conversion_error(path, tmp_path, 2) == one
+
+
+def test_a_csv_file_converts_in_one_process_and_says_so(tmp_path, capsys):
+    from tests.helpers import PAIR_ROWS, write_csv
+
+    write_csv(tmp_path / "t.csv", PAIR_ROWS)
+    one = converted(tmp_path / "t.csv", tmp_path, 1, "csv")
+    assert "in one process" not in capsys.readouterr().err
+    assert converted(tmp_path / "t.csv", tmp_path, 2, "csv") == one
+    assert "converting " + str(tmp_path / "t.csv") + " in one process: only JSONL and Parquet" in capsys.readouterr().err
