@@ -208,3 +208,33 @@ def test_a_csv_file_converts_in_one_process_and_says_so(tmp_path, capsys):
     assert "in one process" not in capsys.readouterr().err
     assert converted(tmp_path / "t.csv", tmp_path, 2, "csv") == one
     assert "converting " + str(tmp_path / "t.csv") + " in one process: only JSONL and Parquet" in capsys.readouterr().err
+
+
+def test_a_worker_imports_no_torch():
+    """What a worker process imports (parallel.py and the readers of every kind it is given) leaves
+    torch out: a worker starts in a fraction of the seconds torch takes."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, moco_retrieval.data.parallel, moco_retrieval.data.tabular, moco_retrieval.data.hf_folder; "
+             "print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "[]", out
+
+
+def test_a_bad_row_in_a_later_row_group_is_the_error_of_one_process(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    positives = [f"p {i}" for i in range(40)]
+    positives[33] = " "  # row 34, in the third row group of 13
+    pq.write_table(pa.table({"query": [f"q {i}" for i in range(40)], "positive": positives}), tmp_path / "t.parquet",
+                   row_group_size=13)
+    errors = []
+    for workers in (1, 2):
+        with pytest.raises(DataError) as e:
+            prepare_store(DataConfig(kind="parquet", train_path=str(tmp_path / "t.parquet"),
+                                     cache_dir=str(tmp_path / f"c{workers}"), prepare_workers=workers))
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] == (f"{tmp_path / 't.parquet'}: row 34, column 'positive': field 'positive' is empty "
+                                      "(expected a non-empty string)")
