@@ -20,10 +20,10 @@ from tests.helpers import write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Two of these start at once: flock fails as on a filesystem without it; each conversion is
-# counted in a file and lasts long enough for the other process to find the lock.
+# Two of these at once: flock fails as on a filesystem without it; each conversion is counted in a
+# file and lasts until the other process has asked for the store too.
 RACE = """
-import fcntl, os, sys, time
+import fcntl, glob, os, sys, time
 def no_flock(*a, **k):
     raise OSError(38, "Function not implemented")
 fcntl.flock = fcntl.lockf = no_flock
@@ -35,11 +35,12 @@ real = convert.write_store
 def counted(spec, folder):
     with open(sys.argv[3], "a") as f:
         f.write(f"{os.getpid()}\\n")
-    time.sleep(2)
+    while len(glob.glob(sys.argv[3] + ".asking.*")) < 2:  # the other process asks too
+        time.sleep(0.05)
+    time.sleep(1)  # and finds the lock
     return real(spec, folder)
 convert.write_store = counted
-while time.time() < float(sys.argv[4]):  # both processes ask at the same moment
-    time.sleep(0.01)
+open(f"{sys.argv[3]}.asking.{os.getpid()}", "w").close()
 print(prepare_store(DataConfig(kind="jsonl", train_path=sys.argv[1], cache_dir=sys.argv[2])), flush=True)
 """
 
@@ -79,8 +80,7 @@ def left_by(lock: Path, **holder) -> None:
 
 def test_two_processes_without_flock_convert_once_and_open_the_same_store(cfg, tmp_path):
     count = tmp_path / "conversions"
-    start = str(time.time() + 6)  # both imported by then
-    procs = [subprocess.Popen([sys.executable, "-c", RACE, cfg.train_path, cfg.cache_dir, str(count), start],
+    procs = [subprocess.Popen([sys.executable, "-c", RACE, cfg.train_path, cfg.cache_dir, str(count)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for _ in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
