@@ -154,8 +154,9 @@ def prepare_workers_report(p: dict) -> list[str]:
             "(manifest: the parts side by side and their join into one store); *command s*: the whole command, "
             "with the content hash and the imports; *CPU s*: user + system seconds of the command and its workers. "
             "The machine was shared with other jobs (load average "
-            f"{', '.join(f'{x:.1f}' for x in p['load_average'])} at the end, on {p.get('cores', 2)} cores): the "
-            "processes got a fraction of a core each, and a second worker competes with them for the second core.",
+            f"{', '.join(f'{x:.1f}' for x in p['load_average'])} at the end, on {p.get('cores', 2)} cores): CPU s "
+            "over command s is the share of a core the command got; where another job holds one of the two cores, "
+            "two workers share the other and the speed-up measures the machine, not the split.",
             "", md_table(["workers", "convert s", "rows/s", "speed-up", "command s", "speed-up (command)", "CPU s"],
                          [[w, f"{m['convert_s']:.1f}", f"{m['rows_per_s']:,.0f}", m["speedup_convert"],
                            f"{m['command_s']:.1f}", m["speedup_command"], m.get("cpu_s", "-")]
