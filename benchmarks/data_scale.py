@@ -27,12 +27,19 @@ negatives are other rows' documents, as mined negatives are), written as JSONL. 
         [--negatives 30 --neg-rows 100000] [--work /tmp/data_scale]
     OMP_NUM_THREADS=1 nice -n 10 python -m benchmarks.data_scale --sampler-sizes 1000000,10000000,100000000
         [--sampler-before 25b5201 --sampler-before-sizes 1000000,10000000]
+
+``--prepare-workers 1,2 --prepare-size 2000000 [--prepare-repeats 2]`` only (B18, issue 48): the same
+file prepared with each ``workers=N`` (data/parallel.py), a fresh cache each time, the settings
+interleaved in each repeat; the conversion's own seconds (manifest: the parts and their join) and the
+command's wall time (with the content hash, one process), the median of the repeats and the speed-up
+over one process. Added to data_scale.json under ``prepare_workers``; the rest is kept.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -122,6 +129,49 @@ def convert(file: Path, cache: Path, work: Path) -> dict:
     m = json.loads((stores[0] / "manifest.json").read_text())
     return {"rows": m["rows"], "convert_s": m["converted_s"], "rows_per_s": m["rows_per_s"], "command_s": round(wall, 1),
             "input_mb": round(file.stat().st_size / 1e6, 1), "store_mb": round(du(stores[0]) / 1e6, 1)}
+
+
+def prepare_workers(file: Path, workers: list[int], repeats: int, work: Path) -> dict:
+    """``prepare workers=N`` of ``file`` for each N, ``repeats`` times interleaved (each from an empty
+    cache, nice, one thread per process): rows/s, seconds and the speed-up over the first N, medians."""
+    runs: dict[int, list[dict]] = {w: [] for w in workers}
+    for r in range(repeats):
+        for w in workers if r % 2 == 0 else workers[::-1]:
+            cache = work / "stores" / f"workers{w}"
+            subprocess.run(["rm", "-rf", str(cache)], check=True)
+            t0, cpu0 = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
+            subprocess.run(["nice", "-n", "10", sys.executable, "-m", "moco_retrieval.data", "prepare", "data=jsonl",
+                            f"data.train_path={file}", f"data.cache_dir={cache}", f"workers={w}"],
+                           check=True, env=env(work), capture_output=True)
+            wall, cpu1 = time.monotonic() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+            m = json.loads(next((cache / "pairs").glob("*/manifest.json")).read_text())
+            runs[w].append({"convert_s": m["converted_s"], "rows_per_s": m["rows_per_s"], "command_s": round(wall, 1),
+                            "cpu_s": round(cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime, 1)})
+            print(f"workers={w}", runs[w][-1], flush=True)
+            subprocess.run(["rm", "-rf", str(cache)], check=True)
+    med = {w: {k: float(np.median([x[k] for x in rs])) for k in ("convert_s", "rows_per_s", "command_s", "cpu_s")}
+           for w, rs in runs.items()}
+    base = med[workers[0]]
+    return {"rows": m["rows"], "input_mb": round(file.stat().st_size / 1e6, 1), "repeats": repeats,
+            "load_average": os.getloadavg(), "runs": {str(w): rs for w, rs in runs.items()},
+            "median": {str(w): {**v, "speedup_convert": round(base["convert_s"] / v["convert_s"], 2),
+                                "speedup_command": round(base["command_s"] / v["command_s"], 2)} for w, v in med.items()}}
+
+
+def prepare_workers_report(p: dict) -> list[str]:
+    return ["", "## Parallel preparation (prepare workers=N)", "",
+            f"{p['rows']:,} synthetic pairs ({p['input_mb']:,} MB of JSONL), each setting from an empty cache, "
+            f"interleaved, median of {p['repeats']}; one thread per process, nice 10. *convert s*: the conversion "
+            "(manifest: the parts side by side and their join into one store); *command s*: the whole command, "
+            "with the content hash and the imports; *CPU s*: user + system seconds of the command and its workers. "
+            "The machine was shared with other jobs (load average "
+            f"{', '.join(f'{x:.1f}' for x in p['load_average'])} at the end, on {p.get('cores', 2)} cores): CPU s "
+            "over command s is the share of a core the command got; where another job holds one of the two cores, "
+            "two workers share the other and the speed-up measures the machine, not the split.",
+            "", md_table(["workers", "convert s", "rows/s", "speed-up", "command s", "speed-up (command)", "CPU s"],
+                         [[w, f"{m['convert_s']:.1f}", f"{m['rows_per_s']:,.0f}", m["speedup_convert"],
+                           f"{m['command_s']:.1f}", m["speedup_command"], m.get("cpu_s", "-")]
+                          for w, m in p["median"].items()])]
 
 
 OPEN_PROBE = r"""
@@ -457,6 +507,8 @@ def report(res: dict) -> str:
                   f"Read + collate + tokenize (MiniLM's tokenizer, batch 64, num_workers=0), ms per batch, median of "
                   f"3 interleaved rounds of {d['batches']} batches: store {d['store']} ms, the same pairs in memory "
                   f"(today's loader) {d['memory']} ms."]
+    if res.get("prepare_workers"):
+        lines += prepare_workers_report(res["prepare_workers"])
     if res.get("cut"):
         lines += ["", "Not measured: " + res["cut"]]
     for note in res.get("notes", []):
@@ -490,6 +542,9 @@ def main() -> None:
     ap.add_argument("--sampler-before", default="25b5201", help="the commit whose sampler is measured beside it")
     ap.add_argument("--sampler-before-sizes", type=lambda v: [int(x) for x in v.split(",") if x],
                     default=[1_000_000, 10_000_000])
+    ap.add_argument("--prepare-workers", default="", help="only: prepare with each workers=N (e.g. 1,2), added to the results")
+    ap.add_argument("--prepare-size", type=int, default=2_000_000, help="pairs of --prepare-workers' file")
+    ap.add_argument("--prepare-repeats", type=int, default=2)
     cli.add_out(ap)  # no --threads: the measured processes are torchrun's; the Debian set: $MOCO_RETRIEVAL_DEBIAN_DIR
     args = ap.parse_args()
     out = cli.out_dir(args)
@@ -502,6 +557,14 @@ def main() -> None:
     if args.debian_batches:
         res = json.loads((out / "data_scale.json").read_text())
         res["debian_batches"] = {"batches": args.debian_batches, **debian_batches(Path(args.work), args.debian_batches)}
+        write_results("data_scale", report(res), res, out)
+        return
+    if args.prepare_workers:
+        res = json.loads((out / "data_scale.json").read_text())
+        work = Path(args.work)
+        f = generate(work / f"pairs_{args.prepare_size}.jsonl", args.prepare_size)
+        res["prepare_workers"] = {**prepare_workers(f, [int(w) for w in args.prepare_workers.split(",")],
+                                                    args.prepare_repeats, work), "cores": os.cpu_count()}
         write_results("data_scale", report(res), res, out)
         return
     if args.report_only:
@@ -553,7 +616,7 @@ def merged(old: dict, new: dict) -> dict:
     return {"env": new["env"], "conversion": {**old["conversion"], **new["conversion"]}, "open": {**old["open"], **new["open"]},
             "runs": [r for r in old["runs"] if r["label"] not in labels] + new["runs"],
             "cut": new["cut"] or old.get("cut", ""), "notes": old.get("notes", []) + new.get("notes", []),
-            **{k: old[k] for k in ("debian_batches", "sections", "sampler") if k in old}}
+            **{k: old[k] for k in ("debian_batches", "sections", "sampler", "prepare_workers") if k in old}}
 
 
 if __name__ == "__main__":

@@ -398,6 +398,9 @@ class DataConfig(RangeChecked):
     # built data sets (debian: on first use, from the apt lists of debian_dir) and converted
     # training stores (pairs/);
     cache_dir: Optional[str] = None  # default: $MOCO_RETRIEVAL_CACHE or ~/.cache/moco_retrieval
+    # processes converting the training pairs into their store (JSONL and Parquet files, Parquet
+    # shards; data/parallel.py); `prepare ... workers=N` sets it
+    prepare_workers: int = setting(1, AT_LEAST_ONE)
     debian_dir: Optional[str] = None  # a folder holding Packages* and Translation-en* files
     batch_size: int = setting(64, AT_LEAST_ONE)  # training pairs per step per device
     eval_batch_size: int = setting(256, AT_LEAST_ONE)  # texts per encoding batch in validation and the commands

@@ -28,6 +28,7 @@ import json
 import hashlib
 import os
 import shutil
+import socket
 import tempfile
 import uuid
 import zipfile
@@ -172,6 +173,35 @@ def atomic_write(path: Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+# ---- lock holders: the process a lock file names (training/run_lock.py, data/cache_lock.py)
+
+
+def process_start_time(pid: int) -> Optional[str]:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22), or None."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def holder_alive(holder: dict) -> bool:
+    """Whether the holder a lock file records (``host``, ``pid``, ``start_time``) still runs (only
+    decidable on its own host; a pid reused by another program is not the holder)."""
+    if holder.get("host") != socket.gethostname():
+        return True  # cannot tell from here: assume it runs
+    pid = int(holder.get("pid") or 0)
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    started = holder.get("start_time")
+    return started is None or process_start_time(pid) in (None, started)
 
 
 # ---- checkpoint files: written atomically with a checksum of their tensors, read back checked

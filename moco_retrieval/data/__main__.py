@@ -2,14 +2,14 @@
 
     python -m moco_retrieval.data debian --out DIR [--lists DIR | --translation FILE --packages FILE]
     python -m moco_retrieval.data pydoc --out DIR [--stdlib DIR] [--modules a,b.c]
-    python -m moco_retrieval.data prepare data=KIND data.KEY=VALUE ... [--verify]
+    python -m moco_retrieval.data prepare data=KIND data.KEY=VALUE ... [workers=N] [--verify]
     python -m moco_retrieval.data prepare ... data.stream=true data.stream_dir=DIR [workers=N]
 
 ``debian`` and ``pydoc`` build a retrieval set (``DIR/train.jsonl``, ``DIR/eval/`` in the BEIR layout,
 ``DIR/manifest.json``); ``prepare`` converts a run's training pairs (each source's, with
 ``data.sources``) into their store (convert.py) ahead of a cluster job, with the same ``data.*``
-overrides as the run (``data.stream=true``: the store, then its chunks in ``data.stream_dir``, written
-by ``workers=N`` processes, stream.py); ``--verify`` checks every byte of a store already there against its manifest
+overrides as the run, in ``workers=N`` processes (``data.prepare_workers``; ``data.stream=true``: the
+store, then its chunks in ``data.stream_dir``, stream.py); ``--verify`` checks every byte of a store already there against its manifest
 (every open checks sizes, row counts and the numeric arrays) and converts one that differs again.
 
 Not a Hydra command: its subcommands take files and flags (docs/design.md, Layout). It shares
@@ -95,7 +95,8 @@ def _parser(prepare_help: bool = False) -> argparse.ArgumentParser:
         description=(
             "Convert the training pairs of a data config into the store training opens (Arrow + numpy, keyed by\n"
             "the input's content; an existing store of the same content is kept). Takes the training command's\n"
-            "data overrides, e.g. data=hf data.path=DIR, or data=jsonl data.train_path=FILE."
+            "data overrides, e.g. data=hf data.path=DIR, or data=jsonl data.train_path=FILE; workers=N converts in N\n"
+            "processes (data.prepare_workers: JSONL and Parquet files, folders of Parquet shards)."
         ),
         epilog=_data_options() if prepare_help else None,
     )
@@ -103,7 +104,7 @@ def _parser(prepare_help: bool = False) -> argparse.ArgumentParser:
                    help="check the sha256 of every file of a store already there (texts too; each open checks "
                         "sizes, row counts and the numeric arrays) and convert one that differs again")
     r.add_argument("overrides", nargs="*", metavar="OVERRIDE",
-                   help="data=KIND and data.KEY=VALUE overrides, as for training")
+                   help="data=KIND and data.KEY=VALUE overrides, as for training; workers=N")
     return ap
 
 
@@ -171,9 +172,11 @@ def _data_config(overrides: Sequence[str]):
     from moco_retrieval.command import composition_message, register_configs
     from moco_retrieval.config import DataConfig, to_config
 
-    bad = [o for o in overrides if not (o.startswith("data=") or o.startswith("data."))]
+    bad = [o for o in overrides if not (o.startswith(("data=", "data.", "workers=")))]
     if bad:
-        raise ConfigError(f"prepare takes data=KIND and data.KEY=VALUE overrides only, got {' '.join(bad)}")
+        raise ConfigError(f"prepare takes data=KIND, data.KEY=VALUE and workers=N overrides only, got {' '.join(bad)}")
+    # workers=N is data.prepare_workers=N, the key a training run converts with (its range is checked there)
+    overrides = [f"data.prepare_{o}" if o.startswith("workers=") else o for o in overrides]
     register_configs()
     with initialize_config_module("moco_retrieval.conf", version_base="1.3"):
         try:
@@ -188,16 +191,13 @@ def prepare(args: argparse.Namespace) -> int:
     from moco_retrieval.data.multisource import has_sources, prepare_sources, source_names
     from moco_retrieval.data.sources import prepare_store
 
-    workers = [o for o in args.overrides if o.startswith("workers=")]
-    cfg = _data_config([o for o in args.overrides if o not in workers])
-    if cfg.stream:  # the chunks of data.stream_dir (stream.py), written by `workers` processes
+    cfg = _data_config(args.overrides)
+    if cfg.stream:  # the chunks of data.stream_dir (stream.py), written by data.prepare_workers processes
         from moco_retrieval.data.stream import prepare_stream
 
-        m = prepare_stream(cfg, _workers(workers[-1]) if workers else 1)
+        m = prepare_stream(cfg, cfg.prepare_workers)
         print(f"stream {cfg.stream_dir}: {m['rows']:,} rows of {', '.join(m['sources'])}")
         return 0
-    if workers:
-        raise ConfigError("workers=N writes a stream's chunks in parallel: give it with data.stream=true")
     if has_sources(cfg):  # every source's store (a beir source reads qrels: nothing to convert)
         for name, folder in zip(source_names(cfg), prepare_sources(cfg, args.verify)):
             _print_store(folder, args.verify, f"source {name}: ")
@@ -206,13 +206,6 @@ def prepare(args: argparse.Namespace) -> int:
         raise DataError("data=beir: its training pairs come from qrels and need no preparing")
     _print_store(prepare_store(cfg, verify=args.verify), args.verify)
     return 0
-
-
-def _workers(override: str) -> int:
-    text = override.split("=", 1)[1]
-    if not text.isdigit() or int(text) < 1:
-        raise ConfigError(f"{override}: expected a number of processes (1, 2, ...)")
-    return int(text)
 
 
 def _print_store(folder, verified: bool, prefix: str = "") -> None:

@@ -10,10 +10,12 @@ of a file rewritten at the same size).
 
 Rows are streamed through the readers of today's formats (formats.iter_pairs_jsonl_located,
 tabular, hf_folder), so a bad row stops the conversion with the same ``FILE:LINE: ...`` message,
-before any model loads. Conversion writes into a temporary folder renamed into place at the end
-(atomic: a killed conversion leaves no half store), under a file lock: the first process of a node
-converts, the others wait for the lock and open what it wrote (the lock needs no process group,
-so it also holds before one exists, and for `python -m moco_retrieval.data prepare` run beside a job).
+before any model loads; ``spec.workers`` processes convert parts of the input side by side
+(parallel.py). Conversion writes into a temporary folder renamed into place at the end (atomic: a
+killed conversion leaves no half store), under a lock that holds across nodes on a shared
+filesystem (cache_lock.py): the first process of the job (of any job sharing the cache) converts,
+the others wait and open what it wrote (the lock needs no process group, so it also holds before
+one exists, and for `python -m moco_retrieval.data prepare` run beside a job).
 
 A store found is opened only when store.check_folder finds it whole (``verify``: every byte); one
 that is not is converted again, with one line saying why (its inputs are at hand: they made its
@@ -24,7 +26,6 @@ message (DataError) naming the cache and what to do.
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -32,7 +33,6 @@ import shutil
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -43,11 +43,11 @@ from moco_retrieval.errors import UserError
 from moco_retrieval.files import atomic_write, discard_dir, human_size, ordinary_mode, out_of_space, sha256_file
 from moco_retrieval.progress import log_line, progress_bar
 
+from moco_retrieval.data.cache_lock import cache_lock, held
 from moco_retrieval.data.formats import DataError, Pair
-from moco_retrieval.data.store import MANIFEST, STORE_VERSION, TABLE, check_folder, seal, store_schema
-
-CHUNK = 8192  # rows per Arrow record batch, at most
-CHUNK_CHARS = 1 << 25  # and at most about this many characters of text (rows with many hard negatives)
+from moco_retrieval.data.parallel import Split, split_input, write_parts
+from moco_retrieval.data.store import MANIFEST, STORE_VERSION, TABLE, check_folder, seal
+from moco_retrieval.data.writer import write_rows
 
 
 @dataclass
@@ -55,7 +55,8 @@ class PairSpec:
     """One input to convert: ``rows()`` yields ``(file index, line or row, Pair)``; ``files`` are
     the location names of the file indices (for messages), ``location`` formats one row's
     (``{file}``, ``{line}``); ``inputs`` are the files whose bytes key the store, ``options`` how they
-    are read; ``count()`` estimates the rows (for the progress ETA)."""
+    are read; ``count()`` estimates the rows (for the progress ETA); ``split(n)`` cuts the input into at
+    most ``n`` parts (parallel.py; None: not cut), which ``workers`` processes convert side by side."""
 
     name: str
     inputs: list[Path]
@@ -64,6 +65,8 @@ class PairSpec:
     location: str
     rows: Callable[[], Iterator[tuple[int, int, Pair]]]
     count: Callable[[], int] = field(default=lambda: 0)
+    split: Optional[Callable[[int], Split]] = None
+    workers: int = 1
 
 
 # --------------------------------------------------------------------------------- fingerprints
@@ -98,123 +101,29 @@ def store_key(spec: Any, memo_dir: Path) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
 
-# ---------------------------------------------------------------------------------------- lock
-
-
-@contextmanager
-def file_lock(path: Path, waiting: str) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path``; ``waiting`` is logged when another process holds it."""
-    with open(path, "a") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log_line(waiting, file=sys.stderr)
-            fcntl.flock(fh, fcntl.LOCK_EX)
-        except OSError:  # a file system without flock (some network mounts): the rename below still decides
-            yield
-            return
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 # -------------------------------------------------------------------------------------- writing
 
 
-class _Columns:
-    """One record batch's worth of rows, as flat columns."""
-
-    def __init__(self) -> None:
-        self.query: list = []
-        self.positive: list = []
-        self.query_id: list = []
-        self.positive_score: list = []
-        self.neg_offsets = [0]
-        self.neg_text: list = []
-        self.neg_id: list = []
-        self.neg_group: list = []
-        self.neg_score: list = []
-
-    def add(self, p: Pair) -> None:
-        self.query.append(p.query)
-        self.positive.append(p.positive)
-        self.query_id.append(p.query_id)
-        self.positive_score.append(p.positive_score)
-        for n in p.negatives:
-            self.neg_text.append(n.text)
-            self.neg_id.append(n.doc_id)
-            self.neg_group.append(n.group)
-            self.neg_score.append(n.score)
-        self.neg_offsets.append(len(self.neg_text))
-
-    def record_batch(self, schema):
-        import pyarrow as pa
-
-        neg_type = schema.field("negatives").type.value_type
-        negs = pa.StructArray.from_arrays(
-            [pa.array(self.neg_text, pa.string()), pa.array(self.neg_id, pa.int64()),
-             pa.array(self.neg_group, pa.int64()), pa.array(self.neg_score, pa.float64())],
-            fields=list(neg_type),
-        )
-        return pa.RecordBatch.from_arrays(
-            [pa.array(self.query, pa.string()), pa.array(self.positive, pa.string()), pa.array(self.query_id, pa.string()),
-             pa.array(self.positive_score, pa.float64()),
-             pa.ListArray.from_arrays(pa.array(self.neg_offsets, pa.int32()), negs)],
-            schema=schema,
-        )
-
-
-def _numbers(rows: list[tuple[int, int, Pair]]) -> dict[str, np.ndarray]:
-    return {
-        "doc_id": np.array([p.doc_id for _, _, p in rows], dtype=np.int64),
-        "group": np.array([p.group for _, _, p in rows], dtype=np.int64),
-        "n_neg": np.array([len(p.negatives) for _, _, p in rows], dtype=np.int32),
-        "scored": np.array([p.scored for _, _, p in rows], dtype=bool),
-        "file": np.array([f for f, _, _ in rows], dtype=np.int32),
-        "line": np.array([line for _, line, _ in rows], dtype=np.int64),
-    }
-
-
-def _chunks(it: Iterator[tuple[int, int, Pair]]) -> Iterator[list[tuple[int, int, Pair]]]:
-    """Rows in chunks of ``CHUNK`` rows or ``CHUNK_CHARS`` characters, whichever comes first (what the
-    converter holds as Python objects at once)."""
-    chunk: list = []
-    chars = 0
-    for row in it:
-        chunk.append(row)
-        p = row[2]
-        chars += len(p.query) + len(p.positive) + sum(len(n.text) for n in p.negatives)
-        if len(chunk) == CHUNK or chars >= CHUNK_CHARS:
-            yield chunk
-            chunk, chars = [], 0
-    if chunk:
-        yield chunk
-
-
 def write_store(spec: PairSpec, folder: Path) -> dict:
-    """Stream ``spec``'s rows into ``folder`` (Arrow table + numpy arrays); the manifest to seal."""
-    import pyarrow as pa
-
-    schema, t0 = store_schema(), time.monotonic()
-    parts: dict[str, list[np.ndarray]] = {}
-    n = 0
-    bar = progress_bar(spec.count(), f"converting {spec.name}", " rows")
-    with pa.OSFile(str(folder / TABLE), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-        for chunk in _chunks(spec.rows()):
-            cols = _Columns()
-            for _, _, p in chunk:
-                cols.add(p)
-            writer.write_batch(cols.record_batch(schema))
-            for k, v in _numbers(chunk).items():
-                parts.setdefault(k, []).append(v)
-            n += len(chunk)
-            bar.update(len(chunk))
+    """Stream ``spec``'s rows into ``folder`` (Arrow table + numpy arrays); the manifest to seal. With
+    ``spec.workers`` > 1, its parts side by side (parallel.py): the same files."""
+    t0 = time.monotonic()
+    split = split_input(spec, spec.workers)
+    bar = progress_bar(spec.count() if split is None else sum(p.count for p in split.parts),
+                       f"converting {spec.name}" + (f" ({len(split.parts)} processes)" if split else ""), " rows")
+    if split is None:
+        arrays = write_rows(spec.rows(), folder / TABLE, lambda chunk: bar.update(len(chunk)))
+    else:
+        arrays = write_parts(split, folder / TABLE, bar)
     bar.close()
+    n = len(arrays["doc_id"])
     if n == 0:
+        if split is not None:  # no part has a row: the whole input read as one process reads it says why (an empty file)
+            for _ in spec.rows():
+                break
         raise DataError(f"{spec.name}: no training pairs")
-    for k, v in parts.items():
-        np.save(folder / f"{k}.npy", np.concatenate(v))
+    for k, v in arrays.items():
+        np.save(folder / f"{k}.npy", v)
     np.save(folder / "offsets.npy", np.array([0, n], dtype=np.int64))
     seconds = time.monotonic() - t0
     return {"version": STORE_VERSION, "rows": n, "name": spec.name, "files": spec.files, "location": spec.location,
@@ -237,19 +146,26 @@ def folder_bytes(folder: Path) -> int:
 
 def _remove_interrupted(root: Path) -> None:
     """Remove the temporary folders (``.<key>.*``) of conversions killed before they finished: one
-    whose key's lock nobody holds is no conversion's (without flock: none is touched)."""
+    whose key's lock is not held (cache_lock.held: its holder on another host counts as live)."""
     for tmp in root.glob(".*.*"):
         key = tmp.name[1:].split(".", 1)[0]
-        if len(key) != 32 or not tmp.is_dir():
+        if len(key) != 32 or not tmp.is_dir() or held(root / f"{key}.lock"):
             continue
         try:
-            with open(root / f"{key}.lock", "a") as fh:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                size = folder_bytes(tmp) + sum(folder_bytes(d) for d in tmp.iterdir() if d.is_dir())
-                shutil.rmtree(tmp)
-        except OSError:  # held (a live conversion), no flock here, or not ours to remove
+            size = folder_bytes(tmp) + sum(folder_bytes(d) for d in tmp.iterdir() if d.is_dir())
+            shutil.rmtree(tmp)
+        except OSError:  # gone meanwhile (published), or not ours to remove
             continue
         log_line(f"removed {tmp}, the temporary folder of an interrupted conversion ({size / 1e6:,.1f} MB)", file=sys.stderr)
+
+
+def _stamp(path: Path) -> Optional[tuple[int, int]]:
+    """Which file ``path`` is (inode, change time), None when absent: a store published anew is another file."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_ctime_ns
 
 
 def cache_error(e: OSError, what: str, root: Path, problem: Optional[str] = None) -> Exception:
@@ -286,21 +202,30 @@ def ensure_store(spec: Any, root: Path, write: Optional[Callable[[Any, Path], di
         final = root / store_key(spec, root / "fingerprints")
         if final.exists() and (problem := check_folder(final, full=verify)) is None:
             return final
-        with file_lock(root / f"{final.name}.lock", f"waiting for another process converting {spec.name} into {final}"):
-            if final.exists():  # (another process may have converted it while this one waited)
-                if (problem := check_folder(final, full=verify)) is None:
+        before = _stamp(final / MANIFEST)
+        while True:
+            # (ready: a store published while waiting, not the one already judged above)
+            with cache_lock(root / f"{final.name}.lock", f"{spec.name} into {final}",
+                            lambda: _stamp(final / MANIFEST) not in (None, before)) as held_here:
+                # (another process may have converted it while this one waited)
+                if final.exists() and (problem := check_folder(final, full=verify)) is None:
                     return final
-                discard_dir(final)
-                log_line(f"{final}: the store of {spec.name} cannot be trusted: {problem}; converting it again",
-                         file=sys.stderr)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
-            os.chmod(tmp, ordinary_mode(is_dir=True))  # mkdtemp's 0700 would keep the store from the node's other users
-            try:
-                m = seal(tmp, (write or write_store)(spec, tmp))
-                _publish(tmp, final)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
+                if not held_here:  # what appeared is not whole: wait for the lock itself
+                    before = _stamp(final / MANIFEST)
+                    continue
+                if final.exists():
+                    discard_dir(final)
+                    log_line(f"{final}: the store of {spec.name} cannot be trusted: {problem}; converting it again",
+                             file=sys.stderr)
+                tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+                os.chmod(tmp, ordinary_mode(is_dir=True))  # mkdtemp's 0700 would keep the store from the node's other users
+                try:
+                    m = seal(tmp, (write or write_store)(spec, tmp))
+                    _publish(tmp, final)
+                except BaseException:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
+                break
     except OSError as e:
         if isinstance(e, UserError):
             raise
@@ -310,5 +235,5 @@ def ensure_store(spec: Any, root: Path, write: Optional[Callable[[Any, Path], di
     return final
 
 
-__all__ = ["CHUNK", "CHUNK_CHARS", "PairSpec", "file_hash", "store_key", "file_lock", "write_store", "folder_bytes",
+__all__ = ["PairSpec", "file_hash", "store_key", "write_store", "folder_bytes",
            "cache_error", "ensure_store"]

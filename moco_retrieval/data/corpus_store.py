@@ -25,9 +25,10 @@ import numpy as np
 
 from moco_retrieval.progress import progress_bar
 
-from moco_retrieval.data.convert import CHUNK, ensure_store
+from moco_retrieval.data.convert import ensure_store
 from moco_retrieval.data.ids import NO_GROUP, stable_id
 from moco_retrieval.data.store import MappedFolder
+from moco_retrieval.data.writer import CHUNK
 
 CORPUS_VERSION = 1
 TABLE = "corpus.arrow"

@@ -102,15 +102,26 @@ class EvalSet:
 # ----------------------------------------------------------------------------------------- JSONL
 
 
-def iter_jsonl(path: PathLike, what: str = "JSON objects") -> Iterator[tuple[int, dict]]:
-    """Yield ``(line_number, object)`` for each non-blank line; raise DataError on bad input."""
+@dataclass(frozen=True)
+class Span:
+    """A part of a file: the lines starting at bytes ``start`` (a line's first byte) to ``stop``, the
+    first of them line ``line`` (what a worker of a parallel conversion reads: :func:`line_spans`)."""
+
+    start: int
+    stop: int
+    line: int
+
+
+def iter_jsonl(path: PathLike, what: str = "JSON objects", span: Optional[Span] = None) -> Iterator[tuple[int, dict]]:
+    """Yield ``(line_number, object)`` for each non-blank line (of ``span``, else of the whole file,
+    which must hold one); raise DataError on bad input."""
     p = Path(path)
     if not p.exists():
         raise _error(p, None, f"no such file (expected a JSONL file of {what})")
     if not p.is_file():
         raise _error(p, None, f"not a regular file (expected a JSONL file of {what})")
     n = 0
-    for lineno, line in text_lines(p):
+    for lineno, line in text_lines(p, span):
         try:
             obj = _loads(line)
         except json.JSONDecodeError as exc:
@@ -121,15 +132,21 @@ def iter_jsonl(path: PathLike, what: str = "JSON objects") -> Iterator[tuple[int
             raise _error(p, lineno, f"expected a JSON object, got {_type_name(obj)}")
         n += 1
         yield lineno, obj
-    if n == 0:
+    if n == 0 and span is None:
         raise _error(p, None, f"empty file (expected at least one line of {what})")
 
 
-def text_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """``(line_number, line)`` for each non-blank line of ``path``, decoded as UTF-8 (a leading
-    byte-order mark dropped); a line that is not UTF-8 is a DataError naming it."""
+def text_lines(path: Path, span: Optional[Span] = None) -> Iterator[tuple[int, str]]:
+    """``(line_number, line)`` for each non-blank line of ``path`` (of ``span``), decoded as UTF-8 (a
+    leading byte-order mark dropped); a line that is not UTF-8 is a DataError naming it."""
+    start, stop, first = (span.start, span.stop, span.line) if span else (0, None, 1)
     with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
+        fh.seek(start)
+        at = start
+        for lineno, raw in enumerate(fh, start=first):
+            if stop is not None and at >= stop:
+                return
+            at += len(raw)
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -138,6 +155,27 @@ def text_lines(path: Path) -> Iterator[tuple[int, str]]:
                 line = line.removeprefix("\ufeff")
             if line.strip():
                 yield lineno, line
+
+
+def line_spans(path: Path, n: int) -> list[Span]:
+    """``path`` cut into at most ``n`` spans of about equal bytes, each starting at a line's first byte
+    (a cut inside a line moves to the next line; one falling inside a line that holds two cuts is
+    dropped), numbered as the whole file numbers them."""
+    size = path.stat().st_size
+    starts = [0]
+    with open(path, "rb") as fh:
+        for k in range(1, n):
+            if size * k // n - 1 < starts[-1]:
+                continue  # the cut is in the line that moved the one before past it
+            fh.seek(size * k // n - 1)
+            fh.readline()  # to the end of the line holding the byte before the cut
+            if fh.tell() < size:
+                starts.append(fh.tell())
+        lines = [1]
+        fh.seek(0)
+        for a, b in zip(starts, starts[1:]):  # newlines before each start: its first line's number
+            lines.append(lines[-1] + sum(fh.read(min(1 << 22, b - at)).count(b"\n") for at in range(a, b, 1 << 22)))
+    return [Span(a, b, line) for a, b, line in zip(starts, starts[1:] + [size], lines)]
 
 
 def _loads(line: str) -> Any:
@@ -306,23 +344,47 @@ def read_pairs_jsonl_located(path: PathLike) -> list[tuple[int, Pair]]:
     return list(iter_pairs_jsonl_located(path))
 
 
-def iter_pairs_jsonl_located(path: PathLike) -> Iterator[tuple[int, Pair]]:
+def iter_pairs_jsonl_located(path: PathLike, span: Optional[Span] = None) -> Iterator[tuple[int, Pair]]:
     """``(line, pair)`` of each line, streamed (the conversion into a store reads files this way).
 
     A given ``doc_id`` names one document: the same id on two lines with different positive texts
-    is an error naming both lines (those documents would mask each other as false negatives)."""
+    is an error naming both lines (those documents would mask each other as false negatives); the lines
+    of a ``span`` are not checked here: a parallel conversion checks its parts together
+    (:func:`doc_id_conflict`)."""
     given: dict[int, tuple[int, int]] = {}  # doc_id -> (first line, id of its positive's text)
-    for line, obj in iter_jsonl(path, "training pairs"):
+    for line, obj in iter_jsonl(path, "training pairs", span):
         pair = pair_from_json(obj, path, line)
-        if obj.get("doc_id") is not None:
+        if span is None and obj.get("doc_id") is not None:
             first, text_id = given.setdefault(pair.doc_id, (line, doc_id_for_text(pair.positive)))
             if text_id != doc_id_for_text(pair.positive):
-                raise _error(
-                    path, line, f"doc_id {obj['doc_id']!r} is also on line {first} with a different 'positive' text; "
-                    "expected one text per doc_id (give the two documents different ids, or leave doc_id out "
-                    "to derive it from the text)"
-                )
+                raise _doc_id_conflict(path, line, obj["doc_id"], first)
         yield line, pair
+
+
+def _doc_id_conflict(path: PathLike, line: int, given: Any, first: int) -> DataError:
+    return _error(path, line, f"doc_id {given!r} is also on line {first} with a different 'positive' text; "
+                              "expected one text per doc_id (give the two documents different ids, or leave doc_id out "
+                              "to derive it from the text)")
+
+
+def doc_id_conflict(path: PathLike, doc_ids: Any, text_ids: Any, lines: Any, spans: list[Span]) -> Optional[DataError]:
+    """The error :func:`iter_pairs_jsonl_located` raises first over the whole file, from the rows with
+    a given ``doc_id`` of its ``spans`` (in file order: their ids, their positives' text ids, their
+    lines); None when no id has two texts."""
+    import numpy as np
+
+    doc_ids, text_ids, lines = (np.asarray(a, dtype=np.int64) for a in (doc_ids, text_ids, lines))
+    order = np.lexsort((lines, doc_ids))  # by id, then line: each id's first line leads its run
+    d, t, l = doc_ids[order], text_ids[order], lines[order]
+    lead = np.maximum.accumulate(np.where(np.r_[True, d[1:] != d[:-1]], np.arange(len(d)), 0))
+    bad = np.flatnonzero(t != t[lead])
+    if not len(bad):
+        return None
+    k = bad[np.argmin(l[bad])]
+    line = int(l[k])
+    span = next(s for s in reversed(spans) if s.line <= line)
+    given = next(obj["doc_id"] for at, obj in iter_jsonl(path, "training pairs", span) if at == line)
+    return _doc_id_conflict(path, line, given, int(l[lead[k]]))
 
 
 def _given(given: Any, hashed: int) -> Any:
@@ -570,13 +632,16 @@ __all__ = [
     "Negative",
     "Pair",
     "EvalSet",
+    "Span",
     "iter_jsonl",
     "text_lines",
+    "line_spans",
     "pair_from_json",
     "pair_to_json",
     "read_pairs_jsonl",
     "read_pairs_jsonl_located",
     "iter_pairs_jsonl_located",
+    "doc_id_conflict",
     "write_jsonl",
     "write_pairs_jsonl",
     "beir_doc_text",

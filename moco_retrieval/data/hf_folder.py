@@ -14,7 +14,6 @@ from typing import Any, Iterator, Optional
 
 from moco_retrieval.data.formats import DataError, Pair
 from moco_retrieval.data.tabular import pair_from_row, table_columns
-from moco_retrieval.files import json_object
 
 _WHAT = "a save_to_disk folder (Dataset or DatasetDict) or a folder of Parquet shards"
 
@@ -33,6 +32,8 @@ class HFTable:
 
 def _dataset_tables(folder: Path, split: str) -> list[HFTable]:
     import datasets
+
+    from moco_retrieval.files import json_object  # (files.py imports torch: not in a conversion worker, parallel.py)
 
     target, where = folder, str(folder)
     splits = json_object(folder / "dataset_dict.json").get("splits")

@@ -32,6 +32,7 @@ from omegaconf import OmegaConf
 
 from moco_retrieval.config import DataKind
 from moco_retrieval.data.convert import PairSpec, ensure_store
+from moco_retrieval.data.parallel import jsonl_split, parquet_split, shards_split
 from moco_retrieval.data.formats import (
     DataError,
     EvalSet,
@@ -292,7 +293,8 @@ def _count_lines(path: Path) -> int:
 
 def _jsonl_spec(path: Path) -> PairSpec:
     return PairSpec(str(path), [path], {"kind": "jsonl"}, [str(path)], "{file}:{line}",
-                    lambda: ((0, line, p) for line, p in iter_pairs_jsonl_located(path)), lambda: _count_lines(path))
+                    lambda: ((0, line, p) for line, p in iter_pairs_jsonl_located(path)), lambda: _count_lines(path),
+                    lambda n: jsonl_split(path, n))
 
 
 def _table_spec(path: Path, kind: str, columns: Any) -> PairSpec:
@@ -306,7 +308,8 @@ def _table_spec(path: Path, kind: str, columns: Any) -> PairSpec:
         return pq.ParquetFile(path).metadata.num_rows
 
     return PairSpec(str(path), [path], {"kind": kind, "columns": column_names(columns)}, [str(path)], "{file}: row {line}",
-                    lambda: ((0, row, p) for row, p in STREAMS[kind](path, columns)), count)
+                    lambda: ((0, row, p) for row, p in STREAMS[kind](path, columns)), count,
+                    (lambda n: parquet_split(path, columns, n)) if kind == "parquet" else None)
 
 
 def _hf_spec(folder: Path, split: str, columns: Any) -> PairSpec:
@@ -319,8 +322,10 @@ def _hf_spec(folder: Path, split: str, columns: Any) -> PairSpec:
         for i, t in enumerate(tables):
             yield from ((i, row, p) for row, p in iter_table_pairs(t, columns))
 
+    shards = tables[0].where.endswith(".parquet")  # (a save_to_disk folder is one table, read through datasets)
     return PairSpec(str(folder), hf_input_files(folder, tables), {"kind": "hf", "split": split, "columns": column_names(columns)},
-                    [t.where for t in tables], "{file}: row {line}", rows, lambda: sum(t.rows for t in tables))
+                    [t.where for t in tables], "{file}: row {line}", rows, lambda: sum(t.rows for t in tables),
+                    (lambda n: shards_split(tables, columns, n)) if shards else None)
 
 
 def pair_spec(cfg: Any, data_folder: Optional[Path] = None) -> PairSpec:
@@ -359,7 +364,9 @@ class TrainingRows:
 def prepare_store(cfg: Any, data_folder: Optional[Path] = None, verify: bool = False) -> Path:
     """The converted store of a data config's training pairs (converted first when absent or not
     whole; ``verify``: the sha256 of every file checked, convert.ensure_store)."""
-    return ensure_store(pair_spec(cfg, data_folder), store_root(cfg), verify=verify)
+    spec = pair_spec(cfg, data_folder)
+    spec.workers = cfg.prepare_workers
+    return ensure_store(spec, store_root(cfg), verify=verify)
 
 
 def load_training_rows(cfg: Any) -> TrainingRows:

@@ -42,14 +42,6 @@ MANIFEST = "manifest.json"
 ARRAYS = ("doc_id", "group", "n_neg", "scored", "file", "line", "offsets")
 
 
-def store_schema():
-    import pyarrow as pa
-
-    negative = pa.struct([("text", pa.string()), ("doc_id", pa.int64()), ("group", pa.int64()), ("score", pa.float64())])
-    return pa.schema([("query", pa.string()), ("positive", pa.string()), ("query_id", pa.string()),
-                      ("positive_score", pa.float64()), ("negatives", pa.list_(negative))])
-
-
 def read_manifest(folder: Path) -> dict:
     return json.loads((Path(folder) / MANIFEST).read_text())
 
@@ -386,6 +378,6 @@ class PairRowsDataset(Dataset):
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[int, Pair]]:
         return list(zip((int(i) for i in indices), self.rows.take(indices)))
 
-__all__ = ["STORE_VERSION", "TABLE", "MANIFEST", "ARRAYS", "store_schema", "read_manifest", "seal",
+__all__ = ["STORE_VERSION", "TABLE", "MANIFEST", "ARRAYS", "read_manifest", "seal",
            "check_folder", "PairStore", "PairList",
            "Segments", "ConcatStores", "PairRows", "PairRowsDataset"]

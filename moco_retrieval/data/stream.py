@@ -32,7 +32,8 @@ from typing import Any, Optional
 
 from moco_retrieval.progress import log_line
 
-from moco_retrieval.data.convert import file_lock, store_key
+from moco_retrieval.data.cache_lock import cache_lock
+from moco_retrieval.data.convert import store_key
 from moco_retrieval.data.formats import DataError, Negative, Pair
 from moco_retrieval.data.multisource import has_sources, source_config, source_names
 from moco_retrieval.data.sources import (check_train_paths, debian_folder, load_training_rows, pair_spec,
@@ -263,11 +264,13 @@ def _holds_files(where: str) -> bool:
 
 
 def _lock(cfg: Any):
-    """One preparation of a stream folder at a time on this node (the lock lives in the cache)."""
+    """One preparation of a stream folder at a time, by the store's lock (cache_lock.py: it holds on a
+    shared file system too, so every node sharing the cache waits for one preparation)."""
     root = store_root(cfg)
     root.mkdir(parents=True, exist_ok=True)
     name = hashlib.sha256(str(cfg.stream_dir).encode()).hexdigest()[:16]
-    return file_lock(root / f"stream-{name}.lock", f"waiting for another process preparing the chunks in {cfg.stream_dir}")
+    # (ready never: a waiter takes the lock in turn and finds the finished chunks' manifest)
+    return cache_lock(root / f"stream-{name}.lock", f"the chunks in {cfg.stream_dir}", lambda: False)
 
 
 # ---------------------------------------------------------------------------------------- reading

@@ -148,11 +148,11 @@ def iter_pairs_csv_located(path: PathLike, columns: Any = None) -> Iterator[tupl
         raise DataError(f"{p}: row {reader.line_num}: {e}") from None
 
 
-def _parquet_rows(p: Path, names: list[str]) -> Iterator[dict[str, Any]]:
+def _parquet_rows(p: Path, names: list[str], groups: Optional[range] = None) -> Iterator[dict[str, Any]]:
     import pyarrow.parquet as pq
 
     table = pq.ParquetFile(p)
-    for batch in table.iter_batches(columns=names, batch_size=8192):
+    for batch in table.iter_batches(columns=names, batch_size=8192, row_groups=groups):
         yield from batch.to_pylist()
 
 
@@ -170,11 +170,18 @@ def read_pairs_parquet_located(path: PathLike, columns: Any = None) -> list[tupl
     return list(iter_pairs_parquet_located(path, columns))
 
 
-def iter_pairs_parquet_located(path: PathLike, columns: Any = None) -> Iterator[tuple[int, Pair]]:
-    """:func:`read_pairs_parquet_located`, streamed."""
+def iter_pairs_parquet_located(path: PathLike, columns: Any = None, groups: Optional[range] = None) -> Iterator[tuple[int, Pair]]:
+    """:func:`read_pairs_parquet_located`, streamed (of the row groups ``groups`` only: a part of a
+    parallel conversion, its rows numbered as in the whole file)."""
     p = Path(path)
     cols = table_columns(p, _parquet_schema(p), columns)
-    for row, record in enumerate(_parquet_rows(p, [*cols.read.values(), *cols.negative_columns]), 1):
+    first = 1
+    if groups is not None:
+        import pyarrow.parquet as pq
+
+        meta = pq.ParquetFile(p).metadata
+        first += sum(meta.row_group(g).num_rows for g in range(groups.start))
+    for row, record in enumerate(_parquet_rows(p, [*cols.read.values(), *cols.negative_columns], groups), first):
         yield row, pair_from_row(cols.row_object(record), p, row, cols.labels())
 
 

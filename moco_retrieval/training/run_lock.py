@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Optional
 
 from moco_retrieval.errors import UserError
-from moco_retrieval.files import claim_output_dir, remove_entries
+from moco_retrieval.files import claim_output_dir, holder_alive, process_start_time, remove_entries
 from moco_retrieval.training.cluster import job_id
 
 LOCK_NAME = ".lock"
@@ -83,31 +83,6 @@ def claim_run_dir(run_dir: Path, continues: bool, overwrite: bool) -> list[str]:
     return replaced
 
 
-def _start_time(pid: int) -> Optional[str]:
-    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22), or None."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _alive(holder: dict) -> bool:
-    """Whether the holder recorded in the lock file still runs (only decidable on its own host)."""
-    if holder.get("host") != socket.gethostname():
-        return True  # cannot tell from here: assume it runs
-    pid = int(holder.get("pid") or 0)
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    started = holder.get("start_time")
-    return started is None or _start_time(pid) in (None, started)
-
-
 def _describe(holder: dict) -> str:
     job = f", job {holder['job_id']}" if holder.get("job_id") else ""
     since = f", since {holder['started']}" if holder.get("started") else ""
@@ -128,7 +103,7 @@ class RunLock:
 
     def _me(self) -> dict:
         pid = os.getpid()
-        return {"host": socket.gethostname(), "pid": pid, "job_id": job_id(self.env), "start_time": _start_time(pid),
+        return {"host": socket.gethostname(), "pid": pid, "job_id": job_id(self.env), "start_time": process_start_time(pid),
                 "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
     def _read(self, fd: int) -> dict:
@@ -139,7 +114,7 @@ class RunLock:
             return {}
 
     def _refuse_unless_same_job(self, holder: dict, me: dict) -> None:
-        seen_alive = holder.get("host") == me["host"] and _alive(holder)  # (two launches within one job)
+        seen_alive = holder.get("host") == me["host"] and holder_alive(holder)  # (two launches within one job)
         if me["job_id"] and holder.get("job_id") == me["job_id"] and not seen_alive:
             _note(f"{self.path}: taking the lock over from an earlier attempt of job {me['job_id']} "
                   f"({_describe(holder)})")
@@ -166,7 +141,7 @@ class RunLock:
                     raise
                 flock_ok = None
             holder = self._read(fd)
-            if flock_ok is False or (flock_ok is None and holder and _alive(holder)):
+            if flock_ok is False or (flock_ok is None and holder and holder_alive(holder)):
                 os.close(fd)
                 self._refuse_unless_same_job(holder, me)
                 fd = os.open(self.path, os.O_RDWR)  # same job: proceed without the flock it still holds

@@ -30,7 +30,7 @@ def test_prepare_names_the_closest_key_and_refuses_other_overrides(capsys):
     assert "Traceback" not in err
     status, err = stopped(["prepare", "data=jsonl", "+model.foo=1"], capsys)
     assert status == USER_ERROR_STATUS
-    assert err == "data prepare: error: prepare takes data=KIND and data.KEY=VALUE overrides only, got +model.foo=1"
+    assert err == "data prepare: error: prepare takes data=KIND, data.KEY=VALUE and workers=N overrides only, got +model.foo=1"
     status, err = stopped(["prepare", "data=nosuch"], capsys)
     assert status == USER_ERROR_STATUS and err.startswith("data prepare: error: In 'train': Could not find 'data/nosuch'")
     assert "jsonl" in err and "_schema" not in err

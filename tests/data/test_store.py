@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moco_retrieval.config import ColumnsConfig, DataConfig
-from moco_retrieval.data import convert
+from moco_retrieval.data import convert, writer
 from moco_retrieval.data.datamodule import RetrievalDataModule
 from moco_retrieval.data.formats import DataError, read_pairs_jsonl
 from moco_retrieval.data.sources import load, load_training_pairs, pair_spec, prepare_store, store_root
@@ -336,11 +336,11 @@ def test_a_store_finished_elsewhere_first_wins(tmp_path):
 def test_rows_across_record_batches_come_back_in_the_order_asked(tmp_path, monkeypatch):
     from moco_retrieval.data.store import PairStore
 
-    monkeypatch.setattr(convert, "CHUNK", 7)  # 60 rows in 9 record batches
+    monkeypatch.setattr(writer, "CHUNK", 7)  # 60 rows in 9 record batches
     cfg = cfg_for(tmp_path, rich_rows(60))
     store = PairStore(prepare_store(cfg))
     assert len(store.table.to_batches()) == 9
-    monkeypatch.setattr(convert, "CHUNK_CHARS", 100)  # or cut by text volume: fewer than 7 rows a batch here
+    monkeypatch.setattr(writer, "CHUNK_CHARS", 100)  # or cut by text volume: fewer than 7 rows a batch here
     (tmp_path / "cache").rename(tmp_path / "cache_rows")
     store = PairStore(prepare_store(cfg))
     assert 9 < len(store.table.to_batches()) < 60 and len(store) == 60

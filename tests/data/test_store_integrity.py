@@ -304,7 +304,8 @@ from moco_retrieval.config import DataConfig
 from moco_retrieval.data import convert
 from moco_retrieval.data.sources import prepare_store
 
-convert.CHUNK = 5
+from moco_retrieval.data import writer
+writer.CHUNK = 5
 real = convert.write_store
 
 def stalled(spec, folder):
