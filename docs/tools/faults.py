@@ -266,6 +266,11 @@ INPUT_CASES = [
          _user_folder),
     Case("export_not_export", "export overwrite=true onto a folder that is not an export",
          command("export", *TINY, "out_dir={data}/out", "overwrite=true"), _user_folder),
+    Case("best_set", "trainer.best_set=nope (no such evaluation set)", train("trainer.best_set=nope")),
+    Case("eval_both", "data.eval_dir and data.eval_dirs both given",
+         train("data.eval_dir={data}/beir", "data.eval_dirs=[{data}/beir]"), _beir),
+    Case("stream_dir_alone", "data.stream_dir without data.stream=true", train("data.stream_dir={data}/chunks")),
+    Case("stream_no_dir", "data.stream=true without data.stream_dir", train("data.stream=true")),
     Case("search_k0", "search k=0", command("search", *TINY, "k=0", "query=apt", "corpus={data}/beir"), _beir),
     Case("search_blank", "search: a blank query", command("search", *TINY, "query=' '", "corpus={data}/beir"), _beir),
 ]
