@@ -51,8 +51,11 @@ def reference_run(run_dir: Path, env: dict, extra: tuple = ()) -> None:
 
 
 @pytest.mark.parametrize("objective,refresh,variant", [
-    ("moco", 0, ""), ("two_queue", 0, ""), ("two_queue", 2, ""),
-    pytest.param("two_queue", 0, "online", marks=pytest.mark.slow),  # (each half a minute: the slow suite)
+    ("two_queue", 0, ""), ("two_queue", 2, ""),
+    # (each half a minute: the slow suite; MoCo's queue alone is also resumed bit-exact by the fast
+    # in-process tests of training/test_lightning_module.py)
+    pytest.param("moco", 0, "", marks=pytest.mark.slow),
+    pytest.param("two_queue", 0, "online", marks=pytest.mark.slow),
     pytest.param("moco", 0, "documents", marks=pytest.mark.slow)])
 def test_sigterm_mid_epoch_then_resume_matches_uninterrupted_run(tmp_path, cli_env, objective, refresh, variant):
     """``variant``: online keys (objective.keys=online: no key encoder, the queues alone carry the
