@@ -274,11 +274,12 @@ say "torch: $torch_wheel"
 # the dependencies the image installs: the Dockerfile's builder stage computes the same list
 python3 - "$ROOT/pyproject.toml" >"$WORK/requirements.txt" <<'EOF'
 import re, sys, tomllib
-deps = tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+deps = project["dependencies"] + project["optional-dependencies"]["stream"]
 print("\n".join(d for d in deps if re.split(r"[^A-Za-z0-9._-]", d, maxsplit=1)[0].lower() != "torch"))
 EOF
 printf 'torch==%s+cpu\nsetuptools>=68\nwheel\n' "$TORCH_VERSION" >>"$WORK/requirements.txt"
-key="$( (cat "$WORK/requirements.txt"; basename "$torch_wheel") | sha256sum | cut -c1-16)"
+key="$( (cat "$WORK/requirements.txt" "$ROOT/requirements-nodeps.txt"; basename "$torch_wheel") | sha256sum | cut -c1-16)"
 wheels="$SMOKE_CACHE/wheels-$key"
 if [[ -f "$wheels/.complete" ]]; then
   say "wheels: cached ($wheels)"
@@ -292,8 +293,11 @@ else
   [[ -f "$bundle" ]] && cert=(-v "$bundle:/etc/ssl/certs/host-bundle.crt:ro" -e PIP_CERT=/etc/ssl/certs/host-bundle.crt)
   if ! docker run --rm --network host --label "$LABEL" "${cert[@]}" \
       -v "$wheels.tmp:/wheels" -v "$(dirname "$torch_wheel"):/torch:ro" -v "$WORK/requirements.txt:/requirements.txt:ro" \
-      "$BUILDER_TAG" pip wheel --quiet --disable-pip-version-check --use-pep517 --wheel-dir /wheels \
-      --find-links /torch --prefer-binary -r /requirements.txt >"$WORK/wheels.log" 2>&1; then
+      -v "$ROOT/requirements-nodeps.txt:/requirements-nodeps.txt:ro" \
+      "$BUILDER_TAG" sh -c 'pip wheel --quiet --disable-pip-version-check --use-pep517 --wheel-dir /wheels \
+      --find-links /torch --prefer-binary -r /requirements.txt \
+      && pip wheel --quiet --disable-pip-version-check --no-deps --wheel-dir /wheels -r /requirements-nodeps.txt' \
+      >"$WORK/wheels.log" 2>&1; then
     tail -30 "$WORK/wheels.log" >&2
     die "fetching the dependencies' wheels"
   fi
