@@ -374,7 +374,7 @@ say "image: $(docker image inspect --format '{{.Size}}' "$IMAGE" | awk '{printf 
 # A source edit rebuilds only what follows the project's files: the apt layer (the default data),
 # torch and the other dependencies come from the cache, so no apt-get update reaches the network.
 mkdir -p "$WORK/edited"
-cp -a "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/.dockerignore" "$ROOT/conf" "$ROOT/moco_retrieval" "$ROOT/docker" "$WORK/edited/"
+cp -a "$ROOT/pyproject.toml" "$ROOT/requirements-nodeps.txt" "$ROOT/README.md" "$ROOT/.dockerignore" "$ROOT/conf" "$ROOT/moco_retrieval" "$ROOT/docker" "$WORK/edited/"
 # (a new edit each run: an earlier run's edited layers may still be in the cache)
 printf '\n# an edit (docker/smoke.sh, %s)\n' "$(date +%s%N)" >>"$WORK/edited/moco_retrieval/__init__.py"
 t=$SECONDS
