@@ -473,6 +473,30 @@ def worker(argv: list[str]) -> None:
 # --------------------------------------------------------------------------------------- report
 
 
+def paper_report(res: dict) -> list[str]:
+    """100M and 1B pairs on paper (issue 48, B18): each figure scaled from a per-row cost measured
+    above, so it moves with the measurements; what it assumes is said beside it."""
+    big = max(res["conversion"].values(), key=lambda c: c["rows"])
+    bytes_per_row = big["store_mb"] * 1e6 / big["rows"]
+    p = res["prepare_workers"]
+    cpu_per_row = sorted(r["cpu_s"] for r in p["runs"]["1"])[len(p["runs"]["1"]) // 2] / p["rows"]
+    sampler = res["sampler"]["now"][max(res["sampler"]["now"], key=lambda k: int(k.replace(",", "")))]
+    rows = []
+    for n in (100_000_000, 1_000_000_000):
+        rows.append([f"{n:,}", f"{n * bytes_per_row / 1e9:,.0f} GB", f"{n * 16 / 1e9:,.1f} GB",
+                     f"{n * cpu_per_row / 3600:,.1f} h", f"{n * cpu_per_row / 16 / 60:,.0f} min",
+                     f"{sampler['anon_growth_mb']:.0f} MB", f"{sampler['first_batch_s']:.2f} s"])
+    return ["", "## 100M and 1B pairs, on paper", "",
+            f"Scaled from the rows above: the store's {bytes_per_row:,.0f} bytes per pair ({big['rows']:,} pairs; "
+            f"a stream's chunks hold the same rows, about the same bytes: not measured), {cpu_per_row * 1e6:.0f} µs of "
+            "CPU per pair to convert (`prepare`, one process, the median of the workers=1 rounds), 16 bytes per "
+            "pair of ids and groups (memory-mapped: page cache shared by a node's ranks, not a rank's own memory), "
+            "and the sampler's own memory and first batch at its largest measured size. *16 cores* assumes "
+            "`workers=16` scales linearly, which this 2-core machine could not show (1.10x on 2 busy cores).", "",
+            md_table(["pairs", "store on disk", "ids + groups mapped", "conversion, one core", "on 16 cores",
+                      "sampler memory per rank", "sampler first batch"], rows)]
+
+
 def report(res: dict) -> str:
     conv = res["conversion"]
     lines = ["# B10: data at scale (converted store vs today's loader)", "",
@@ -515,6 +539,8 @@ def report(res: dict) -> str:
         lines += ["", note]
     for section in res.get("sections", []):  # written by hand into the results (kept in the JSON)
         lines += ["", section.rstrip()]
+    if res.get("sampler") and res.get("prepare_workers"):
+        lines += paper_report(res)
     if res.get("sampler"):
         lines += sampler_report(res["sampler"])
     return "\n".join(lines)
