@@ -266,6 +266,36 @@ def fake_tokenize(texts, kind):
     return {"input_ids": ids, "attention_mask": (ids > 0).long()}
 
 
+def fit_recording_batches(datamodule, root: Path, max_steps: int = -1, ckpt_path=None) -> list:
+    """A 2-epoch Lightning fit of a one-parameter module on ``datamodule``, a checkpoint every step
+    (``root/ck/last.ckpt``): ``(epoch, the batch's row indices)`` of every step trained, for the
+    resume tests (stop with ``max_steps``, resume from ``ckpt_path``: the two lists add up)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Recorder(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+            self.seen = []
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append((self.current_epoch, batch["index"].tolist()))
+            return (self.w - 1.0).pow(2).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = Recorder()
+    trainer = L.Trainer(
+        default_root_dir=root, max_epochs=2, max_steps=max_steps, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, limit_val_batches=0, num_sanity_val_steps=0,
+        callbacks=[ModelCheckpoint(dirpath=root / "ck", save_last=True, every_n_train_steps=1, save_top_k=0)],
+    )
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    return module.seen
+
+
 def epoch_indices(sampler, epoch):
     sampler.set_epoch(epoch)
     return [list(b) for b in sampler]

@@ -152,32 +152,11 @@ def test_resume_mid_epoch_sampler(tmp_path):
 
 def test_resume_mid_epoch_under_lightning(tmp_path):
     """A real fit stopped by max_steps, resumed from its last checkpoint: every batch exactly once."""
-    import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    class Recorder(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(1))
-            self.seen = []
-
-        def training_step(self, batch, batch_idx):
-            self.seen.append((self.current_epoch, batch["index"].tolist()))
-            return (self.w - 1.0).pow(2).sum()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+    from tests.helpers import fit_recording_batches
 
     def fit(root, max_steps=-1, ckpt=None):
-        module = Recorder()
-        trainer = L.Trainer(
-            default_root_dir=root, max_epochs=2, max_steps=max_steps, logger=False, enable_progress_bar=False,
-            enable_model_summary=False, use_distributed_sampler=False, limit_val_batches=0, num_sanity_val_steps=0,
-            callbacks=[ModelCheckpoint(dirpath=root / "ck", save_last=True, every_n_train_steps=1, save_top_k=0)],
-        )
         with _no_resume_warning():
-            trainer.fit(module, datamodule=RetrievalDataModule(cfg), ckpt_path=ckpt)
-        return module.seen
+            return fit_recording_batches(RetrievalDataModule(cfg), root, max_steps, ckpt)
 
     cfg = make_cfg(tmp_path, n=30, repeat_ids=True, batch_size=4)
     full = fit(tmp_path / "full")

@@ -220,32 +220,10 @@ def test_prepare_command_writes_the_chunks_with_workers(tmp_path, capsys):
 def test_resume_under_lightning_over_two_epochs(tmp_path):
     """A fit stopped by max_steps mid-epoch (0 and 1) and resumed from its last checkpoint trains the
     batches of the uninterrupted fit, each once: the fit loop's epoch reaches the stream's loader."""
-    import lightning as L
-    import torch
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    class Recorder(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(1))
-            self.seen = []
-
-        def training_step(self, batch, batch_idx):
-            self.seen.append((self.current_epoch, batch["index"].tolist()))
-            return (self.w - 1.0).pow(2).sum()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+    from tests.helpers import fit_recording_batches
 
     def fit(root, max_steps=-1, ckpt=None):
-        module = Recorder()
-        trainer = L.Trainer(default_root_dir=root, max_epochs=2, max_steps=max_steps, logger=False,
-                            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                            limit_val_batches=0, num_sanity_val_steps=0,
-                            callbacks=[ModelCheckpoint(dirpath=root / "ck", save_last=True, every_n_train_steps=1,
-                                                       save_top_k=0)])
-        trainer.fit(module, datamodule=RetrievalDataModule(cfg, rank=0, world_size=1), ckpt_path=ckpt)
-        return module.seen
+        return fit_recording_batches(RetrievalDataModule(cfg, rank=0, world_size=1), root, max_steps, ckpt)
 
     cfg = streamed(make_cfg(tmp_path, n=30, batch_size=4), tmp_path / "chunks")
     full = fit(tmp_path / "full")
