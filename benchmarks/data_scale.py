@@ -80,6 +80,7 @@ def generate(path: Path, rows: int, negatives: int = 0, seed: int = 0) -> Path:
     rng = np.random.default_rng(seed)
     vocab = vocabulary(rng)
     tmp = path.with_suffix(".tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
     chunk = 50_000
     with open(tmp, "w") as f:
         for start in range(0, rows, chunk):
