@@ -73,7 +73,7 @@ def texts(rng: np.random.Generator, vocab: np.ndarray, n: int, words: int) -> li
     return [" ".join(row) for row in vocab[idx].tolist()]
 
 
-def generate(path: Path, rows: int, negatives: int = 0, seed: int = 0) -> Path:
+def generate(path: Path, rows: int, negatives: int = 0, seed: int = 0, doc_words: int = DOC_WORDS) -> Path:
     """``rows`` synthetic pairs (each with ``negatives`` other rows' documents), written once."""
     if path.is_file():
         return path
@@ -85,7 +85,7 @@ def generate(path: Path, rows: int, negatives: int = 0, seed: int = 0) -> Path:
     with open(tmp, "w") as f:
         for start in range(0, rows, chunk):
             n = min(chunk, rows - start)
-            qs, ds = texts(rng, vocab, n, QUERY_WORDS), texts(rng, vocab, n, DOC_WORDS)
+            qs, ds = texts(rng, vocab, n, QUERY_WORDS), texts(rng, vocab, n, doc_words)
             for i in range(n):
                 rec = {"query": qs[i], "positive": ds[i]}
                 if negatives:
@@ -411,21 +411,24 @@ class Sampler(threading.Thread):
 
 
 def run(label: str, file: Path, cache: Path, eval_dir: Path, work: Path, before: bool = False, timeout: float = 1500,
-        extra: tuple = ()) -> dict:
-    """One 2-rank training command up to its second step: seconds to the first step, peak memory."""
+        extra: tuple = (), steps: int = 0) -> dict:
+    """One 2-rank training command up to its second step: seconds to the first step, peak memory.
+    ``steps``: the whole run of that many steps instead, each rank's batch times kept (:func:`loader_share`)."""
     slug = re.sub(r"[^A-Za-z0-9]+", "_", label)
     overrides = ["+experiment=smoke", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "data=jsonl",
                  f"data.train_path={file}", f"data.eval_dir={eval_dir}", f"data.cache_dir={cache}",
                  "data.max_train_examples=null", "data.max_eval_docs=null", "data.max_eval_queries=null",
-                 "data.num_workers=2", "trainer.log_every_n_steps=1", "trainer.max_steps=4",
+                 "data.num_workers=2", "trainer.log_every_n_steps=1", f"trainer.max_steps={steps or 4}",
                  "trainer.val_check_interval=1000", f"run_dir={work}/runs/{slug}/rank${{oc.env:LOCAL_RANK}}",
                  f"hydra.run.dir={work}/runs/{slug}/hydra", *extra]
     entry = ["-m", "benchmarks.data_scale", "worker"] + (["--before"] if before else [])
     cmd = ["nice", "-n", "10", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            *entry, *overrides]
+    times = work / "runs" / slug / "batch_times"
+    subprocess.run(["rm", "-rf", str(times)], check=True)
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env(work), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, env={**env(work), **({"DATA_SCALE_BATCH_TIMES": str(times)} if steps else {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     mem = Sampler(proc.pid)
     mem.start()
     first, lines = None, []
@@ -435,7 +438,7 @@ def run(label: str, file: Path, cache: Path, eval_dir: Path, work: Path, before:
         lines.append(line)
         if first is None and STEP1.search(line):
             first = time.monotonic() - t0
-        if STEP2.search(line):
+        if not steps and STEP2.search(line):
             time.sleep(1.0)  # a last memory sample with the workers busy
             os.killpg(proc.pid, signal.SIGTERM)
     proc.wait()
@@ -447,8 +450,47 @@ def run(label: str, file: Path, cache: Path, eval_dir: Path, work: Path, before:
     log.write_text("".join(lines))
     if first is None:
         raise RuntimeError(f"{label}: no first step; see {log}")
-    return {"label": label, "first_step_s": round(first, 1), **{k: {kk: round(vv) for kk, vv in v.items()}
-                                                               for k, v in sorted(mem.peak.items())}}
+    out = {"label": label, "first_step_s": round(first, 1), **{k: {kk: round(vv) for kk, vv in v.items()}
+                                                              for k, v in sorted(mem.peak.items())}}
+    return {**out, "loader": loader_share(times)} if steps else out
+
+
+def loader_share(times: Path, skip: int = 10) -> dict:
+    """Per rank, from the batch times :class:`BatchTimes` wrote: the wait for each next batch (from one
+    batch's end to the next one's start: the loader's fetch and the batch's transfer) as a share of the
+    step time (wait + compute), over the steps after the first ``skip``; median milliseconds of each."""
+    out = {}
+    for f in sorted(times.glob("rank*.json")):
+        t = json.loads(f.read_text())  # [[start, end], ...] of each training batch
+        waits = [b[0] - a[1] for a, b in zip(t[skip:], t[skip + 1:])]
+        steps = [b - a for a, b in t[skip + 1:]]
+        out[f.stem] = {"steps": len(steps), "share": round(sum(waits) / (sum(waits) + sum(steps)), 4),
+                       "wait_ms": round(float(np.median(waits)) * 1e3, 2), "step_ms": round(float(np.median(steps)) * 1e3, 1)}
+    return out
+
+
+class BatchTimes:
+    """A Lightning callback (the run's workers' entry adds it): each training batch's start and end
+    times, written per rank when training ends."""
+
+    def __new__(cls, folder: str):
+        import lightning.pytorch as pl
+
+        class Times(pl.Callback):
+            def __init__(self) -> None:
+                self.t: list = []
+
+            def on_train_batch_start(self, *a) -> None:
+                self.t.append([time.perf_counter(), None])
+
+            def on_train_batch_end(self, *a) -> None:
+                self.t[-1][1] = time.perf_counter()
+
+            def on_train_end(self, trainer, *a) -> None:
+                Path(folder).mkdir(parents=True, exist_ok=True)
+                Path(folder, f"rank{trainer.global_rank}.json").write_text(json.dumps([x for x in self.t if x[1]]))
+
+        return Times()
 
 
 def worker(argv: list[str]) -> None:
@@ -465,10 +507,81 @@ def worker(argv: list[str]) -> None:
             self._set_data(PairRows(PairList(train.pairs, train.where)), pool.eval_set)
 
         RetrievalDataModule._load = load_today
+    if os.environ.get("DATA_SCALE_BATCH_TIMES"):
+        import lightning.pytorch as pl
+
+        init = pl.Trainer.__init__
+
+        def with_times(self, *a, callbacks=None, **k):
+            init(self, *a, callbacks=[*(callbacks or []), BatchTimes(os.environ["DATA_SCALE_BATCH_TIMES"])], **k)
+
+        pl.Trainer.__init__ = with_times
     from moco_retrieval.train import main
 
     sys.argv = [sys.argv[0], *argv]
     main()
+
+
+def stream_scale(n: int, doc_words: int, steps: int, work: Path) -> dict:
+    """B18 (issue 48): ``n`` pairs and 1k, the store against the stream. Each prepared by ``prepare
+    workers=2`` (the stream from the store: litdata.optimize, 2 processes); per path and file a 2-rank
+    run to its first step (memory peaks, as :func:`run`), and on the big file a run of ``steps`` steps at
+    batch 64 with its loader share (:func:`loader_share`). Files and chunks deleted at the end."""
+    work.mkdir(parents=True, exist_ok=True)
+    eval_dir = write_eval(work / "eval")
+    files = {"1k": generate(work / f"pairs_1k_w{doc_words}.jsonl", 1000, doc_words=doc_words),
+             f"{n:,}": generate(work / f"pairs_{n}_w{doc_words}.jsonl", n, doc_words=doc_words)}
+    out: dict = {"doc_words": doc_words, "steps": steps, "prepare": {}, "runs": [], "env": environment()}
+    for key, f in files.items():
+        cache, chunks = work / "stores" / f.stem, work / "streams" / f.stem
+        subprocess.run(["rm", "-rf", str(cache), str(chunks)], check=True)
+        for path, opts in (("store", ()), ("stream", ("data.stream=true", f"data.stream_dir={chunks}"))):
+            t0 = time.monotonic()
+            subprocess.run(["nice", "-n", "10", sys.executable, "-m", "moco_retrieval.data", "prepare", "data=jsonl",
+                            f"data.train_path={f}", f"data.cache_dir={cache}", "workers=2", *opts],
+                           check=True, env=env(work), capture_output=True)
+            folder = chunks if path == "stream" else next(p.parent for p in (cache / "pairs").glob("*/manifest.json"))
+            out["prepare"][f"{key} {path}"] = {"command_s": round(time.monotonic() - t0, 1), "mb": round(du(folder) / 1e6, 1),
+                                               "input_mb": round(f.stat().st_size / 1e6, 1)}
+            print(key, path, out["prepare"][f"{key} {path}"], flush=True)
+            out["runs"].append({"path": path, "file": key, **run(f"{key} {path} warm", f, cache, eval_dir, work, extra=opts)})
+            print(out["runs"][-1], flush=True)
+            if key != "1k":
+                out["runs"].append({"path": path, "file": key, **run(
+                    f"{key} {path} {steps} steps, batch 64", f, cache, eval_dir, work, steps=steps,
+                    extra=(*opts, "data.batch_size=64"))})
+                print(out["runs"][-1], flush=True)
+        subprocess.run(["rm", "-rf", str(cache), str(chunks)], check=True)
+    return out
+
+
+def stream_scale_report(r: dict) -> list[str]:
+    big = next(k for k in r["prepare"] if not k.startswith("1k")).split()[0]
+    ref = {x["path"]: x for x in r["runs"] if x["file"] == "1k"}
+    rows = []
+    for x in (x for x in r["runs"] if x["file"] == big and "loader" not in x):
+        for rank in ("rank0", "rank1"):
+            base = ref[x["path"]][rank]
+            rows.append([x["path"], rank[-1], f"{x['first_step_s']:.1f}", f"{ref[x['path']]['first_step_s']:.1f}",
+                         f"{x['first_step_s'] - ref[x['path']]['first_step_s']:+.1f}",
+                         x[rank]["anon_mb"] - base["anon_mb"], x[rank]["pss_mb"] - base["pss_mb"],
+                         x[rank]["rss_mb"] - base["rss_mb"],
+                         x[rank]["anon_with_workers_mb"] - base["anon_with_workers_mb"]])
+    loader = [[x["path"], rank[-1], v["steps"], v["step_ms"], v["wait_ms"], f"{100 * v['share']:.1f}%"]
+              for x in r["runs"] if "loader" in x for rank, v in x["loader"].items()]
+    prep = [[k, v["input_mb"], v["mb"], v["command_s"]] for k, v in r["prepare"].items()]
+    return ["", f"## B18: {big} pairs, the store against the stream (issue 48)", "",
+            f"Synthetic pairs as above but documents of {r['doc_words']} words (the disk holds the JSONL, the store "
+            "and the chunks at once), prepared with `workers=2` (the stream from the store). Runs as above: 2 gloo "
+            "ranks, the tiny model, data.num_workers=2, each beside the same path's 1k-pair run of this invocation; "
+            "*data* memory = the run's peak minus its 1k run's.", "",
+            md_table(["prepared", "input MB", "on disk MB", "command s"], prep), "",
+            md_table(["path", "rank", "first step s", "1k first step s", "difference s", "data anon MB", "data PSS MB",
+                      "data RSS MB", "data anon with workers MB"], rows), "",
+            f"The loader's share of the step: {r['steps']} steps at batch 64 on the big file; per rank, the wait from "
+            "one batch's end to the next one's start (the fetch from the DataLoader's workers and the transfer) "
+            "over wait + step, the first 10 steps left out; medians in ms.", "",
+            md_table(["path", "rank", "steps", "step ms", "wait ms", "loader share"], loader)]
 
 
 # --------------------------------------------------------------------------------------- report
@@ -534,6 +647,8 @@ def report(res: dict) -> str:
                   f"(today's loader) {d['memory']} ms."]
     if res.get("prepare_workers"):
         lines += prepare_workers_report(res["prepare_workers"])
+    if res.get("stream_scale"):
+        lines += stream_scale_report(res["stream_scale"])
     if res.get("cut"):
         lines += ["", "Not measured: " + res["cut"]]
     for note in res.get("notes", []):
@@ -572,6 +687,9 @@ def main() -> None:
     ap.add_argument("--prepare-workers", default="", help="only: prepare with each workers=N (e.g. 1,2), added to the results")
     ap.add_argument("--prepare-size", type=int, default=2_000_000, help="pairs of --prepare-workers' file")
     ap.add_argument("--prepare-repeats", type=int, default=2)
+    ap.add_argument("--stream-size", type=int, default=0, help="only: the store against the stream at this many pairs (B18)")
+    ap.add_argument("--doc-words", type=int, default=DOC_WORDS, help="--stream-size: words per document")
+    ap.add_argument("--loader-steps", type=int, default=60, help="--stream-size: steps of the loader-share runs")
     cli.add_out(ap)  # no --threads: the measured processes are torchrun's; the Debian set: $MOCO_RETRIEVAL_DEBIAN_DIR
     args = ap.parse_args()
     out = cli.out_dir(args)
@@ -584,6 +702,11 @@ def main() -> None:
     if args.debian_batches:
         res = json.loads((out / "data_scale.json").read_text())
         res["debian_batches"] = {"batches": args.debian_batches, **debian_batches(Path(args.work), args.debian_batches)}
+        write_results("data_scale", report(res), res, out)
+        return
+    if args.stream_size:
+        res = json.loads((out / "data_scale.json").read_text())
+        res["stream_scale"] = stream_scale(args.stream_size, args.doc_words, args.loader_steps, Path(args.work) / "stream")
         write_results("data_scale", report(res), res, out)
         return
     if args.prepare_workers:
@@ -643,7 +766,7 @@ def merged(old: dict, new: dict) -> dict:
     return {"env": new["env"], "conversion": {**old["conversion"], **new["conversion"]}, "open": {**old["open"], **new["open"]},
             "runs": [r for r in old["runs"] if r["label"] not in labels] + new["runs"],
             "cut": new["cut"] or old.get("cut", ""), "notes": old.get("notes", []) + new.get("notes", []),
-            **{k: old[k] for k in ("debian_batches", "sections", "sampler", "prepare_workers") if k in old}}
+            **{k: old[k] for k in ("debian_batches", "sections", "sampler", "prepare_workers", "stream_scale") if k in old}}
 
 
 if __name__ == "__main__":

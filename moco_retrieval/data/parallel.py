@@ -4,10 +4,11 @@ The input is cut into parts in file order (a spec's ``split``): one JSONL file i
 that start at a line (formats.line_spans: each part knows its first line's number), a Parquet file
 by row groups, a folder of Parquet shards by shards. Each part is converted by a process of its own
 (``python -m moco_retrieval.data.parallel PART_FOLDER``: this module, the readers, pyarrow; no
-torch) into a folder of its own; the parent then writes what one process writes: the numpy columns
-joined in order, the table cut into the same record batches (writer.chunk_ends). Ids are hashes of
-texts or of the given ids (ids.py), so no part depends on another: the store is byte for byte the
-one a single process converts.
+torch) into a folder of its own; the parent then joins them in order: the numpy columns, and the
+parts' Arrow streams byte for byte, each part's record batches as written (no batch is decoded
+again: the join costs a file copy). Ids are hashes of texts or of the given ids (ids.py), so no part
+depends on another: the store holds the rows and columns a single process converts; only the record
+batches at the parts' bounds are shorter.
 
 Errors: the first in file order wins, as in one process: the first failed part's own located
 message, unless an earlier line gives a ``doc_id`` a second text (checked over the parts together:
@@ -33,7 +34,7 @@ import numpy as np
 
 from moco_retrieval.data.formats import DataError, Span, doc_id_conflict, iter_pairs_jsonl_located, line_spans
 from moco_retrieval.data.ids import doc_id_for_text
-from moco_retrieval.data.writer import Row, chunk_ends, row_chars, store_schema, write_rows
+from moco_retrieval.data.writer import Row, write_rows
 
 TABLE = "pairs.arrow"  # a part's table (the store's is store.TABLE, given to write_parts)
 GIVEN = ("given_doc", "given_text", "given_line")  # a part's rows with a given doc_id: ids, text ids, lines
@@ -208,38 +209,52 @@ def _failure(d: Path, proc: subprocess.Popen, k: int) -> BaseException:
 
 
 def _join(dirs: list[Path], table: Path) -> dict[str, np.ndarray]:
-    """The parts' columns joined, and their tables written into ``table`` in one process's record batches."""
+    """The parts' columns joined, and their Arrow streams into ``table``: the first part's schema, every
+    part's record batches as bytes, one end-of-stream marker."""
     import pyarrow as pa
 
-    names = [p.stem for p in sorted(dirs[0].glob("*.npy")) if p.stem not in GIVEN and p.stem != "chars"]
+    names = [p.stem for p in sorted(dirs[0].glob("*.npy")) if p.stem not in GIVEN]
     arrays = {name: np.concatenate([np.load(d / f"{name}.npy") for d in dirs]) for name in names}
-    parts = [pa.ipc.open_stream(pa.memory_map(str(d / TABLE))).read_all() for d in dirs]
-    rows = pa.concat_tables(parts)
-    start = 0
-    with pa.OSFile(str(table), "wb") as sink, pa.ipc.new_stream(sink, store_schema()) as writer:
-        for end in chunk_ends(np.concatenate([np.load(d / "chars.npy") for d in dirs])):
-            piece = rows.slice(start, end - start)  # (concatenated anew even when one chunk holds it:
-            # a slice would carry its chunk's buffers whole, a concatenation only its own bytes)
-            writer.write_batch(pa.RecordBatch.from_arrays([pa.concat_arrays(c.chunks) for c in piece.columns],
-                                                          schema=piece.schema))
-            start = end
+    with open(table, "wb") as out:
+        for k, d in enumerate(dirs):
+            with pa.OSFile(str(d / TABLE)) as src:
+                pa.ipc.read_message(src)  # the schema: written once, from the first part
+                start = 0 if k == 0 else src.tell()
+            with open(d / TABLE, "rb") as src:
+                size = os.fstat(src.fileno()).st_size
+                src.seek(size - len(END))
+                if src.read() != END:
+                    raise RuntimeError(f"the conversion's part {k + 1} did not end its Arrow stream")
+                src.seek(start)
+                _copy(src, out, size - len(END) - start)
+        out.write(END)
     return arrays
+
+
+END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # Arrow IPC's end of stream (a continuation marker, length 0)
+
+
+def _copy(src: Any, out: Any, n: int, block: int = 1 << 24) -> None:
+    while n > 0:
+        data = src.read(min(block, n))
+        if not data:
+            raise RuntimeError("a conversion part ended early")
+        out.write(data)
+        n -= len(data)
 
 
 # ------------------------------------------------------------------------------------- worker
 
 
 def _work(d: Path) -> None:
-    """Convert one part into ``d``: its table and columns, each row's characters (the parent cuts
-    record batches by them), its rows' given doc_ids; ``done``, else ``failed.pkl`` (the reader's
-    error). Prints the rows written so far after each record batch."""
+    """Convert one part into ``d``: its table and columns, its rows' given doc_ids; ``done``, else
+    ``failed.pkl`` (the reader's error). Prints the rows written so far after each record batch."""
     task = pickle.loads((d / "task.pkl").read_bytes())
-    chars, given = array("q"), {g: array("q") for g in GIVEN}
+    given = {g: array("q") for g in GIVEN}
 
     def rows() -> Iterator[Row]:
         for row in task["rows"](*task["args"]):
             p = row[2]
-            chars.append(row_chars(p))
             if task["given"] and p.given_doc_id is not None:
                 for g, v in zip(GIVEN, (p.doc_id, doc_id_for_text(p.positive), row[1])):
                     given[g].append(v)
@@ -262,7 +277,6 @@ def _work(d: Path) -> None:
     if arrays is not None:
         for name, v in arrays.items():
             np.save(d / f"{name}.npy", v)
-        np.save(d / "chars.npy", np.frombuffer(chars, dtype=np.int64) if len(chars) else np.zeros(0, dtype=np.int64))
         (d / "done").touch()
 
 

@@ -3,8 +3,7 @@ columns. It imports neither torch nor the store's readers, so the conversion's w
 (parallel.py) start in a fraction of a second.
 
 A record batch holds ``CHUNK`` rows or about ``CHUNK_CHARS`` characters of text, whichever comes
-first (:func:`chunks` streaming, :func:`chunk_ends` the same cut from each row's characters, which
-is how a parallel conversion writes the batches one process would).
+first (:func:`chunks`).
 """
 from __future__ import annotations
 
@@ -104,17 +103,6 @@ def chunks(it: Iterable[Row]) -> Iterator[list[Row]]:
         yield chunk
 
 
-def chunk_ends(chars: np.ndarray) -> list[int]:
-    """Where :func:`chunks` cuts rows with these characters each: the end (exclusive) of every chunk."""
-    cum = np.concatenate([[0], np.cumsum(chars, dtype=np.int64)])
-    ends, start, n = [], 0, len(chars)
-    while start < n:  # a chunk ends at CHUNK rows, or at the first row that brings it to CHUNK_CHARS
-        by_chars = int(np.searchsorted(cum, cum[start] + CHUNK_CHARS, side="left"))
-        start = min(start + CHUNK, by_chars, n)
-        ends.append(start)
-    return ends
-
-
 def write_rows(rows: Iterable[Row], table: Path, done: Callable[[list[Row]], None]) -> dict[str, np.ndarray]:
     """Stream ``rows`` into the Arrow stream ``table`` in record batches; their numpy columns, joined.
     ``done(chunk)`` after each batch is written (progress)."""
@@ -133,5 +121,4 @@ def write_rows(rows: Iterable[Row], table: Path, done: Callable[[list[Row]], Non
             done(chunk)
     return {k: np.concatenate(v) for k, v in parts.items()}
 
-__all__ = ["CHUNK", "CHUNK_CHARS", "Row", "store_schema", "row_chars", "Columns", "numbers", "chunks", "chunk_ends",
-           "write_rows"]
+__all__ = ["CHUNK", "CHUNK_CHARS", "Row", "store_schema", "row_chars", "Columns", "numbers", "chunks", "write_rows"]

@@ -1,5 +1,6 @@
 """A conversion over worker processes (data/parallel.py, ``prepare ... workers=N``): the store one
-process writes, byte for byte, and the error one process gives, whatever the cut."""
+process writes (its rows, and every other file byte for byte), and the error one process gives,
+whatever the cut."""
 import json
 import re
 from pathlib import Path
@@ -12,6 +13,7 @@ from moco_retrieval.data.__main__ import main
 from moco_retrieval.data.formats import DataError, line_spans, text_lines
 from moco_retrieval.data.parallel import jsonl_split
 from moco_retrieval.data.sources import prepare_store
+from moco_retrieval.data.store import TABLE, PairStore
 from moco_retrieval.errors import USER_ERROR_STATUS
 from tests.data.test_store import rich_rows
 from tests.helpers import write_parquet
@@ -31,10 +33,15 @@ def awkward_file(path: Path) -> Path:
 
 
 def store_files(folder: Path) -> dict:
-    """Every file's bytes; the manifest without its timings."""
-    out = {p.name: p.read_bytes() for p in folder.iterdir() if p.name != "manifest.json"}
+    """Every file's bytes but the table's (its rows: record batches end at the parts' bounds too); the
+    manifest without its timings."""
+    import pyarrow as pa
+
+    out = {p.name: p.read_bytes() for p in folder.iterdir() if p.name not in ("manifest.json", TABLE)}
     m = json.loads((folder / "manifest.json").read_text())
-    return {**out, "manifest": {k: v for k, v in m.items() if k not in ("converted_s", "rows_per_s")}}
+    rows = pa.ipc.open_stream(pa.memory_map(str(folder / TABLE))).read_all().to_pylist()
+    m["contents"].pop(TABLE)  # (its bytes' sha256)
+    return {**out, TABLE: rows, "manifest": {k: v for k, v in m.items() if k not in ("converted_s", "rows_per_s")}}
 
 
 def converted(path: Path, tmp_path: Path, workers: int, kind: str = "jsonl", **kw) -> dict:
@@ -65,12 +72,24 @@ def test_spans_start_at_lines_and_number_them_as_the_file_does(tmp_path):
 
 
 def test_jsonl_in_two_and_three_processes_is_the_store_of_one(tmp_path, monkeypatch):
-    monkeypatch.setattr(writer, "CHUNK", 7)  # record batches that straddle the parts' bounds
+    monkeypatch.setattr(writer, "CHUNK", 7)  # one process's record batches end elsewhere than the parts'
     path = awkward_file(tmp_path / "t.jsonl")
     one = converted(path, tmp_path, 1)
     assert one["manifest"]["rows"] == 91
     assert converted(path, tmp_path, 2) == one
     assert converted(path, tmp_path, 3) == one
+
+
+def test_the_joined_table_reads_every_row_across_the_parts_bounds(tmp_path):
+    path = awkward_file(tmp_path / "t.jsonl")
+    stores = [PairStore(prepare_store(DataConfig(kind="jsonl", train_path=str(path), cache_dir=str(tmp_path / f"c{w}"),
+                                                 prepare_workers=w))) for w in (1, 2)]
+    for s in stores:
+        s.open()
+    assert len(stores[1].table.to_batches()) == 2  # one record batch per part: joined, not re-cut
+    rows = list(range(91))
+    assert stores[1].take(rows[::-1]) == stores[0].take(rows[::-1])
+    assert [stores[1].where(r) for r in rows] == [stores[0].where(r) for r in rows]
 
 
 def test_parquet_row_groups_and_parquet_shards_in_two_processes(tmp_path, monkeypatch):
