@@ -33,6 +33,12 @@ file prepared with each ``workers=N`` (data/parallel.py), a fresh cache each tim
 interleaved in each repeat; the conversion's own seconds (manifest: the parts and their join) and the
 command's wall time (with the content hash, one process), the median of the repeats and the speed-up
 over one process. Added to data_scale.json under ``prepare_workers``; the rest is kept.
+
+``--stream-size 30000000 [--doc-words 40] [--loader-steps 60]`` only (B18): that many pairs and 1k,
+each prepared into the store and into a stream (``workers=2``); per path, 2-rank runs to the first
+step beside the 1k run (data memory per rank = the difference), and a run of ``--loader-steps`` steps
+at batch 64 whose ranks record each batch's start and end (the loader's share of the step). Added
+under ``stream_scale``; the rest is kept.
 """
 from __future__ import annotations
 
