@@ -601,6 +601,12 @@ def paper_report(res: dict) -> list[str]:
     p = res["prepare_workers"]
     cpu_per_row = sorted(r["cpu_s"] for r in p["runs"]["1"])[len(p["runs"]["1"]) // 2] / p["rows"]
     sampler = res["sampler"]["now"][max(res["sampler"]["now"], key=lambda k: int(k.replace(",", "")))]
+    chunks = "a stream's chunks: not measured"
+    if res.get("stream_scale"):
+        prep = res["stream_scale"]["prepare"]
+        big_key = next(k for k in prep if not k.startswith("1k")).split()[0]
+        chunks = (f"a stream's chunks take {prep[big_key + ' stream']['mb'] / prep[big_key + ' store']['mb']:.2f}x "
+                  f"the store's bytes at {big_key} pairs")
     rows = []
     for n in (100_000_000, 1_000_000_000):
         rows.append([f"{n:,}", f"{n * bytes_per_row / 1e9:,.0f} GB", f"{n * 16 / 1e9:,.1f} GB",
@@ -608,11 +614,12 @@ def paper_report(res: dict) -> list[str]:
                      f"{sampler['anon_growth_mb']:.0f} MB", f"{sampler['first_batch_s']:.2f} s"])
     return ["", "## 100M and 1B pairs, on paper", "",
             f"Scaled from the rows above: the store's {bytes_per_row:,.0f} bytes per pair ({big['rows']:,} pairs; "
-            f"a stream's chunks hold the same rows, about the same bytes: not measured), {cpu_per_row * 1e6:.0f} µs of "
+            f"{chunks}), {cpu_per_row * 1e6:.0f} µs of "
             "CPU per pair to convert (`prepare`, one process, the median of the workers=1 rounds), 16 bytes per "
             "pair of ids and groups (memory-mapped: page cache shared by a node's ranks, not a rank's own memory), "
             "and the sampler's own memory and first batch at its largest measured size. *16 cores* assumes "
-            "`workers=16` scales linearly, which this 2-core machine could not show (1.10x on 2 busy cores).", "",
+            f"`workers=16` scales linearly, which this 2-core machine can only show up to 2 (workers=2: "
+            f"{p['median']['2']['speedup_convert']}x).", "",
             md_table(["pairs", "store on disk", "ids + groups mapped", "conversion, one core", "on 16 cores",
                       "sampler memory per rank", "sampler first batch"], rows)]
 
