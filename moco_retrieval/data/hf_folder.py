@@ -25,7 +25,7 @@ class HFTable:
     where: str
     header: list[str]
     rows: int
-    batches: Any  # () -> iterator of lists of row dicts
+    batches: Any  # (columns, rows: a range of them or None) -> iterator of lists of row dicts
 
 
 
@@ -54,8 +54,9 @@ def _dataset_tables(folder: Path, split: str) -> list[HFTable]:
             raise DataError(f"{folder}: no split {split!r} (data.split); the folder's splits: {', '.join(ds) or '(none)'}")
         ds, where = ds[split], f"{folder} (split {split!r})"
 
-    def batches(cols: list[str]) -> Iterator[list[dict]]:
-        for table in ds.select_columns(cols).with_format("arrow").iter(batch_size=8192):
+    def batches(cols: list[str], rows: Optional[range] = None) -> Iterator[list[dict]]:
+        part = ds if rows is None else ds.select(rows)  # (a range: a slice of the memory-mapped table, no index)
+        for table in part.select_columns(cols).with_format("arrow").iter(batch_size=8192):
             yield table.to_pylist()
 
     return [HFTable(where, list(ds.column_names), len(ds), batches)]
@@ -71,7 +72,8 @@ def parquet_tables(shards: list[Path]) -> list[HFTable]:
         except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a file that is not Parquet
             raise DataError(f"{shard}: not a readable Parquet file ({type(e).__name__}: {e})") from None
 
-        def batches(cols: list[str], f=f) -> Iterator[list[dict]]:
+        def batches(cols: list[str], rows: Optional[range] = None, f=f) -> Iterator[list[dict]]:
+            assert rows is None, "a Parquet shard is read whole (parallel.py splits by shards)"
             for b in f.iter_batches(columns=cols, batch_size=8192):
                 yield b.to_pylist()
 
@@ -100,12 +102,13 @@ def hf_input_files(folder: Path, tables: list[HFTable]) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file())
 
 
-def iter_table_pairs(table: HFTable, columns: Any) -> Iterator[tuple[int, Pair]]:
-    """``(row, pair)`` of every row of one table (rows counted from 1), each through pair_from_row."""
+def iter_table_pairs(table: HFTable, columns: Any, rows: Optional[range] = None) -> Iterator[tuple[int, Pair]]:
+    """``(row, pair)`` of every row of one table (rows counted from 1), or of ``rows`` of it (counted
+    from 0: parallel.py's parts), each through pair_from_row."""
     cols = table_columns(table.where, table.header, columns)
     label = cols.labels()
-    row = 0
-    for records in table.batches(list(cols.read.values()) + cols.negative_columns):
+    row = rows.start if rows is not None else 0
+    for records in table.batches(list(cols.read.values()) + cols.negative_columns, rows):
         for record in records:
             row += 1
             yield row, pair_from_row(cols.row_object(record), table.where, row, label)

@@ -2,7 +2,7 @@
 
 The input is cut into parts in file order (a spec's ``split``): one JSONL file into byte ranges
 that start at a line (formats.line_spans: each part knows its first line's number), a Parquet file
-by row groups, a folder of Parquet shards by shards. Each part is converted by a process of its own
+by row groups, a folder of Parquet shards by shards, a ``save_to_disk`` folder by row ranges. Each part is converted by a process of its own
 (``python -m moco_retrieval.data.parallel PART_FOLDER``: this module, the readers, pyarrow; no
 torch) into a folder of its own; the parent then joins them in order: the numpy columns, and the
 parts' Arrow streams byte for byte, each part's record batches as written (no batch is decoded
@@ -14,8 +14,8 @@ Errors: the first in file order wins, as in one process: the first failed part's
 message, unless an earlier line gives a ``doc_id`` a second text (checked over the parts together:
 formats.doc_id_conflict). The parts after a failed one are stopped; on any error or Ctrl-C every
 worker is stopped, and the parts go with the conversion's temporary folder. One progress bar (rows,
-time left) covers every worker. A CSV file (a quoted field may hold a line break) and a
-``save_to_disk`` folder convert in one process.
+time left) covers every worker. A CSV file converts in one process: a quoted field may hold a line
+break, so a byte offset does not tell where a record starts.
 """
 from __future__ import annotations
 
@@ -102,6 +102,19 @@ def shards_split(tables: list[Any], columns: Any, n: int) -> Split:
                   for g in _blocks(rows, n)])
 
 
+def dataset_rows(folder: str, split: str, columns: Any, rows: range) -> Iterator[Row]:
+    from moco_retrieval.data.hf_folder import hf_tables, iter_table_pairs
+
+    return ((0, row, p) for row, p in iter_table_pairs(hf_tables(Path(folder), split)[0], columns, rows))
+
+
+def dataset_split(folder: Path, split: str, columns: Any, rows: int, n: int) -> Split:
+    """A save_to_disk folder of ``rows`` rows in ``n`` row ranges."""
+    step = -(-rows // n)
+    return Split([Part(dataset_rows, (str(folder), split, columns, range(a, min(a + step, rows))), min(step, rows - a))
+                  for a in range(0, rows, step)])
+
+
 def _blocks(sizes: list[int], n: int) -> list[range]:
     """At most ``n`` runs of consecutive items of about equal total size."""
     total, out, start, acc = max(sum(sizes), 1), [], 0, 0
@@ -121,8 +134,8 @@ def split_input(spec: Any, workers: int) -> Optional[Split]:
     if spec.split is None:
         from moco_retrieval.progress import log_line
 
-        log_line(f"converting {spec.name} in one process: only JSONL and Parquet files and folders of Parquet "
-                 "shards are cut into parts for workers", file=sys.stderr)
+        log_line(f"converting {spec.name} in one process: only JSONL and Parquet files, folders of Parquet "
+                 "shards and save_to_disk folders are cut into parts for workers", file=sys.stderr)
         return None
     split = spec.split(workers)
     return split if len(split.parts) > 1 else None
@@ -287,4 +300,4 @@ if __name__ == "__main__":
         sys.exit(130)
 
 
-__all__ = ["Part", "Split", "jsonl_split", "parquet_split", "shards_split", "split_input", "write_parts"]
+__all__ = ["Part", "Split", "jsonl_split", "parquet_split", "shards_split", "dataset_split", "split_input", "write_parts"]

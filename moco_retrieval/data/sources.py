@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 
 from moco_retrieval.config import DataKind
 from moco_retrieval.data.convert import PairSpec, ensure_store
-from moco_retrieval.data.parallel import jsonl_split, parquet_split, shards_split
+from moco_retrieval.data.parallel import dataset_split, jsonl_split, parquet_split, shards_split
 from moco_retrieval.data.formats import (
     DataError,
     EvalSet,
@@ -325,7 +325,8 @@ def _hf_spec(folder: Path, split: str, columns: Any) -> PairSpec:
     shards = tables[0].where.endswith(".parquet")  # (a save_to_disk folder is one table, read through datasets)
     return PairSpec(str(folder), hf_input_files(folder, tables), {"kind": "hf", "split": split, "columns": column_names(columns)},
                     [t.where for t in tables], "{file}: row {line}", rows, lambda: sum(t.rows for t in tables),
-                    (lambda n: shards_split(tables, columns, n)) if shards else None)
+                    (lambda n: shards_split(tables, columns, n)) if shards else
+                    (lambda n: dataset_split(folder, split, columns, tables[0].rows, n)))
 
 
 def pair_spec(cfg: Any, data_folder: Optional[Path] = None) -> PairSpec:

@@ -109,6 +109,26 @@ def test_parquet_row_groups_and_parquet_shards_in_two_processes(tmp_path, monkey
     assert len(one["manifest"]["files"]) == 3 and converted(tmp_path / "shards", tmp_path / "hf", 2, "hf") == one
 
 
+def test_a_save_to_disk_folder_in_row_ranges_is_the_store_and_the_error_of_one_process(tmp_path):
+    import datasets
+
+    rows = {"anchor": [f"q {i}" for i in range(50)], "positive": [f"p {i % 13}" for i in range(50)]}
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}).save_to_disk(str(tmp_path / "ds"))
+    one = converted(tmp_path / "ds", tmp_path / "a", 1, "hf")
+    assert one["manifest"]["rows"] == 50
+    assert converted(tmp_path / "ds", tmp_path / "a", 2, "hf") == converted(tmp_path / "ds", tmp_path / "a", 3, "hf") == one
+    rows["positive"][40] = " "  # row 41: in the second of two ranges, the third of three
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}).save_to_disk(str(tmp_path / "bad"))
+    errors = []
+    for workers in (1, 2, 3):
+        with pytest.raises(DataError) as e:
+            prepare_store(DataConfig(kind="hf", path=str(tmp_path / "bad"), cache_dir=str(tmp_path / f"c{workers}"),
+                                     prepare_workers=workers))
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] == errors[2]
+    assert errors[0].startswith(f"{tmp_path / 'bad'} (split 'train'): row 41, column 'positive'")
+
+
 def test_a_bad_line_in_the_second_half_is_the_error_of_one_process(tmp_path):
     rows = lines(rich_rows(80))
     rows[61] = '{"query": "q", "positive": '  # line 62
@@ -226,7 +246,7 @@ def test_a_csv_file_converts_in_one_process_and_says_so(tmp_path, capsys):
     one = converted(tmp_path / "t.csv", tmp_path, 1, "csv")
     assert "in one process" not in capsys.readouterr().err
     assert converted(tmp_path / "t.csv", tmp_path, 2, "csv") == one
-    assert "converting " + str(tmp_path / "t.csv") + " in one process: only JSONL and Parquet" in capsys.readouterr().err
+    assert "converting " + str(tmp_path / "t.csv") + " in one process: only JSONL and Parquet files" in capsys.readouterr().err
 
 
 def test_a_worker_imports_no_torch():
