@@ -35,7 +35,7 @@ from torch.utils.data import IterableDataset
 
 from moco_retrieval.data.formats import DataError
 from moco_retrieval.data.sampler import EpochPosition, ResumableDataLoader, source_schedule, source_seed
-from moco_retrieval.data.stream import brief, join, json_pair, litdata, storage_options
+from moco_retrieval.data.stream import brief, is_url, join, json_pair, litdata, storage_options
 
 ERROR = "stream_error"  # the key of the one item a worker yields when a chunk cannot be read
 
@@ -147,8 +147,9 @@ class StreamBatches(EpochPosition, IterableDataset):
         except DataError as e:
             yield {ERROR: str(e)}
         except Exception as e:  # litdata's reads: a chunk removed or cut short, a store gone
-            yield {ERROR: f"{self.where}: cannot read the stream's chunks ({brief(e)}); "
-                          "prepare it again (remove the folder, then `python -m moco_retrieval.data prepare "
+            reach = "its object store out of reach (check the endpoint and credentials), or " if is_url(self.where) else ""
+            yield {ERROR: f"{self.where}: cannot read the stream's chunks ({brief(e)}): {reach}chunks removed or cut "
+                          "short: prepare it again (remove the folder, then `python -m moco_retrieval.data prepare "
                           "data.stream=true ...`)"}
 
 

@@ -2,7 +2,7 @@
 https with a CA of the test's own (litdata's obstore client refuses plain http; stream.check_store),
 reached through the standard AWS variables. Prepared by the command, the chunks stream the batches of
 a local folder's; a plain-http endpoint, and one stopped before or during the read, are one message
-naming the URL."""
+naming the URL. Run the slow one with -m slow."""
 from __future__ import annotations
 
 import datetime
@@ -114,6 +114,7 @@ def prepare(cfg, where: str, capsys) -> None:
     assert f"stream {where}: {len(Path(cfg.train_path).read_text().splitlines())} rows of data" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # ~30 s on a busy 2-core machine: two preparations, eight readings
 def test_prepared_on_s3_it_streams_the_batches_of_a_folder(s3, tmp_path, capsys):
     url = f"s3://{s3.bucket}/runs/chunks"
     cfg = make_cfg(tmp_path, n=40, repeat_ids=True, batch_size=4)
@@ -153,6 +154,7 @@ def test_an_endpoint_stopped_before_or_during_the_read_is_one_message(s3, tmp_pa
     t0 = time.monotonic()
     with pytest.raises(DataError, match=re.escape(f"{url}: cannot read the stream's chunks")) as e:
         list(batches)
+    assert "its object store out of reach (check the endpoint and credentials)" in str(e.value)
     assert "Traceback" not in str(e.value) and "\n" not in str(e.value)
     t1 = time.monotonic()
     with pytest.raises(DataError, match=re.escape(f"{url}/{stream.MANIFEST}: cannot reach the stream's manifest")):
