@@ -378,7 +378,8 @@ def check_chunks(where: str) -> None:
 def _s3_sizes(where: str) -> dict[str, int]:
     """Each object's size under the ``s3://`` folder ``where``, by URL."""
     bucket, _, prefix = where[len("s3://"):].partition("/")
-    pages = _fs(where).client.client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix.rstrip("/") + "/")
+    pages = _fs(where).client.client.get_paginator("list_objects_v2").paginate(Bucket=bucket,
+                                                                               Prefix=prefix.rstrip("/") + "/")
     return {f"s3://{bucket}/{o['Key']}": o["Size"] for page in pages for o in page.get("Contents", [])}
 
 
@@ -392,5 +393,5 @@ def _remote_text(url: str) -> str:
 
 
 __all__ = ["STREAM_VERSION", "MANIFEST", "CHUNK_BYTES", "litdata", "is_url", "join", "storage_options", "brief",
-           "check_store", "stream_names", "expected", "read_manifest", "pair_json", "json_pair", "RowItems", "prepare_stream", "open_stream",
-           "check_chunks"]
+           "check_store", "stream_names", "expected", "read_manifest", "pair_json", "json_pair", "RowItems",
+           "prepare_stream", "open_stream", "check_chunks"]

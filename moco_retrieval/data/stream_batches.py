@@ -147,7 +147,8 @@ class StreamBatches(EpochPosition, IterableDataset):
         except DataError as e:
             yield {ERROR: str(e)}
         except Exception as e:  # litdata's reads: a chunk removed or cut short, a store gone
-            reach = "its object store out of reach (check the endpoint and credentials), or " if is_url(self.where) else ""
+            reach = ("its object store out of reach (check the endpoint and credentials), or "
+                     if is_url(self.where) else "")
             yield {ERROR: f"{self.where}: cannot read the stream's chunks ({brief(e)}): {reach}chunks removed or cut "
                           "short: prepare it again (remove the folder, then `python -m moco_retrieval.data prepare "
                           "data.stream=true ...`)"}

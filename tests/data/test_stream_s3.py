@@ -111,7 +111,8 @@ def prepare(cfg, where: str, capsys) -> None:
 
     assert main(["prepare", "data=jsonl", f"data.train_path={cfg.train_path}", "data.stream=true",
                  f"data.stream_dir={where}", "workers=2"]) == 0
-    assert f"stream {where}: {len(Path(cfg.train_path).read_text().splitlines())} rows of data" in capsys.readouterr().out
+    rows = len(Path(cfg.train_path).read_text().splitlines())
+    assert f"stream {where}: {rows} rows of data" in capsys.readouterr().out
 
 
 @pytest.mark.slow  # ~30 s on a busy 2-core machine: two preparations, eight readings
