@@ -162,3 +162,28 @@ def test_an_endpoint_stopped_before_or_during_the_read_is_one_message(s3, tmp_pa
         module(cfg)  # stopped before the run: said as it opens the stream, before the model loads
     t2 = time.monotonic()
     assert t1 - t0 < 60 and t2 - t1 < 60, (t1 - t0, t2 - t1)
+
+
+@pytest.mark.slow  # two training runs of the tiny model (~1 min on a busy 2-core machine)
+def test_the_tiny_model_trains_from_s3_on_the_rows_of_a_folder(s3, cli_env, tmp_path):
+    """`python -m moco_retrieval.train` with data.stream_dir=s3://... (chunks prepared by the run
+    itself): 3 steps whose queued document ids are the local folder's run's, step by step."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    env = {**cli_env, **{k: v for k, v in os.environ.items() if k.startswith(("AWS_", "SSL_", "DATA_OPTIMIZER"))}}
+    queues = {}
+    for name, where in (("s3", f"s3://{s3.bucket}/chunks"), ("local", str(tmp_path / "chunks"))):
+        cmd = [sys.executable, "-m", "moco_retrieval.train", "+experiment=smoke", "logger=none", "data.stream=true",
+               f"data.stream_dir={where}", "trainer.max_steps=3", f"run_dir={tmp_path / name}",
+               f"hydra.run.dir={tmp_path / 'hydra'}"]
+        run = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+        ckpt = torch.load(tmp_path / name / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+        assert ckpt["global_step"] == 3
+        queues[name] = ckpt["state_dict"]["objective.docs.queue.queue_ids"]
+    assert any(k.startswith("chunks/data/chunk-") for k in keys(s3, ""))
+    assert torch.equal(queues["s3"], queues["local"]) and len(set(queues["s3"][:48].tolist())) > 16
