@@ -16,7 +16,16 @@ under a lock, as the store is converted (the lock is the node's: prepare ahead o
 nodes). The key needs the input files (their content hashes, remembered as the store's are); where
 they are missing (a node that only streams), finished chunks are trained on as they are, with a
 line saying so. The chunk files listed in litdata's ``index.json`` are
-checked for presence and size before the model loads. The batches: stream_batches.py.
+checked for presence and size before the model loads (an ``s3://`` store's by one listing, also
+right after writing: litdata only logs a failed upload). The batches: stream_batches.py.
+
+Object stores. An ``s3://`` URL is reached as boto3 reaches it: the standard AWS variables
+(``AWS_ENDPOINT_URL`` for MinIO, Ceph or moto, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+``AWS_CA_BUNDLE``) or ``~/.aws/config``; litdata builds its boto3 client with
+``session.client("s3")`` (litdata/streaming/client.py, ``S3Client._create_client``), and its obstore
+path copies that client's endpoint and credentials (streaming/downloader.py,
+``_build_obstore_s3_store``). obstore refuses a plain ``http://`` endpoint (litdata passes it no
+``allow_http``): :func:`check_store` says so before anything is written or read.
 """
 from __future__ import annotations
 
@@ -44,6 +53,10 @@ MANIFEST = "moco_stream.json"
 INDEX = "index.json"  # litdata's list of a dataset's chunks
 CHUNK_BYTES = "64MB"  # litdata's advice for object stores; tests write smaller chunks
 SPAN = 1024  # rows a preparation worker reads from the store at once
+# an s3:// store's requests: litdata's own client retries 1000 times, which keeps a run whose store
+# stopped silent for minutes; these fail it in seconds, with a message
+S3_ATTEMPTS = 3
+S3_CONNECT_S = 5
 
 
 def litdata() -> Any:
@@ -110,10 +123,39 @@ def expected(cfg: Any) -> dict:
 # ----------------------------------------------------------------------------------- the manifest
 
 
+def storage_options(where: str) -> dict:
+    """litdata's ``storage_options`` for ``where``: an ``s3://`` client's retries and connect timeout."""
+    if not str(where).startswith("s3://"):
+        return {}
+    from botocore.config import Config
+
+    return {"config": Config(retries={"max_attempts": S3_ATTEMPTS, "mode": "standard"}, connect_timeout=S3_CONNECT_S)}
+
+
+def brief(e: BaseException) -> str:
+    """An exception in one line (obstore's run to dozens of lines of debug structure)."""
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+
+
 def _fs(where: str) -> Any:
     from litdata.streaming.fs_provider import _get_fs_provider
 
-    return _get_fs_provider(where)
+    return _get_fs_provider(where, storage_options(where))
+
+
+def check_store(where: str) -> None:
+    """DataError when litdata cannot use ``where``'s endpoint: a plain ``http://`` one while obstore is
+    installed (litdata writes and reads chunks through obstore, which it gives no ``allow_http``)."""
+    if not str(where).startswith("s3://"):
+        return
+    from litdata.constants import _OBSTORE_AVAILABLE
+
+    endpoint = _fs(where).client.client.meta.endpoint_url or ""
+    if endpoint.startswith("http://") and bool(_OBSTORE_AVAILABLE):
+        raise DataError(f"data.stream_dir={where}: its endpoint {endpoint} (AWS_ENDPOINT_URL or ~/.aws/config) is "
+                        "plain http, which litdata's obstore client refuses: serve it over https (a private CA: "
+                        "AWS_CA_BUNDLE and SSL_CERT_FILE name its certificate), or pip uninstall obstore (litdata "
+                        "then uses boto3 alone)")
 
 
 def read_manifest(where: str) -> Optional[dict]:
@@ -122,20 +164,21 @@ def read_manifest(where: str) -> Optional[dict]:
     try:
         if is_url(where):
             litdata()
+            check_store(where)
             if not _fs(where).exists(path):
                 return None
-            with tempfile.TemporaryDirectory() as tmp:
-                _fs(where).download_file(path, os.path.join(tmp, MANIFEST))
-                text = Path(tmp, MANIFEST).read_text()
+            text = _remote_text(path)
         else:
             if not Path(path).is_file():
                 return None
             text = Path(path).read_text()
         manifest = json.loads(text)
+    except DataError:
+        raise
     except (OSError, ValueError) as e:
-        raise DataError(f"{path}: cannot read the stream's manifest ({type(e).__name__}: {e})") from None
+        raise DataError(f"{path}: cannot read the stream's manifest ({brief(e)})") from None
     except Exception as e:  # an object store's client errors (no credentials, no such bucket, no connection)
-        raise DataError(f"{path}: cannot reach the stream's manifest ({type(e).__name__}: {e})") from None
+        raise DataError(f"{path}: cannot reach the stream's manifest ({brief(e)})") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("sources"), dict):
         raise DataError(f"{path}: not a stream manifest of moco_retrieval (no 'sources')")
     return manifest
@@ -245,9 +288,11 @@ def prepare_stream(cfg: Any, workers: int = 1) -> dict:
                      f"({workers} worker{'s' if workers != 1 else ''})", file=sys.stderr)
             try:
                 ld.optimize(fn=RowItems(rows), inputs=spans, output_dir=join(where, name), num_workers=max(1, workers),
-                            chunk_bytes=CHUNK_BYTES, mode=None, start_method="fork")
-            except OSError as e:
-                raise DataError(f"cannot write the chunks of {name} into {join(where, name)}: {e}") from None
+                            chunk_bytes=CHUNK_BYTES, mode=None, start_method="fork",
+                            storage_options=storage_options(where))
+            except Exception as e:  # a full disk, an object store gone
+                raise DataError(f"cannot write the chunks of {name} into {join(where, name)} ({brief(e)})") from None
+            check_chunks(join(where, name))
             sources[name] = {**want["sources"][name], **_counts(rows)}
         manifest = {**want, "sources": sources, "rows": sum(s["rows"] for s in sources.values()),
                     "workers": workers, "prepared_s": round(time.monotonic() - t0, 3), "complete": True}
@@ -304,27 +349,49 @@ def open_stream(cfg: Any) -> dict:
 
 def check_chunks(where: str) -> None:
     """DataError naming the first chunk of ``where`` that its ``index.json`` lists and that is missing
-    or of another size (a local folder; an object store's are found as they are read)."""
+    or of another size (a local folder, or an ``s3://`` store by one listing; gs:// and r2:// ones
+    are found as they are read)."""
     index = join(where, INDEX)
-    if is_url(where):
+    if is_url(where) and not where.startswith("s3://"):
         return
     try:
-        chunks = json.loads(Path(index).read_text())["chunks"]
+        sizes = _s3_sizes(where) if is_url(where) else None
+        chunks = json.loads(_remote_text(index) if is_url(where) else Path(index).read_text())["chunks"]
     except FileNotFoundError:
         raise DataError(f"{index} is missing: the chunks of {where} cannot be read; prepare them again "
                         "(remove the folder, then `python -m moco_retrieval.data prepare data.stream=true ...`)") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DataError(f"{index}: not a litdata index ({type(e).__name__}: {e})") from None
+        raise DataError(f"{index}: not a litdata index ({brief(e)})") from None
+    except Exception as e:  # an object store out of reach
+        raise DataError(f"{where}: cannot list the stream's chunks ({brief(e)})") from None
     for c in chunks:
-        path = Path(where) / c["filename"]
-        if not path.is_file():
+        path = join(where, c["filename"])
+        size = sizes.get(path) if sizes is not None else (Path(path).stat().st_size if Path(path).is_file() else None)
+        if size is None:
             raise DataError(f"{path}: a chunk of the stream is missing; prepare the stream again "
                             "(remove the folder, then prepare)")
-        if c.get("chunk_bytes") is not None and path.stat().st_size != c["chunk_bytes"]:
-            raise DataError(f"{path}: a chunk of the stream holds {path.stat().st_size:,} bytes, its index says "
+        if c.get("chunk_bytes") is not None and size != c["chunk_bytes"]:
+            raise DataError(f"{path}: a chunk of the stream holds {size:,} bytes, its index says "
                             f"{c['chunk_bytes']:,} (truncated or changed); prepare the stream again")
 
 
-__all__ = ["STREAM_VERSION", "MANIFEST", "CHUNK_BYTES", "litdata", "is_url", "join", "stream_names",
-           "expected", "read_manifest", "pair_json", "json_pair", "RowItems", "prepare_stream", "open_stream",
-           "check_chunks"]
+def _s3_sizes(where: str) -> dict[str, int]:
+    """Each object's size under the ``s3://`` folder ``where``, by URL."""
+    bucket, _, prefix = where[len("s3://"):].partition("/")
+    pages = _fs(where).client.client.get_paginator("list_objects_v2").paginate(Bucket=bucket,
+                                                                               Prefix=prefix.rstrip("/") + "/")
+    return {f"s3://{bucket}/{o['Key']}": o["Size"] for page in pages for o in page.get("Contents", [])}
+
+
+def _remote_text(url: str) -> str:
+    """The text of the object at ``url``."""
+    if not _fs(url).exists(url):
+        raise FileNotFoundError(url)
+    with tempfile.TemporaryDirectory() as tmp:
+        _fs(url).download_file(url, os.path.join(tmp, "object"))
+        return Path(tmp, "object").read_text()
+
+
+__all__ = ["STREAM_VERSION", "MANIFEST", "CHUNK_BYTES", "litdata", "is_url", "join", "storage_options", "brief",
+           "check_store", "stream_names", "expected", "read_manifest", "pair_json", "json_pair", "RowItems",
+           "prepare_stream", "open_stream", "check_chunks"]

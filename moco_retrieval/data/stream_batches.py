@@ -35,7 +35,7 @@ from torch.utils.data import IterableDataset
 
 from moco_retrieval.data.formats import DataError
 from moco_retrieval.data.sampler import EpochPosition, ResumableDataLoader, source_schedule, source_seed
-from moco_retrieval.data.stream import join, json_pair, litdata
+from moco_retrieval.data.stream import brief, is_url, join, json_pair, litdata, storage_options
 
 ERROR = "stream_error"  # the key of the one item a worker yields when a chunk cannot be read
 
@@ -80,9 +80,9 @@ class StreamBatches(EpochPosition, IterableDataset):
         rank = self.rank if rank is None else rank
         try:
             ds = ld.StreamingDataset(join(self.where, self.names[s]), cache_dir=self.cache_dir, shuffle=self.shuffle,
-                                     drop_last=True, seed=self._seed(s))
+                                     drop_last=True, seed=self._seed(s), storage_options=storage_options(self.where))
         except Exception as e:  # its index unreadable, an object store out of reach
-            raise DataError(f"{join(self.where, self.names[s])}: cannot open the stream ({type(e).__name__}: {e})") from None
+            raise DataError(f"{join(self.where, self.names[s])}: cannot open the stream ({brief(e)})") from None
         if self.num_nodes is None:  # litdata's count under the process group (it shapes the shuffle), made once
             env = _DistributedEnv.detect()  # here: a DataLoader worker has no group and would count one node
             self.num_nodes = env.num_nodes if (env.world_size, env.global_rank) == (self.world_size, self.rank) else 1
@@ -147,8 +147,10 @@ class StreamBatches(EpochPosition, IterableDataset):
         except DataError as e:
             yield {ERROR: str(e)}
         except Exception as e:  # litdata's reads: a chunk removed or cut short, a store gone
-            yield {ERROR: f"{self.where}: cannot read the stream's chunks ({type(e).__name__}: {e}); "
-                          "prepare it again (remove the folder, then `python -m moco_retrieval.data prepare "
+            reach = ("its object store out of reach (check the endpoint and credentials), or "
+                     if is_url(self.where) else "")
+            yield {ERROR: f"{self.where}: cannot read the stream's chunks ({brief(e)}): {reach}chunks removed or cut "
+                          "short: prepare it again (remove the folder, then `python -m moco_retrieval.data prepare "
                           "data.stream=true ...`)"}
 
 
