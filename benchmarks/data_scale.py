@@ -462,16 +462,21 @@ def run(label: str, file: Path, cache: Path, eval_dir: Path, work: Path, before:
 
 
 def loader_share(times: Path, skip: int = 10) -> dict:
-    """Per rank, from the batch times :class:`BatchTimes` wrote: the wait for each next batch (from one
-    batch's end to the next one's start: the loader's fetch and the batch's transfer) as a share of the
-    step time (wait + compute), over the steps after the first ``skip``; median milliseconds of each."""
+    """Per rank, from the times :class:`BatchTimes` wrote, over the steps after the first ``skip``: the
+    loader's share of the step (the time in the training loop's fetches of the next batch, over the
+    period from one batch's start to the next one's), and the gap's share (everything from one batch's
+    end to the next one's start: the fetch, logging, callbacks); median milliseconds of each."""
     out = {}
     for f in sorted(times.glob("rank*.json")):
         t = json.loads(f.read_text())  # [[start, end], ...] of each training batch
-        waits = [b[0] - a[1] for a, b in zip(t[skip:], t[skip + 1:])]
-        steps = [b - a for a, b in t[skip + 1:]]
-        out[f.stem] = {"steps": len(steps), "share": round(sum(waits) / (sum(waits) + sum(steps)), 4),
-                       "wait_ms": round(float(np.median(waits)) * 1e3, 2), "step_ms": round(float(np.median(steps)) * 1e3, 1)}
+        fetches = json.loads((times / f"fetch_{f.name}").read_text())  # [[start, end], ...] of every fetch
+        window = list(zip(t[skip:], t[skip + 1:]))
+        periods = [b[0] - a[0] for a, b in window]
+        gaps = [b[0] - a[1] for a, b in window]
+        fetch = [sum(f1 - f0 for f0, f1 in fetches if a[1] <= f0 < b[0]) for a, b in window]
+        out[f.stem] = {"steps": len(window), "share": round(sum(fetch) / sum(periods), 4),
+                       "gap_share": round(sum(gaps) / sum(periods), 4), "fetch_ms": round(float(np.median(fetch)) * 1e3, 2),
+                       "gap_ms": round(float(np.median(gaps)) * 1e3, 2), "step_ms": round(float(np.median(periods)) * 1e3, 1)}
     return out
 
 
@@ -479,7 +484,7 @@ class BatchTimes:
     """A Lightning callback (the run's workers' entry adds it): each training batch's start and end
     times, written per rank when training ends."""
 
-    def __new__(cls, folder: str):
+    def __new__(cls, folder: str, fetches: list):
         import lightning.pytorch as pl
 
         class Times(pl.Callback):
@@ -495,6 +500,7 @@ class BatchTimes:
             def on_train_end(self, trainer, *a) -> None:
                 Path(folder).mkdir(parents=True, exist_ok=True)
                 Path(folder, f"rank{trainer.global_rank}.json").write_text(json.dumps([x for x in self.t if x[1]]))
+                Path(folder, f"fetch_rank{trainer.global_rank}.json").write_text(json.dumps(fetches))
 
         return Times()
 
@@ -515,13 +521,21 @@ def worker(argv: list[str]) -> None:
         RetrievalDataModule._load = load_today
     if os.environ.get("DATA_SCALE_BATCH_TIMES"):
         import lightning.pytorch as pl
+        from lightning.pytorch.loops import fetchers
 
-        init = pl.Trainer.__init__
+        init, fetch, fetched = pl.Trainer.__init__, fetchers._DataFetcher.__next__, []
 
         def with_times(self, *a, callbacks=None, **k):
-            init(self, *a, callbacks=[*(callbacks or []), BatchTimes(os.environ["DATA_SCALE_BATCH_TIMES"])], **k)
+            init(self, *a, callbacks=[*(callbacks or []), BatchTimes(os.environ["DATA_SCALE_BATCH_TIMES"], fetched)], **k)
 
-        pl.Trainer.__init__ = with_times
+        def timed_fetch(self):  # every loop's next(dataloader): the prefetching fetcher's too (super().__next__)
+            t0 = time.perf_counter()
+            try:
+                return fetch(self)
+            finally:
+                fetched.append([t0, time.perf_counter()])
+
+        pl.Trainer.__init__, fetchers._DataFetcher.__next__ = with_times, timed_fetch
     from moco_retrieval.train import main
 
     sys.argv = [sys.argv[0], *argv]
@@ -573,8 +587,8 @@ def stream_scale_report(r: dict) -> list[str]:
                          x[rank]["anon_mb"] - base["anon_mb"], x[rank]["pss_mb"] - base["pss_mb"],
                          x[rank]["rss_mb"] - base["rss_mb"],
                          x[rank]["anon_with_workers_mb"] - base["anon_with_workers_mb"]])
-    loader = [[x["path"], rank[-1], v["steps"], v["step_ms"], v["wait_ms"], f"{100 * v['share']:.1f}%"]
-              for x in r["runs"] if "loader" in x for rank, v in x["loader"].items()]
+    loader = [[x["path"], rank[-1], v["steps"], v["step_ms"], v["fetch_ms"], f"{100 * v['share']:.1f}%", v["gap_ms"],
+               f"{100 * v['gap_share']:.1f}%"] for x in r["runs"] if "loader" in x for rank, v in x["loader"].items()]
     prep = [[k, v["input_mb"], v["mb"], v["command_s"]] for k, v in r["prepare"].items()]
     return ["", f"## B18: {big} pairs, the store against the stream (issue 48)", "",
             f"Synthetic pairs as above but documents of {r['doc_words']} words (the disk holds the JSONL, the store "
@@ -584,10 +598,11 @@ def stream_scale_report(r: dict) -> list[str]:
             md_table(["prepared", "input MB", "on disk MB", "command s"], prep), "",
             md_table(["path", "rank", "first step s", "1k first step s", "difference s", "data anon MB", "data PSS MB",
                       "data RSS MB", "data anon with workers MB"], rows), "",
-            f"The loader's share of the step: {r['steps']} steps at batch 64 on the big file; per rank, the wait from "
-            "one batch's end to the next one's start (the fetch from the DataLoader's workers and the transfer) "
-            "over wait + step, the first 10 steps left out; medians in ms.", "",
-            md_table(["path", "rank", "steps", "step ms", "wait ms", "loader share"], loader)]
+            f"The loader's share of the step: {r['steps']} steps at batch 64 on the big file, the first 10 left out; "
+            "per rank, the time in the training loop's `next()` on the DataLoader (the batch from its workers) "
+            "over the period from one batch's start to the next one's; *gap*: all from one batch's end to the "
+            "next one's start (the fetch, and Lightning's logging and callbacks: log_every_n_steps=1); medians in ms.", "",
+            md_table(["path", "rank", "steps", "step ms", "fetch ms", "loader share", "gap ms", "gap share"], loader)]
 
 
 # --------------------------------------------------------------------------------------- report
