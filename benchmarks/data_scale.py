@@ -542,11 +542,25 @@ def worker(argv: list[str]) -> None:
     main()
 
 
-def stream_scale(n: int, doc_words: int, steps: int, work: Path) -> dict:
-    """B18 (issue 48): ``n`` pairs and 1k, the store against the stream. Each prepared by ``prepare
-    workers=2`` (the stream from the store: litdata.optimize, 2 processes); per path and file a 2-rank
-    run to its first step (memory peaks, as :func:`run`), and on the big file a run of ``steps`` steps at
-    batch 64 with its loader share (:func:`loader_share`). Files and chunks deleted at the end."""
+def evict(folder: Path) -> None:
+    """Drop ``folder``'s files from the page cache, so that a run reads its data from disk as a node
+    that did not write it would. (A file just written stays cached in large folios, which a page fault
+    maps whole: a rank's RSS and PSS would count most of a store it barely read.)"""
+    os.sync()
+    for p in (p for p in folder.rglob("*") if p.is_file()):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def stream_scale(n: int, doc_words: int, steps: int, work: Path, paths: tuple = ("store", "stream")) -> dict:
+    """B18 (issue 48): ``n`` pairs and 1k, the store against the stream (``paths``). Each prepared by
+    ``prepare workers=2`` (the stream from the store: litdata.optimize, 2 processes); per path and file
+    a 2-rank run to its first step (memory peaks, as :func:`run`), and on the big file a run of
+    ``steps`` steps at batch 64 with its loader share (:func:`loader_share`); the page cache emptied of
+    the data before each run (:func:`evict`). Stores and chunks deleted at the end."""
     work.mkdir(parents=True, exist_ok=True)
     eval_dir = write_eval(work / "eval")
     files = {"1k": generate(work / f"pairs_1k_w{doc_words}.jsonl", 1000, doc_words=doc_words),
@@ -556,6 +570,8 @@ def stream_scale(n: int, doc_words: int, steps: int, work: Path) -> dict:
         cache, chunks = work / "stores" / f.stem, work / "streams" / f.stem
         subprocess.run(["rm", "-rf", str(cache), str(chunks)], check=True)
         for path, opts in (("store", ()), ("stream", ("data.stream=true", f"data.stream_dir={chunks}"))):
+            if path not in paths:
+                continue
             t0 = time.monotonic()
             subprocess.run(["nice", "-n", "10", sys.executable, "-m", "moco_retrieval.data", "prepare", "data=jsonl",
                             f"data.train_path={f}", f"data.cache_dir={cache}", "workers=2", *opts],
@@ -564,9 +580,11 @@ def stream_scale(n: int, doc_words: int, steps: int, work: Path) -> dict:
             out["prepare"][f"{key} {path}"] = {"command_s": round(time.monotonic() - t0, 1), "mb": round(du(folder) / 1e6, 1),
                                                "input_mb": round(f.stat().st_size / 1e6, 1)}
             print(key, path, out["prepare"][f"{key} {path}"], flush=True)
+            evict(work)
             out["runs"].append({"path": path, "file": key, **run(f"{key} {path} warm", f, cache, eval_dir, work, extra=opts)})
             print(out["runs"][-1], flush=True)
             if key != "1k":
+                evict(work)
                 out["runs"].append({"path": path, "file": key, **run(
                     f"{key} {path} {steps} steps, batch 64", f, cache, eval_dir, work, steps=steps,
                     extra=(*opts, "data.batch_size=64"))})
@@ -718,6 +736,7 @@ def main() -> None:
     ap.add_argument("--stream-size", type=int, default=0, help="only: the store against the stream at this many pairs (B18)")
     ap.add_argument("--doc-words", type=int, default=DOC_WORDS, help="--stream-size: words per document")
     ap.add_argument("--loader-steps", type=int, default=60, help="--stream-size: steps of the loader-share runs")
+    ap.add_argument("--stream-paths", default="store,stream", help="--stream-size: the paths to run now (the others kept)")
     cli.add_out(ap)  # no --threads: the measured processes are torchrun's; the Debian set: $MOCO_RETRIEVAL_DEBIAN_DIR
     args = ap.parse_args()
     out = cli.out_dir(args)
@@ -734,7 +753,12 @@ def main() -> None:
         return
     if args.stream_size:
         res = json.loads((out / "data_scale.json").read_text())
-        res["stream_scale"] = stream_scale(args.stream_size, args.doc_words, args.loader_steps, Path(args.work) / "stream")
+        paths = tuple(args.stream_paths.split(","))
+        new = stream_scale(args.stream_size, args.doc_words, args.loader_steps, Path(args.work) / "stream", paths)
+        old = res.get("stream_scale") or {"prepare": {}, "runs": []}  # the other path's measurements kept
+        new["prepare"] = {**{k: v for k, v in old["prepare"].items() if k.split()[-1] not in paths}, **new["prepare"]}
+        new["runs"] = [r for r in old["runs"] if r["path"] not in paths] + new["runs"]
+        res["stream_scale"] = new
         write_results("data_scale", report(res), res, out)
         return
     if args.prepare_workers:
