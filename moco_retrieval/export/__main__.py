@@ -73,9 +73,11 @@ def write_model_card(out: Path, desc: dict, checkpoint: Optional[str], side: str
     metrics = None
     if checkpoint and run_dir_of(checkpoint) is not None:
         metrics = validation_at(run_dir_of(checkpoint), int(desc.get("global_step", -1)), Path(checkpoint).name)
+    from moco_retrieval.export.onnx import written_files
+
     model_cfg = json.loads((out / META_FILE).read_text(encoding="utf-8"))["model"]
     card = out / "README.md"  # (an entry the export lists: sentence-transformers wrote its generic card there)
-    card.write_text(model_card(desc, model_cfg, side, record, metrics, name), encoding="utf-8")
+    card.write_text(model_card(desc, model_cfg, side, record, metrics, name, written_files(out)), encoding="utf-8")
     apply_umask([card])
     return card
 
@@ -126,10 +128,8 @@ def run_export(cfg: Any) -> Path:
     print(f"exported the {cfg.encoder} encoder ({desc['source']}, dim {enc.dim}; {towers}) to {out}")
     print(f"load it with: SentenceTransformer({str(out)!r})")
     if onnx:
-        files = [onnx_form.ONNX_FILE] + ([onnx_form.INT8_FILE] if str(cfg.quantize) == "int8" else [])
-        for name in files:
-            print(f"or with onnxruntime: SentenceTransformer({str(out)!r}, backend=\"onnx\", "
-                  f"model_kwargs={{\"file_name\": {name!r}}})")
+        for name in onnx_form.written_files(out):
+            print(f"or with onnxruntime: {onnx_form.loading_line(str(out), name)}")
     return out
 
 

@@ -36,6 +36,16 @@ PACKAGES = ("onnx", "onnxscript", "onnxruntime")
 SINGLE_FILE_BYTES = 2**31  # protobuf's limit: larger graphs keep their weights in model.onnx.data beside it
 
 
+def loading_line(folder: str, file_name: str) -> str:
+    """The sentence-transformers call that runs ``folder``'s ONNX file ``file_name`` (printed and in the card)."""
+    return f'SentenceTransformer("{folder}", backend="onnx", model_kwargs={{"file_name": "{file_name}"}})'
+
+
+def written_files(folder: Path) -> list[str]:
+    """The ONNX files an export wrote into ``folder`` (none: an export without format=onnx)."""
+    return [name for name in (ONNX_FILE, INT8_FILE) if (Path(folder) / name).is_file()]
+
+
 def require_onnx() -> None:
     """ConfigError naming the missing packages of ``format=onnx`` (checked before the model loads)."""
     missing = [p for p in PACKAGES if importlib.util.find_spec(p) is None]
@@ -139,4 +149,4 @@ def load_onnx(folder: str | Path, file_name: str = ONNX_FILE, threads: Optional[
     return st
 
 
-__all__ = ["ONNX_FILE", "INT8_FILE", "require_onnx", "check_onnx_encoder", "write_onnx", "load_onnx", "OnnxTransformer"]
+__all__ = ["ONNX_FILE", "INT8_FILE", "loading_line", "written_files", "require_onnx", "check_onnx_encoder", "write_onnx", "load_onnx", "OnnxTransformer"]

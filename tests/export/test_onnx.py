@@ -108,9 +108,25 @@ def test_overwrite_replaces_the_onnx_files_and_keeps_the_users(onnx_export, tiny
         run_export(compose_cfg("export", tiny_overrides(tiny_dir) + [f"out_dir={out}", "format=onnx"]))
     run_export(compose_cfg("export", tiny_overrides(tiny_dir) + [f"out_dir={out}", "overwrite=true"]))
     assert not (out / "onnx").exists() and (out / "notes.txt").read_text() == "mine"  # the earlier ONNX files went
+    assert "## ONNX" not in (out / "README.md").read_text() and "onnx" not in (out / "README.md").read_text()
     theirs = tmp_path / "theirs"
     (theirs / "onnx").mkdir(parents=True)
     (theirs / "onnx" / "model.onnx").write_text("not ours")
     with pytest.raises(OutputExistsError):
         run_export(compose_cfg("export", tiny_overrides(tiny_dir) + [f"out_dir={theirs}", "format=onnx", "overwrite=true"]))
     assert (theirs / "onnx" / "model.onnx").read_text() == "not ours"
+
+
+@pytest.mark.parametrize("quantize, files", [("none", [ONNX_FILE]), ("int8", [ONNX_FILE, INT8_FILE])])
+def test_the_model_card_names_the_onnx_files_written_and_how_to_load_them(tiny_dir, tmp_path, capsys, quantize, files):
+    import re
+
+    out = tmp_path / "m"
+    run_export(compose_cfg("export", tiny_overrides(tiny_dir) + [f"out_dir={out}", "format=onnx", f"quantize={quantize}"]))
+    card = (out / "README.md").read_text()
+    section = card[card.index("## ONNX"):]
+    loaded = re.findall(r'SentenceTransformer\("(.+?)", backend="onnx", model_kwargs=\{"file_name": "(.+?)"\}\)', section)
+    assert loaded == [(str(out), f) for f in files] and all((out / f).is_file() for f in files)
+    assert [f for f in (ONNX_FILE, INT8_FILE) if f"`{f}`" in section] == files
+    printed = capsys.readouterr().out  # the command prints the same lines
+    assert all(f'model_kwargs={{"file_name": "{f}"}}' in printed for f in files)
