@@ -28,8 +28,8 @@ exported backbone (a plain Hugging Face model); ``adapter_only=true`` writes the
 (decoder backbones) is sentence-transformers' ``lasttoken``; the saved tokenizer appends the
 end-of-text token as in training.
 
-``format=onnx`` adds the ONNX form of the transformer, ``onnx/model.onnx``, beside the weights
-(``SentenceTransformer(DIR, backend="onnx")``); ``quantize=int8`` adds its dynamically quantized
+``format=onnx`` adds the ONNX form of the transformer, ``onnx/model.onnx``, beside the weights (two
+towers: in each tower's subfolder, the same ``file_name`` loading both) (``SentenceTransformer(DIR, backend="onnx")``); ``quantize=int8`` adds its dynamically quantized
 int8 copy, ``onnx/model_qint8_quantized.onnx`` (``model_kwargs={"file_name": ...}``). Prompts and
 Matryoshka truncation are sentence-transformers' own and stay as they are (export/onnx.py).
 
@@ -111,8 +111,6 @@ def run_export(cfg: Any) -> Path:
         onnx_form.require_onnx()
     earlier_export(Path(cfg.out_dir).expanduser(), bool(cfg.overwrite))  # refused before the model loads
     enc, desc = load_encoder(checkpoint=cfg.checkpoint, model=cfg.model, encoder=cfg.encoder)
-    if onnx:
-        onnx_form.check_onnx_encoder(enc)
     side = "doc" if cfg.encoder == "key" else "query"
     check_finite(enc, cfg.checkpoint or "the base model")
     if cfg.adapter_only:

@@ -21,7 +21,7 @@ from tests.helpers import compose_cfg, tiny_overrides
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 st_mod = pytest.importorskip("sentence_transformers")
-from moco_retrieval.export.onnx import INT8_FILE, ONNX_FILE, check_onnx_encoder, load_onnx, write_onnx  # noqa: E402
+from moco_retrieval.export.onnx import INT8_FILE, ONNX_FILE, load_onnx, transformer_folders, write_onnx  # noqa: E402
 
 TEXTS = ["resize images from the command line", "a shell for the terminal", "backup archive tool " * 12]
 
@@ -92,10 +92,30 @@ def test_contradicting_options_are_refused_before_the_model_loads(tiny_dir, tmp_
     assert not (tmp_path / "m").exists()
 
 
-def test_two_towers_are_refused(tiny_dir):
+def test_two_towers_get_each_towers_onnx_files_and_their_embeddings(tiny_dir, tmp_path):
+    from sentence_transformers.backend.utils import backend_should_export
+
+    torch.manual_seed(0)
     enc = build_encoder(ModelConfig(backbone="tiny", path=tiny_dir, shared_tower=False))
-    with pytest.raises(ConfigError, match="two towers"):
-        check_onnx_encoder(enc)
+    with torch.no_grad():  # towers apart, so a route mix-up shows
+        for p in enc.tower_for("doc").parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    out = tmp_path / "m"
+    export_encoder(enc, out, source={"source": "base"}, extra=lambda folder: write_onnx(folder, "int8"))
+    towers = transformer_folders(out)
+    assert set(towers) == {"query", "document"} and towers["query"] != towers["document"]
+    torch_st = st_mod.SentenceTransformer(str(out), device="cpu")
+    onnx_st, int8_st = load_onnx(out, ONNX_FILE, threads=1), load_onnx(out, INT8_FILE, threads=1)
+    assert not np.allclose(torch_st.encode_query(TEXTS), torch_st.encode_document(TEXTS), atol=1e-3)
+    for encode in ("encode_query", "encode_document"):
+        ref = getattr(torch_st, encode)(TEXTS)
+        np.testing.assert_allclose(getattr(onnx_st, encode)(TEXTS), ref, atol=1e-5)
+        assert cosine(getattr(int8_st, encode)(TEXTS), ref).min() > 0.99
+    for route, tower in towers.items():  # backend="onnx" resolves file_name inside each route's subfolder, no export
+        for name in (ONNX_FILE, INT8_FILE):
+            export, kwargs = backend_should_export(out, True, {"subfolder": tower.name, "file_name": name},
+                                                   "model.onnx", "*.onnx", "ONNX")
+            assert not export and out / kwargs["subfolder"] / kwargs["file_name"] == tower / name
 
 
 def test_overwrite_replaces_the_onnx_files_and_keeps_the_users(onnx_export, tiny_dir, tmp_path):
