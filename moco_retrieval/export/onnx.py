@@ -11,11 +11,8 @@ The graph has the interface of optimum's ``ORTModelForFeatureExtraction`` (what 
 runs): inputs ``input_ids``, ``attention_mask`` and, when the tokenizer gives them,
 ``token_type_ids``, batch and sequence axes dynamic; output ``last_hidden_state``. It is traced by
 torch's dynamo exporter: the TorchScript exporter traces transformers 5's attention masks wrongly
-(hidden states off by about 2 on a BERT). Quantization is onnxruntime's dynamic int8 of the MatMul
-weights (int8 per channel, activations quantized per batch; no calibration data), on the graph as
-onnxruntime's transformer optimizer fuses it (LayerNorm, residual add, GELU); ``model.onnx`` itself
-stays plain ONNX (fused, it is no faster: B17). The optimizer finds no attention to fuse in the
-dynamo exporter's graph.
+(hidden states off by about 2 on a BERT). Quantization is onnxruntime's dynamic int8 (weights int8
+per channel, activations quantized per batch): no calibration data.
 
 :func:`load_onnx` runs such a file with onnxruntime inside a SentenceTransformer built from the
 folder (the tests and B17 use it): ``backend="onnx"`` needs optimum-onnx, whose newest release
@@ -40,9 +37,6 @@ INT8_FILE = "onnx/model_qint8_quantized.onnx"  # sentence-transformers' name for
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 OUTPUT = "last_hidden_state"
 PACKAGES = ("onnx", "onnxscript", "onnxruntime")
-# signed int8 weights per channel (unsigned: slower on AVX2; per tensor: cosine to torch down to 0.91); the
-# MatMuls only: the word-embedding table stays fp32 (quantized, the cosine to torch drops and nothing is faster)
-QUANTIZED_OPS = ["MatMul"]
 SINGLE_FILE_BYTES = 2**31  # protobuf's limit: larger graphs keep their weights in model.onnx.data beside it
 
 
@@ -114,33 +108,17 @@ def _write_tower(folder: Path, quantize: str) -> list[str]:
         exporter_log.setLevel(level)
     written = [ONNX_FILE]
     if quantize == "int8":
-        _write_int8(out, folder / INT8_FILE, model.config, big)
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        quiet = logging.getLogger().level
+        logging.getLogger().setLevel(logging.ERROR)  # (its advice to pre-process the graph first: for static quantization)
+        try:
+            quantize_dynamic(out, folder / INT8_FILE, weight_type=QuantType.QInt8, per_channel=True,
+                             use_external_data_format=big)
+        finally:
+            logging.getLogger().setLevel(quiet)
         written.append(INT8_FILE)
     return written
-
-
-def _write_int8(fp32: Path, int8: Path, config: Any, big: bool) -> None:
-    """``int8``: the graph ``fp32`` with LayerNorm, residual add and GELU fused (onnxruntime's
-    transformer optimizer), then its MatMul weights dynamically quantized. Fused first because
-    quantizing inserts nodes between the MatMuls and their bias / LayerNorm, which onnxruntime's own
-    session-time fusions then miss (B17 measures the difference)."""
-    import tempfile
-
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-    from onnxruntime.transformers.optimizer import optimize_model
-
-    quiet = logging.getLogger().level
-    logging.getLogger().setLevel(logging.ERROR)  # (the optimizer's progress; its advice to pre-process: for static quantization)
-    try:
-        with tempfile.TemporaryDirectory(prefix="moco-onnx-") as tmp:
-            fused = Path(tmp) / "fused.onnx"
-            optimize_model(str(fp32), model_type="bert", num_heads=int(getattr(config, "num_attention_heads", 0) or 0),
-                           hidden_size=int(getattr(config, "hidden_size", 0) or 0), opt_level=0
-                           ).save_model_to_file(str(fused), use_external_data_format=big)
-            quantize_dynamic(fused, int8, weight_type=QuantType.QInt8, per_channel=True, op_types_to_quantize=QUANTIZED_OPS,
-                             use_external_data_format=big)
-    finally:
-        logging.getLogger().setLevel(quiet)
 
 
 class _HiddenStates(nn.Module):
