@@ -113,6 +113,9 @@ def _write_tower(folder: Path, quantize: str) -> list[str]:
         quiet = logging.getLogger().level
         logging.getLogger().setLevel(logging.ERROR)  # (its advice to pre-process the graph first: for static quantization)
         try:
+            # the plain graph, every op type, int8 weights per channel: no variant tried was faster on an
+            # AVX2 CPU (fused by onnxruntime's transformer optimizer, MatMuls only, unsigned, reduce_range;
+            # per tensor lost accuracy), see benchmarks/README.md's B17
             quantize_dynamic(out, folder / INT8_FILE, weight_type=QuantType.QInt8, per_channel=True,
                              use_external_data_format=big)
         finally:
