@@ -5,7 +5,8 @@ the folder is then encoded three ways by sentence-transformers: torch (``Sentenc
 ONNX (``onnx/model.onnx``) and int8 (``onnx/model_qint8_quantized.onnx``), the ONNX files run by
 onnxruntime inside the same SentenceTransformer (``export.onnx.load_onnx``: tokenizer, pooling and
 normalization stay sentence-transformers' own). Each scores the Debian held-out pool (recall@10 and
-recall@1, queries with ``encode_query``, documents with ``encode_document``); the encode speed is
+recall@1, queries with ``encode_query``, documents with ``encode_document``) and each document's
+embedding is compared with torch's (cosine, its minimum and mean over the pool); the encode speed is
 measured side by side: rounds in which each model encodes the same documents in turn (rotated order),
 texts per second, medians over rounds and the median of the per-round ratios to torch. One thread
 everywhere (``torch.set_num_threads(1)``, onnxruntime intra-op 1) so the three compare fairly on a
@@ -66,7 +67,8 @@ def pool(max_queries: int | None):
     return load(cfg.data)[1].eval_set
 
 
-def score(model, es) -> dict:
+def score(model, es) -> tuple[dict, "np.ndarray"]:
+    """Recall of ``model`` on the pool, and its document embeddings (compared with torch's)."""
     from moco_retrieval.config import EvalConfig
     from moco_retrieval.evaluation.encode import evaluate_embeddings
 
@@ -76,7 +78,7 @@ def score(model, es) -> dict:
     seconds = time.perf_counter() - t0
     res = evaluate_embeddings(list(es.corpus), d, list(es.queries), q, es.qrels, EvalConfig(top_k=100), normalize=True)
     return {"recall@10": res.metrics["recall@10"], "recall@1": res.metrics["recall@1"], "encode_s": seconds,
-            "queries": len(q), "documents": len(d)}
+            "queries": len(q), "documents": len(d)}, d
 
 
 def speed(ms: dict, docs: list[str], rounds: int) -> dict:
@@ -108,10 +110,13 @@ def measure(quick: bool) -> dict:
                  "onnx": (folder / "onnx" / "model.onnx").stat().st_size,
                  "int8": (folder / "onnx" / "model_qint8_quantized.onnx").stat().st_size}
         ms = models(folder)
-        scores = {}
+        scores, docs_emb = {}, {}
         for name, m in ms.items():
-            scores[name] = score(m, es)
-            log(f"{name}: recall@10 {scores[name]['recall@10']:.4f} ({scores[name]['encode_s']:.0f} s to encode the pool)")
+            scores[name], docs_emb[name] = score(m, es)
+            cos = (docs_emb[name] * docs_emb["torch"]).sum(1)  # (normalized embeddings)
+            scores[name]["doc_cosine_min"], scores[name]["doc_cosine_mean"] = float(cos.min()), float(cos.mean())
+            log(f"{name}: recall@10 {scores[name]['recall@10']:.4f}, cosine to torch min {cos.min():.4f} "
+                f"({scores[name]['encode_s']:.0f} s to encode the pool)")
         docs = list(es.corpus.values())[: 128 if quick else SPEED_DOCS]
         speeds = speed(ms, docs, 2 if quick else ROUNDS)
     return {"quick": quick, "scores": scores, "speed": speeds, "sizes": sizes, "export_s": export_s,
@@ -129,7 +134,7 @@ def _version(module: str) -> str:
 def report(data: dict) -> str:
     s, v, z = data["scores"], data["speed"], data["sizes"]
     rows = [(name, f"{s[name]['recall@10']:.4f}", f"{100 * (s[name]['recall@10'] - s['torch']['recall@10']):+.2f}",
-             f"{s[name]['recall@1']:.4f}", f"{v[name]['median']:.1f}", f"{v[name]['ratio_to_torch']:.2f}x",
+             f"{s[name]['recall@1']:.4f}", _cosines(s[name]), f"{v[name]['median']:.1f}", f"{v[name]['ratio_to_torch']:.2f}x",
              f"{z[name] / 2**20:.1f}") for name in FORMS]
     worst = max(abs(100 * (s[n]["recall@10"] - s["torch"]["recall@10"])) for n in ("onnx", "int8"))
     speedup = v["int8"]["ratio_to_torch"]
@@ -141,7 +146,8 @@ def report(data: dict) -> str:
         "",
         " ".join(__doc__.split("\n\n")[1].split()),
         "",
-        md_table(["model", "recall@10", "vs torch (points)", "recall@1", "documents/s (1 thread)",
+        md_table(["model", "recall@10", "vs torch (points)", "recall@1", "document cosine to torch (min / mean)",
+                  "documents/s (1 thread)",
                   "speed vs torch (median of rounds)", "weights file MiB"], rows),
         "",
         f"Pool: {s['torch']['queries']:,} queries, {s['torch']['documents']:,} documents. Speed: {data['speed_docs']} "
@@ -158,6 +164,10 @@ def report(data: dict) -> str:
         f"onnxruntime {env['onnxruntime']}, onnx {env['onnx']}, sentence-transformers {env['sentence_transformers']}, "
         f"transformers {env['transformers']}.",
     ])
+
+
+def _cosines(score: dict) -> str:
+    return f"{score['doc_cosine_min']:.4f} / {score['doc_cosine_mean']:.4f}" if "doc_cosine_min" in score else ""
 
 
 def main() -> None:

@@ -709,6 +709,8 @@ class SearchConfig(RangeChecked):
     # a corpus.jsonl, a BEIR folder, or "eval" (the data group's held-out pool); default: every
     # document of the data group (Debian: ~40k descriptions, a quarter of an hour on a CPU)
     corpus: Optional[str] = None
+    # corpus=eval of several data.eval_dirs: the set to search, by name (its folder's, as in val/<set>/...)
+    eval_set: Optional[str] = None
     index_dir: Optional[str] = None  # default: $MOCO_RETRIEVAL_CACHE/search/<key>
     rebuild: bool = False  # re-encode the corpus even when its saved index is there
     query: Optional[str] = None  # one query (none: read queries from stdin, one a line)
@@ -723,7 +725,29 @@ class SearchConfig(RangeChecked):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_queries(self)
+        check_eval_set(self)
         check_not_streamed(self.data, "search")
+
+
+EVAL_CORPUS = "eval"  # search's corpus=eval: the data group's held-out pool
+
+
+def check_eval_set(cfg: Any) -> None:
+    """ConfigError unless ``eval_set`` names one of ``data.eval_dirs`` for ``corpus=eval``, which needs
+    it when there are several sets (before the model loads)."""
+    names = eval_set_names(cfg.data.eval_dirs)
+    if cfg.eval_set is not None and cfg.corpus != EVAL_CORPUS:
+        raise ConfigError(f"eval_set={cfg.eval_set}: it chooses the held-out set that corpus=eval searches; "
+                          f"add corpus=eval (corpus={cfg.corpus})")
+    if cfg.corpus != EVAL_CORPUS:
+        return
+    if cfg.eval_set is None and len(names) > 1:
+        raise ConfigError(f"corpus=eval: data.eval_dirs holds {len(names)} sets; choose one with eval_set=NAME, "
+                          f"NAME one of {', '.join(names)}")
+    if cfg.eval_set is not None and cfg.eval_set not in names:
+        raise ConfigError(f"eval_set={cfg.eval_set}: expected one of data.eval_dirs' sets: {', '.join(names)}"
+                          if names else f"eval_set={cfg.eval_set}: chooses among data.eval_dirs' sets, and "
+                          "data.eval_dirs is empty; drop eval_set")
 
 
 def check_queries(cfg: Any) -> None:
@@ -817,6 +841,6 @@ __all__ = [
     "PROPER_FRACTION", "PRECISIONS", "MEAN_SET", "eval_set_names", "Dtype", "Pooling", "Head", "HeadInit", "BackboneKind", "LrSchedule", "DataKind",
     "SourceMode", "ViewPairs", "IndexKind", "Which", "Sampling", "Format", "ModelFormat", "Quantize", "LoraConfig", "ModelConfig", "OptimConfig",
     "ColumnsConfig", "ViewsConfig", "check_kind_options", "check_stream", "check_not_streamed", "PromptsConfig", "SourceConfig", "DataConfig", "TrainerConfig", "LoggerConfig", "EvalConfig",
-    "TrainConfig", "MineConfig", "EvaluateConfig", "ExportConfig", "check_export", "SearchConfig", "COMMAND_SCHEMAS", "MISSING",
+    "TrainConfig", "MineConfig", "EvaluateConfig", "ExportConfig", "check_export", "SearchConfig", "EVAL_CORPUS", "check_eval_set", "COMMAND_SCHEMAS", "MISSING",
     "register_command_schemas", "to_config", "check_known_keys", "unknown_key", "cache_root",
 ]

@@ -4,6 +4,7 @@
     python -m moco_retrieval.search model_dir=EXPORTED k=5 < queries.txt      # one query a line
     python -m moco_retrieval.search model_dir=EXPORTED corpus=BEIR_DIR_OR_corpus.jsonl format=json
     python -m moco_retrieval.search model_dir=EXPORTED corpus=eval query="..."   # the held-out pool only
+    python -m moco_retrieval.search model_dir=EXPORTED corpus=eval eval_set=scifact   # of several data.eval_dirs: one, by name
 
 The first call encodes the corpus, builds the FAISS index (``eval.index``: flat, ivf or hnsw) and
 saves it in ``index_dir`` (default ``$MOCO_RETRIEVAL_CACHE/search/<key>``, the key hashing the
@@ -35,10 +36,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from moco_retrieval.command import command
 from moco_retrieval.config import (
+    EVAL_CORPUS,
     EvalConfig,
     ModelConfig,
     SearchConfig,
     cache_root,
+    check_eval_set,
     check_queries,
     to_config,
 )
@@ -156,13 +159,13 @@ def default_index_dir(model_identity: dict, corpus_key: str, eval_cfg: Any) -> P
 
 
 
-EVAL_CORPUS = "eval"
 FULL_CORPUS_HINT = "corpus=eval searches only the held-out pool (faster); the index is saved, later searches load it"
 
 
-def load_corpus(corpus: Optional[str], data: Any) -> tuple[Any, str]:
+def load_corpus(corpus: Optional[str], data: Any, eval_set: Optional[str] = None) -> tuple[Any, str]:
     """``(corpus view, description)`` from ``corpus`` (a file or folder, or ``eval``: the data
-    group's held-out pool) or, when None, every document of the data group. A corpus.jsonl (given,
+    group's held-out pool; of several ``data.eval_dirs``, the one named ``eval_set``) or, when None,
+    every document of the data group. A corpus.jsonl (given,
     or ``data=beir``'s) is a memory-mapped store converted once per content (data/corpus_store.py);
     the others are in memory behind the same interface (``len``, ``doc_ids``, ``texts(rows)``, ``text(id)``)."""
     from moco_retrieval.data.corpus_store import as_corpus, corpus_store
@@ -170,9 +173,9 @@ def load_corpus(corpus: Optional[str], data: Any) -> tuple[Any, str]:
     from moco_retrieval.data.sources import corpus_root, load_document_corpus
 
     if corpus == EVAL_CORPUS:  # the held-out pool of the data group: a fraction of its documents
-        from moco_retrieval.data.sources import load_eval_pool_mapped
+        from moco_retrieval.data.sources import load_eval_pool_mapped, load_eval_pools
 
-        pool = load_eval_pool_mapped(data)
+        pool = load_eval_pools(data, mapped=True)[eval_set] if eval_set else load_eval_pool_mapped(data)
         d = pool.description
         return as_corpus(pool.eval_set.corpus), f"the held-out pool of data={d['kind']} ({d['dir']}, {d['documents']:,} documents)"
     if corpus:
@@ -214,8 +217,9 @@ def run_search(cfg: Any, out=None) -> list[dict]:
     out = out or sys.stdout
     SearchConfig.check(cfg)  # (read as is, a DictConfig: the dataclass's checks by hand) k, format, ...
     check_queries(cfg)
+    check_eval_set(cfg)
     eval_cfg = to_config(EvalConfig, cfg.eval)
-    corpus, corpus_desc = load_corpus(cfg.corpus, cfg.data)
+    corpus, corpus_desc = load_corpus(cfg.corpus, cfg.data, cfg.eval_set)
     enc, desc = load_encoder(checkpoint=cfg.checkpoint, model_dir=cfg.model_dir, model=cfg.model, encoder=cfg.encoder,
                              prompts=cfg.data.prompts)
     identity = model_identity(cfg)

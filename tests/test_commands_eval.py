@@ -13,6 +13,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 
 from moco_retrieval.data.formats import EvalSet, read_beir, write_beir
+from moco_retrieval.errors import ConfigError
 from moco_retrieval.evaluate import run_evaluate
 from moco_retrieval.evaluation.metrics import METRIC_NAMES, evaluate_run, read_trec_run
 from moco_retrieval.search import run_search
@@ -114,3 +115,38 @@ def test_search_returns_the_planted_document_first(tiny_dir, beir_dir, tmp_path,
     assert again == answers
     assert "loaded index" in capsys.readouterr().err
     assert {p.name for p in (tmp_path / "index").iterdir()} == {"index.faiss", "doc_ids.json", "meta.json"}
+
+
+def _planted_sets(beir_dir, tmp_path) -> dict[str, Path]:
+    """Two evaluation sets named ``alpha`` and ``beta``, each the tiny BEIR corpus plus a document of its own."""
+    base = read_beir(beir_dir, "test")
+    sets = {}
+    for name in ("alpha", "beta"):
+        corpus = {**base.corpus, f"{name}-doc": f"the {name} planted document about compressing audio"}
+        sets[name] = tmp_path / name
+        write_beir(sets[name], EvalSet(corpus=corpus, queries={"q": "x"}, qrels={"q": {f"{name}-doc": 1}}), "test")
+    return sets
+
+
+def test_search_corpus_eval_of_several_sets_searches_the_named_one(tiny_dir, beir_dir, tmp_path):
+    sets = _planted_sets(beir_dir, tmp_path)
+    overrides = tiny_overrides(tiny_dir) + [
+        "data=beir", f"data.dir={beir_dir}", f"data.eval_dirs=[{sets['alpha']},{sets['beta']}]", "data.eval_split=test",
+        "corpus=eval", "eval_set=beta", f"index_dir={tmp_path / 'index'}", "query=the beta planted document",
+        "k=41", "format=json", "progress=false", "device=cpu"]
+    hits = run_search(compose_cfg("search", overrides), out=io.StringIO())[0]["results"]
+    ids = {h["doc_id"] for h in hits}
+    assert hits[0]["doc_id"] == "beta-doc" and "alpha-doc" not in ids and len(ids) == 41  # beta's pool alone
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["corpus=eval"], r"corpus=eval: data.eval_dirs holds 2 sets; choose one with eval_set=NAME, NAME one of alpha, beta"),
+    (["corpus=eval", "eval_set=gamma"], r"eval_set=gamma: expected one of data.eval_dirs' sets: alpha, beta"),
+    (["eval_set=alpha"], r"eval_set=alpha: it chooses the held-out set that corpus=eval searches; add corpus=eval"),
+])
+def test_search_eval_set_is_checked_before_the_model_loads(beir_dir, tmp_path, extra, message):
+    sets = _planted_sets(beir_dir, tmp_path)
+    overrides = ["model=tiny", f"model.path={tmp_path / 'no-such-model'}", "data=beir", f"data.dir={beir_dir}",
+                 f"data.eval_dirs=[{sets['alpha']},{sets['beta']}]", "query=x", *extra]
+    with pytest.raises(ConfigError, match=message):
+        run_search(compose_cfg("search", overrides), out=io.StringIO())

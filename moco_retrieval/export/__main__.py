@@ -28,8 +28,8 @@ exported backbone (a plain Hugging Face model); ``adapter_only=true`` writes the
 (decoder backbones) is sentence-transformers' ``lasttoken``; the saved tokenizer appends the
 end-of-text token as in training.
 
-``format=onnx`` adds the ONNX form of the transformer, ``onnx/model.onnx``, beside the weights
-(``SentenceTransformer(DIR, backend="onnx")``); ``quantize=int8`` adds its dynamically quantized
+``format=onnx`` adds the ONNX form of the transformer, ``onnx/model.onnx``, beside the weights (two
+towers: in each tower's subfolder, the same ``file_name`` loading both) (``SentenceTransformer(DIR, backend="onnx")``); ``quantize=int8`` adds its dynamically quantized
 int8 copy, ``onnx/model_qint8_quantized.onnx`` (``model_kwargs={"file_name": ...}``). Prompts and
 Matryoshka truncation are sentence-transformers' own and stay as they are (export/onnx.py).
 
@@ -73,9 +73,11 @@ def write_model_card(out: Path, desc: dict, checkpoint: Optional[str], side: str
     metrics = None
     if checkpoint and run_dir_of(checkpoint) is not None:
         metrics = validation_at(run_dir_of(checkpoint), int(desc.get("global_step", -1)), Path(checkpoint).name)
+    from moco_retrieval.export.onnx import written_files
+
     model_cfg = json.loads((out / META_FILE).read_text(encoding="utf-8"))["model"]
     card = out / "README.md"  # (an entry the export lists: sentence-transformers wrote its generic card there)
-    card.write_text(model_card(desc, model_cfg, side, record, metrics, name), encoding="utf-8")
+    card.write_text(model_card(desc, model_cfg, side, record, metrics, name, written_files(out)), encoding="utf-8")
     apply_umask([card])
     return card
 
@@ -109,8 +111,6 @@ def run_export(cfg: Any) -> Path:
         onnx_form.require_onnx()
     earlier_export(Path(cfg.out_dir).expanduser(), bool(cfg.overwrite))  # refused before the model loads
     enc, desc = load_encoder(checkpoint=cfg.checkpoint, model=cfg.model, encoder=cfg.encoder)
-    if onnx:
-        onnx_form.check_onnx_encoder(enc)
     side = "doc" if cfg.encoder == "key" else "query"
     check_finite(enc, cfg.checkpoint or "the base model")
     if cfg.adapter_only:
@@ -126,10 +126,8 @@ def run_export(cfg: Any) -> Path:
     print(f"exported the {cfg.encoder} encoder ({desc['source']}, dim {enc.dim}; {towers}) to {out}")
     print(f"load it with: SentenceTransformer({str(out)!r})")
     if onnx:
-        files = [onnx_form.ONNX_FILE] + ([onnx_form.INT8_FILE] if str(cfg.quantize) == "int8" else [])
-        for name in files:
-            print(f"or with onnxruntime: SentenceTransformer({str(out)!r}, backend=\"onnx\", "
-                  f"model_kwargs={{\"file_name\": {name!r}}})")
+        for name in onnx_form.written_files(out):
+            print(f"or with onnxruntime: {onnx_form.loading_line(str(out), name)}")
     return out
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from omegaconf import OmegaConf
 
@@ -144,8 +144,10 @@ def adapter_card(base: str, lora: dict, tower: dict, out_name: str) -> str:
         f"attention mask{', then L2-normalize' if tower.get('normalize') else ''}.", ""])
 
 
-def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Optional[dict], out_name: str) -> str:
-    """The README.md text: YAML front matter for the Hugging Face hub, then the card."""
+def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Optional[dict], out_name: str,
+               onnx_files: Sequence[str] = ()) -> str:
+    """The README.md text: YAML front matter for the Hugging Face hub, then the card; ``onnx_files``: the
+    ONNX files the export wrote (export/onnx.py), each with its loading line."""
     base = base_model_name(str(desc.get("backbone") or model_cfg.get("backbone") or ""))
     objective = record.get("objective") or {}
     front = ["---", "library_name: sentence-transformers", "pipeline_tag: sentence-similarity",
@@ -204,7 +206,23 @@ def model_card(desc: dict, model_cfg: dict, side: str, record: dict, metrics: Op
               "print(model.similarity(queries, docs))", "```", "",
               "`encode_query` / `encode_document` truncate as in training; the moco-retrieval commands "
               f"also read this folder: `python -m moco_retrieval.evaluate model_dir={out_name}`.", ""]
+    lines += _onnx_lines(onnx_files, out_name)
     return "\n".join(lines)
+
+
+def _onnx_lines(files: Sequence[str], out_name: str) -> list[str]:
+    """The ONNX section: each file and the line that loads it (sentence-transformers' ``backend="onnx"``)."""
+    if not files:
+        return []
+    from moco_retrieval.export.onnx import INT8_FILE, loading_line
+
+    what = {INT8_FILE: "its weights dynamically quantized to int8 (smaller and faster on a CPU; embeddings close "
+                       "in cosine, not equal)"}
+    return ["## ONNX", "", "The transformer is also here in ONNX form, run by onnxruntime (`pip install "
+            "sentence-transformers[onnx]`); tokenizer, pooling, prompts and `truncate_dim` stay as above:", "",
+            *[f"- `{f}`" + (f": {what[f]}" if f in what else ": the same model in fp32") for f in files], "",
+            "```python", "from sentence_transformers import SentenceTransformer", "",
+            *[f"model = {loading_line(out_name, f)}" for f in files], "```", ""]
 
 
 def _sets_lines(sets: list[str], metrics: dict, data: dict, step: Any) -> list[str]:

@@ -3,6 +3,9 @@
 where ``SentenceTransformer(DIR, backend="onnx", model_kwargs={"file_name": ...})`` looks for them.
 Only the transformer changes form: the tokenizer, Pooling, Dense, Normalize, the prompts and
 Matryoshka truncation (``truncate_dim``) stay sentence-transformers' own, read from the same folder.
+Two towers (a Router) get the files in each tower's subfolder: sentence-transformers 6.3's Router.load
+hands ``backend`` and ``model_kwargs`` to each route's Transformer with that subfolder, so the same
+``file_name`` loads both.
 
 The graph has the interface of optimum's ``ORTModelForFeatureExtraction`` (what ``backend="onnx"``
 runs): inputs ``input_ids``, ``attention_mask`` and, when the tokenizer gives them,
@@ -18,6 +21,7 @@ folder (the tests and B17 use it): ``backend="onnx"`` needs optimum-onnx, whose 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import warnings
 from pathlib import Path
@@ -36,6 +40,18 @@ PACKAGES = ("onnx", "onnxscript", "onnxruntime")
 SINGLE_FILE_BYTES = 2**31  # protobuf's limit: larger graphs keep their weights in model.onnx.data beside it
 
 
+def loading_line(folder: str, file_name: str) -> str:
+    """The sentence-transformers call that runs ``folder``'s ONNX file ``file_name`` (printed and in the card)."""
+    return f'SentenceTransformer("{folder}", backend="onnx", model_kwargs={{"file_name": "{file_name}"}})'
+
+
+def written_files(folder: Path) -> list[str]:
+    """The ``file_name``s of the ONNX files an export wrote for each of its transformers (none: an
+    export without format=onnx)."""
+    towers = transformer_folders(folder).values()
+    return [name for name in (ONNX_FILE, INT8_FILE) if all((t / name).is_file() for t in towers)]
+
+
 def require_onnx() -> None:
     """ConfigError naming the missing packages of ``format=onnx`` (checked before the model loads)."""
     missing = [p for p in PACKAGES if importlib.util.find_spec(p) is None]
@@ -44,16 +60,30 @@ def require_onnx() -> None:
                           "pip install 'moco-retrieval[onnx]'")
 
 
-def check_onnx_encoder(encoder: Any) -> None:
-    """ConfigError for a model whose export has no single transformer at the folder's top."""
-    if not encoder.shared_tower:
-        raise ConfigError("format=onnx: this model has two towers (model.shared_tower=false), exported as a "
-                          "sentence-transformers Router, which backend=\"onnx\" does not load; export it without format=onnx")
+def transformer_folders(folder: Path) -> dict[str, Path]:
+    """Where each transformer of the exported ``folder`` is saved, by route: ``{"": folder}`` for one
+    tower; two towers (a Router): ``{"query": folder/query_0_Transformer, "document": ...}``, the
+    subfolders that Router.load reads each route's first module from."""
+    folder = Path(folder)
+    router = folder / "router_config.json"
+    if not router.is_file():
+        return {"": folder}
+    structure = json.loads(router.read_text(encoding="utf-8"))["structure"]
+    return {route: folder / modules[0] for route, modules in structure.items()}
 
 
 def write_onnx(folder: Path, quantize: str = "none") -> list[str]:
-    """The ONNX files of the sentence-transformers folder ``folder`` (its transformer saved at the
-    top), written into ``folder``; with ``quantize="int8"`` the quantized file too. Returns their paths."""
+    """The ONNX files of the sentence-transformers folder ``folder``, each transformer's beside it
+    (one tower: ``folder/onnx/``; two: each route's subfolder's ``onnx/``, where backend="onnx" with
+    the same ``file_name`` finds them); with ``quantize="int8"`` the quantized files too. Their paths."""
+    written = []
+    for tower in transformer_folders(folder).values():
+        written += [str((tower / name).relative_to(folder)) for name in _write_tower(tower, quantize)]
+    return written
+
+
+def _write_tower(folder: Path, quantize: str) -> list[str]:
+    """:func:`write_onnx` of one transformer saved in ``folder``."""
     from transformers import AutoModel, AutoTokenizer
 
     folder = Path(folder)
@@ -83,6 +113,9 @@ def write_onnx(folder: Path, quantize: str = "none") -> list[str]:
         quiet = logging.getLogger().level
         logging.getLogger().setLevel(logging.ERROR)  # (its advice to pre-process the graph first: for static quantization)
         try:
+            # the plain graph, every op type, int8 weights per channel: no variant tried was faster on an
+            # AVX2 CPU (fused by onnxruntime's transformer optimizer, MatMuls only, unsigned, reduce_range;
+            # per tensor lost accuracy), see benchmarks/README.md's B17
             quantize_dynamic(out, folder / INT8_FILE, weight_type=QuantType.QInt8, per_channel=True,
                              use_external_data_format=big)
         finally:
@@ -134,9 +167,10 @@ def load_onnx(folder: str | Path, file_name: str = ONNX_FILE, threads: Optional[
     from sentence_transformers import SentenceTransformer
 
     st = SentenceTransformer(str(folder), device="cpu", **kwargs)
-    module = st[0]
-    module.model = OnnxTransformer(Path(folder) / file_name, module.model.config, threads)
+    for route, tower in transformer_folders(Path(folder)).items():
+        module = st[0].sub_modules[route][0] if route else st[0]
+        module.model = OnnxTransformer(tower / file_name, module.model.config, threads)
     return st
 
 
-__all__ = ["ONNX_FILE", "INT8_FILE", "require_onnx", "check_onnx_encoder", "write_onnx", "load_onnx", "OnnxTransformer"]
+__all__ = ["ONNX_FILE", "INT8_FILE", "loading_line", "written_files", "require_onnx", "transformer_folders", "write_onnx", "load_onnx", "OnnxTransformer"]

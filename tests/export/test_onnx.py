@@ -21,7 +21,7 @@ from tests.helpers import compose_cfg, tiny_overrides
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 st_mod = pytest.importorskip("sentence_transformers")
-from moco_retrieval.export.onnx import INT8_FILE, ONNX_FILE, check_onnx_encoder, load_onnx, write_onnx  # noqa: E402
+from moco_retrieval.export.onnx import INT8_FILE, ONNX_FILE, load_onnx, transformer_folders, write_onnx  # noqa: E402
 
 TEXTS = ["resize images from the command line", "a shell for the terminal", "backup archive tool " * 12]
 
@@ -92,10 +92,30 @@ def test_contradicting_options_are_refused_before_the_model_loads(tiny_dir, tmp_
     assert not (tmp_path / "m").exists()
 
 
-def test_two_towers_are_refused(tiny_dir):
+def test_two_towers_get_each_towers_onnx_files_and_their_embeddings(tiny_dir, tmp_path):
+    from sentence_transformers.backend.utils import backend_should_export
+
+    torch.manual_seed(0)
     enc = build_encoder(ModelConfig(backbone="tiny", path=tiny_dir, shared_tower=False))
-    with pytest.raises(ConfigError, match="two towers"):
-        check_onnx_encoder(enc)
+    with torch.no_grad():  # towers apart, so a route mix-up shows
+        for p in enc.tower_for("doc").parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    out = tmp_path / "m"
+    export_encoder(enc, out, source={"source": "base"}, extra=lambda folder: write_onnx(folder, "int8"))
+    towers = transformer_folders(out)
+    assert set(towers) == {"query", "document"} and towers["query"] != towers["document"]
+    torch_st = st_mod.SentenceTransformer(str(out), device="cpu")
+    onnx_st, int8_st = load_onnx(out, ONNX_FILE, threads=1), load_onnx(out, INT8_FILE, threads=1)
+    assert not np.allclose(torch_st.encode_query(TEXTS), torch_st.encode_document(TEXTS), atol=1e-3)
+    for encode in ("encode_query", "encode_document"):
+        ref = getattr(torch_st, encode)(TEXTS)
+        np.testing.assert_allclose(getattr(onnx_st, encode)(TEXTS), ref, atol=1e-5)
+        assert cosine(getattr(int8_st, encode)(TEXTS), ref).min() > 0.99
+    for route, tower in towers.items():  # backend="onnx" resolves file_name inside each route's subfolder, no export
+        for name in (ONNX_FILE, INT8_FILE):
+            export, kwargs = backend_should_export(out, True, {"subfolder": tower.name, "file_name": name},
+                                                   "model.onnx", "*.onnx", "ONNX")
+            assert not export and out / kwargs["subfolder"] / kwargs["file_name"] == tower / name
 
 
 def test_overwrite_replaces_the_onnx_files_and_keeps_the_users(onnx_export, tiny_dir, tmp_path):
@@ -108,9 +128,25 @@ def test_overwrite_replaces_the_onnx_files_and_keeps_the_users(onnx_export, tiny
         run_export(compose_cfg("export", tiny_overrides(tiny_dir) + [f"out_dir={out}", "format=onnx"]))
     run_export(compose_cfg("export", tiny_overrides(tiny_dir) + [f"out_dir={out}", "overwrite=true"]))
     assert not (out / "onnx").exists() and (out / "notes.txt").read_text() == "mine"  # the earlier ONNX files went
+    assert "## ONNX" not in (out / "README.md").read_text() and "onnx" not in (out / "README.md").read_text()
     theirs = tmp_path / "theirs"
     (theirs / "onnx").mkdir(parents=True)
     (theirs / "onnx" / "model.onnx").write_text("not ours")
     with pytest.raises(OutputExistsError):
         run_export(compose_cfg("export", tiny_overrides(tiny_dir) + [f"out_dir={theirs}", "format=onnx", "overwrite=true"]))
     assert (theirs / "onnx" / "model.onnx").read_text() == "not ours"
+
+
+@pytest.mark.parametrize("quantize, files", [("none", [ONNX_FILE]), ("int8", [ONNX_FILE, INT8_FILE])])
+def test_the_model_card_names_the_onnx_files_written_and_how_to_load_them(tiny_dir, tmp_path, capsys, quantize, files):
+    import re
+
+    out = tmp_path / "m"
+    run_export(compose_cfg("export", tiny_overrides(tiny_dir) + [f"out_dir={out}", "format=onnx", f"quantize={quantize}"]))
+    card = (out / "README.md").read_text()
+    section = card[card.index("## ONNX"):]
+    loaded = re.findall(r'SentenceTransformer\("(.+?)", backend="onnx", model_kwargs=\{"file_name": "(.+?)"\}\)', section)
+    assert loaded == [(str(out), f) for f in files] and all((out / f).is_file() for f in files)
+    assert [f for f in (ONNX_FILE, INT8_FILE) if f"`{f}`" in section] == files
+    printed = capsys.readouterr().out  # the command prints the same lines
+    assert all(f'model_kwargs={{"file_name": "{f}"}}' in printed for f in files)
