@@ -620,7 +620,23 @@ def stream_scale_report(r: dict) -> list[str]:
             "per rank, the time in the training loop's `next()` on the DataLoader (the batch from its workers) "
             "over the period from one batch's start to the next one's; *gap*: all from one batch's end to the "
             "next one's start (the fetch, and Lightning's logging and callbacks: log_every_n_steps=1); medians in ms.", "",
-            md_table(["path", "rank", "steps", "step ms", "fetch ms", "loader share", "gap ms", "gap share"], loader)]
+            md_table(["path", "rank", "steps", "step ms", "fetch ms", "loader share", "gap ms", "gap share"], loader)
+            ] + _hot_store_line(r, big)
+
+
+def _hot_store_line(r: dict, big: str) -> list[str]:
+    """The store's runs of an invocation that did not empty the page cache first, if kept."""
+    hot = [x for x in r.get("hot_store_runs", []) if x["file"] == big and "loader" not in x]
+    if not hot:
+        return []
+    x = hot[0]
+    return ["", f"The same {big}-pair store run without emptying the page cache first (the store just written, "
+            f"another invocation): first step {x['first_step_s']} s; per rank RSS {x['rank0']['rss_mb']:,} / "
+            f"{x['rank1']['rss_mb']:,} MB, PSS {x['rank0']['pss_mb']:,} / {x['rank1']['pss_mb']:,} MB, anonymous "
+            f"{x['rank0']['anon_mb']} / {x['rank1']['anon_mb']} MB. A file just written sits in the page cache in "
+            "large folios, and a page fault maps a whole folio: opening the table (reading each record batch's "
+            "header) then maps gigabytes a rank never reads. Those pages are the page cache's, shared by the "
+            "node's processes and reclaimable; the ranks' own (anonymous) memory is the same either way."]
 
 
 # --------------------------------------------------------------------------------------- report
