@@ -144,6 +144,7 @@ def test_a_plain_http_endpoint_is_refused_before_anything_is_written(s3, tmp_pat
     assert keys(s3, "") == {}
 
 
+@pytest.mark.slow  # ~15 s: litdata's reader threads time out against a stopped server
 def test_an_endpoint_stopped_before_or_during_the_read_is_one_message(s3, tmp_path, capsys):
     url = f"s3://{s3.bucket}/chunks"
     cfg = streamed(make_cfg(tmp_path, n=200, batch_size=4), url)

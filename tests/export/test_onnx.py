@@ -92,6 +92,7 @@ def test_contradicting_options_are_refused_before_the_model_loads(tiny_dir, tmp_
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.slow  # ~15 s: two towers exported to ONNX and int8, four models compared
 def test_two_towers_get_each_towers_onnx_files_and_their_embeddings(tiny_dir, tmp_path):
     from sentence_transformers.backend.utils import backend_should_export
 
