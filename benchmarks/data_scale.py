@@ -52,7 +52,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -462,7 +462,7 @@ def run(label: str, file: Path, cache: Path, eval_dir: Path, work: Path, before:
 
 
 def loader_share(times: Path, skip: int = 10) -> dict:
-    """Per rank, from the times :class:`BatchTimes` wrote, over the steps after the first ``skip``: the
+    """Per rank, from the times :func:`batch_times` wrote, over the steps after the first ``skip``: the
     loader's share of the step (the time in the training loop's fetches of the next batch, over the
     period from one batch's start to the next one's), and the gap's share (everything from one batch's
     end to the next one's start: the fetch, logging, callbacks); median milliseconds of each."""
@@ -480,29 +480,27 @@ def loader_share(times: Path, skip: int = 10) -> dict:
     return out
 
 
-class BatchTimes:
+def batch_times(folder: str, fetches: list) -> Any:
     """A Lightning callback (the run's workers' entry adds it): each training batch's start and end
-    times, written per rank when training ends."""
+    times, written per rank with ``fetches`` when training ends."""
+    import lightning.pytorch as pl
 
-    def __new__(cls, folder: str, fetches: list):
-        import lightning.pytorch as pl
+    class Times(pl.Callback):
+        def __init__(self) -> None:
+            self.t: list = []
 
-        class Times(pl.Callback):
-            def __init__(self) -> None:
-                self.t: list = []
+        def on_train_batch_start(self, *a) -> None:
+            self.t.append([time.perf_counter(), None])
 
-            def on_train_batch_start(self, *a) -> None:
-                self.t.append([time.perf_counter(), None])
+        def on_train_batch_end(self, *a) -> None:
+            self.t[-1][1] = time.perf_counter()
 
-            def on_train_batch_end(self, *a) -> None:
-                self.t[-1][1] = time.perf_counter()
+        def on_train_end(self, trainer, *a) -> None:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            Path(folder, f"rank{trainer.global_rank}.json").write_text(json.dumps([x for x in self.t if x[1]]))
+            Path(folder, f"fetch_rank{trainer.global_rank}.json").write_text(json.dumps(fetches))
 
-            def on_train_end(self, trainer, *a) -> None:
-                Path(folder).mkdir(parents=True, exist_ok=True)
-                Path(folder, f"rank{trainer.global_rank}.json").write_text(json.dumps([x for x in self.t if x[1]]))
-                Path(folder, f"fetch_rank{trainer.global_rank}.json").write_text(json.dumps(fetches))
-
-        return Times()
+    return Times()
 
 
 def worker(argv: list[str]) -> None:
@@ -526,7 +524,7 @@ def worker(argv: list[str]) -> None:
         init, fetch, fetched = pl.Trainer.__init__, fetchers._DataFetcher.__next__, []
 
         def with_times(self, *a, callbacks=None, **k):
-            init(self, *a, callbacks=[*(callbacks or []), BatchTimes(os.environ["DATA_SCALE_BATCH_TIMES"], fetched)], **k)
+            init(self, *a, callbacks=[*(callbacks or []), batch_times(os.environ["DATA_SCALE_BATCH_TIMES"], fetched)], **k)
 
         def timed_fetch(self):  # every loop's next(dataloader): the prefetching fetcher's too (super().__next__)
             t0 = time.perf_counter()

@@ -165,9 +165,10 @@ def read_manifest(where: str) -> Optional[dict]:
         if is_url(where):
             litdata()
             check_store(where)
-            if not _fs(where).exists(path):
+            try:
+                text = _remote_text(path)
+            except FileNotFoundError:
                 return None
-            text = _remote_text(path)
         else:
             if not Path(path).is_file():
                 return None
